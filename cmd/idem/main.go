@@ -1,0 +1,245 @@
+// Command idem is the command-line tool of the idem library.
+//
+// Usage:
+//
+//	idem <command> [flags]
+//
+// Commands:
+//
+//	demo      run an account-balance projection over a duplicate-heavy
+//	          stream on SQLite and verify every balance
+//	migrate   create or update idem's tables in a PostgreSQL or SQLite
+//	          database
+//	help      show help for idem or for one command
+//
+// Exit codes: 0 success, 1 verification or operation failed, 2 usage error.
+//
+// Every command parses its own flags (idem <command> --help lists them).
+// SIGINT and SIGTERM cancel the running command, which then exits with 1.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+)
+
+// Exit codes, documented in the help text.
+const (
+	exitOK     = 0 // the command succeeded
+	exitFailed = 1 // verification or an operation failed
+	exitUsage  = 2 // unknown command, bad flag or bad argument
+)
+
+// exitCodesHelp is appended to every help text.
+const exitCodesHelp = `Exit codes:
+  0  success
+  1  verification or operation failed (including interruption)
+  2  usage error: unknown command, bad flag or bad argument
+`
+
+// main runs the command line with a context that SIGINT and SIGTERM cancel.
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// env is what a command may touch outside its flags: the output streams and
+// the process environment.
+type env struct {
+	stdout, stderr io.Writer
+	getenv         func(string) string
+}
+
+// command is one subcommand of idem.
+type command struct {
+	// name is the word after idem.
+	name string
+	// synopsis follows "idem <name>" in the usage line, for example
+	// "--dsn DSN [--schema S]".
+	synopsis string
+	// summary is the one-line description shown in the command list.
+	summary string
+	// help is the long description shown by idem <name> --help.
+	help string
+	// setup defines the command's flags on fs and returns the action that
+	// runs once they are parsed; args are the positional arguments left.
+	// An action returns a *usageError for exit 2, another error for exit 1.
+	setup func(fs *flag.FlagSet) func(ctx context.Context, e *env, args []string) error
+}
+
+// commands lists the subcommands in the order help shows them. Adding a
+// command is adding an entry here.
+func commands() []*command {
+	return []*command{
+		demoCommand(),
+		migrateCommand(),
+	}
+}
+
+// findCommand returns the command called name, or nil.
+func findCommand(name string) *command {
+	for _, c := range commands() {
+		if c.name == name {
+			return c
+		}
+	}
+	return nil
+}
+
+// run executes the command line args (without the program name) and returns
+// the process exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runEnv(ctx, &env{stdout: stdout, stderr: stderr, getenv: os.Getenv}, args)
+}
+
+// runEnv is run with an explicit environment, so tests can control it.
+func runEnv(ctx context.Context, e *env, args []string) int {
+	if len(args) == 0 {
+		printMainUsage(e.stderr)
+		return exitUsage
+	}
+	switch name := args[0]; name {
+	case "help", "-h", "-help", "--help":
+		return runHelp(e, args[1:])
+	default:
+		c := findCommand(name)
+		if c == nil {
+			fmt.Fprintf(e.stderr, "idem: unknown command %q\nRun 'idem help' for the list of commands.\n", name)
+			return exitUsage
+		}
+		return runCommand(ctx, e, c, args[1:])
+	}
+}
+
+// runHelp prints the main usage, or the usage of the command named in args.
+func runHelp(e *env, args []string) int {
+	switch len(args) {
+	case 0:
+		printMainUsage(e.stdout)
+		return exitOK
+	case 1:
+		c := findCommand(args[0])
+		if c == nil {
+			fmt.Fprintf(e.stderr, "idem help: unknown command %q\nRun 'idem help' for the list of commands.\n", args[0])
+			return exitUsage
+		}
+		fs := newFlagSet(c)
+		c.setup(fs)
+		printCommandUsage(e.stdout, c, fs)
+		return exitOK
+	default:
+		fmt.Fprintf(e.stderr, "idem help: too many arguments\nUsage: idem help [command]\n")
+		return exitUsage
+	}
+}
+
+// runCommand parses c's flags from args, runs it and maps its error to an
+// exit code.
+func runCommand(ctx context.Context, e *env, c *command, args []string) int {
+	fs := newFlagSet(c)
+	action := c.setup(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			printCommandUsage(e.stdout, c, fs)
+			return exitOK
+		}
+		fmt.Fprintf(e.stderr, "idem %s: %v\nRun 'idem %s --help' for usage.\n", c.name, err, c.name)
+		return exitUsage
+	}
+	err := action(ctx, e, fs.Args())
+	if err == nil {
+		return exitOK
+	}
+	var ue *usageError
+	if errors.As(err, &ue) {
+		fmt.Fprintf(e.stderr, "idem %s: %v\nRun 'idem %s --help' for usage.\n", c.name, err, c.name)
+		return exitUsage
+	}
+	if ctx.Err() != nil {
+		fmt.Fprintf(e.stderr, "idem %s: interrupted: %v\n", c.name, err)
+		return exitFailed
+	}
+	fmt.Fprintf(e.stderr, "idem %s: %v\n", c.name, err)
+	return exitFailed
+}
+
+// newFlagSet returns an empty flag set for c that reports errors instead of
+// exiting and prints nothing by itself.
+func newFlagSet(c *command) *flag.FlagSet {
+	fs := flag.NewFlagSet("idem "+c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	return fs
+}
+
+// printMainUsage writes the top-level help to w.
+func printMainUsage(w io.Writer) {
+	var b strings.Builder
+	b.WriteString(`idem gives event consumers effectively-once processing: the same message ID
+leads to at most one applied effect per handler.
+
+Usage:
+  idem <command> [flags]
+
+Commands:
+`)
+	for _, c := range commands() {
+		fmt.Fprintf(&b, "  %-10s %s\n", c.name, c.summary)
+	}
+	fmt.Fprintf(&b, "  %-10s %s\n", "help", "show help for idem or for one command")
+	b.WriteString(`
+Run 'idem help <command>' or 'idem <command> --help' for a command's flags.
+Flags may be written with one dash or two (-events or --events).
+
+`)
+	b.WriteString(exitCodesHelp)
+	io.WriteString(w, b.String())
+}
+
+// printCommandUsage writes the help of c, whose flags are defined on fs, to w.
+func printCommandUsage(w io.Writer, c *command, fs *flag.FlagSet) {
+	fmt.Fprintf(w, "Usage: idem %s %s\n\n%s\n", c.name, c.synopsis, strings.TrimSpace(c.help))
+	hasFlags := false
+	fs.VisitAll(func(*flag.Flag) { hasFlags = true })
+	if hasFlags {
+		fmt.Fprintf(w, "\nFlags:\n")
+		fs.SetOutput(w)
+		fs.PrintDefaults()
+		fs.SetOutput(io.Discard)
+	}
+	fmt.Fprintf(w, "\n%s", exitCodesHelp)
+}
+
+// usageError is an error in how the command was called: it exits with
+// exitUsage and points at the command's help.
+type usageError struct {
+	err error
+}
+
+// Error implements error.
+func (e *usageError) Error() string { return e.err.Error() }
+
+// Unwrap returns the underlying error.
+func (e *usageError) Unwrap() error { return e.err }
+
+// usagef returns a *usageError with a formatted message; %w is honoured.
+func usagef(format string, args ...any) error {
+	return &usageError{err: fmt.Errorf(format, args...)}
+}
+
+// noArgs returns a usage error when a command that takes no positional
+// arguments got some.
+func noArgs(args []string) error {
+	if len(args) > 0 {
+		return usagef("unexpected argument %q (this command takes only flags)", args[0])
+	}
+	return nil
+}

@@ -1,0 +1,70 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+)
+
+// migrateCommand returns the "migrate" subcommand: create or update idem's
+// tables in the database a DSN names.
+func migrateCommand() *command {
+	return &command{
+		name:     "migrate",
+		synopsis: "--dsn DSN [--schema S] [--prefix P]",
+		summary:  "create or update idem's tables in a PostgreSQL or SQLite database",
+		help: `Migrate applies idem's embedded schema migrations that the database does not
+have yet. It is safe to run repeatedly and from several instances at once
+(PostgreSQL serialises concurrent runs with an advisory lock).
+
+The DSN comes from --dsn, or from the IDEM_DSN environment variable.
+
+` + dsnHelp + `
+
+Examples:
+  idem migrate --dsn postgres://app@localhost:5432/app --schema idem
+  IDEM_DSN=sqlite:/var/lib/app/idem.db idem migrate`,
+		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			sf := addStoreFlags(fs)
+			return func(ctx context.Context, e *env, args []string) error {
+				if err := noArgs(args); err != nil {
+					return err
+				}
+				s, err := sf.open(ctx, e)
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				return runMigrate(ctx, e, s)
+			}
+		},
+	}
+}
+
+// runMigrate migrates s and reports what changed.
+func runMigrate(ctx context.Context, e *env, s *store) error {
+	before, _, err := s.schemaVersion(ctx)
+	if err != nil {
+		return err
+	}
+	if err := s.Migrate(ctx); err != nil {
+		return fmt.Errorf("migrate %s: %w", s, err)
+	}
+	after, version, err := s.schemaVersion(ctx)
+	if err != nil {
+		return err
+	}
+
+	where := s.String()
+	if s.opts.Schema != "" {
+		where += fmt.Sprintf(", schema %q", s.opts.Schema)
+	}
+	fmt.Fprintf(e.stdout, "database: %s (table prefix %q)\n", where, s.opts.Prefix)
+	if applied := after - before; applied > 0 {
+		fmt.Fprintf(e.stdout, "applied %s; schema is at version %d\n", plural(applied, "migration"), version)
+	} else {
+		fmt.Fprintf(e.stdout, "already up to date at version %d; nothing to do\n", version)
+	}
+	fmt.Fprintf(e.stdout, "tables: %s, %s\n", s.table("processed"), s.table("migrations"))
+	return nil
+}

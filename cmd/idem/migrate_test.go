@@ -1,0 +1,207 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// sqliteTableExists reports whether the SQLite database at path has table.
+// appliedSome matches the report of a first migration run.
+var appliedSome = regexp.MustCompile(`applied [1-9][0-9]* migrations?;`)
+
+func sqliteTableExists(t *testing.T, path, table string) bool {
+	t.Helper()
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?`, table).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n == 1
+}
+
+// TestMigrateSQLite migrates a SQLite file twice and checks the table and both reports.
+func TestMigrateSQLite(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	code, out, errOut := runCLI(t, "migrate", "--dsn", "sqlite:"+path)
+	if code != exitOK {
+		t.Fatalf("exit %d, want 0\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	if !appliedSome.MatchString(out) {
+		t.Errorf("output does not say what was applied:\n%s", out)
+	}
+	if !sqliteTableExists(t, path, "idem_processed") {
+		t.Fatal("idem_processed does not exist after migrate")
+	}
+
+	// Again, as a plain path: nothing to do.
+	code, out, errOut = runCLI(t, "migrate", "--dsn", path)
+	if code != exitOK {
+		t.Fatalf("second migrate: exit %d, want 0; stderr: %s", code, errOut)
+	}
+	if !strings.Contains(out, "already up to date") {
+		t.Errorf("second migrate does not say it was up to date:\n%s", out)
+	}
+}
+
+// TestMigrateSQLiteFromEnvironmentWithPrefix checks IDEM_DSN and --prefix.
+func TestMigrateSQLiteFromEnvironmentWithPrefix(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "idem.sqlite")
+	code, out, errOut := runCLIEnv(t, map[string]string{dsnEnv: "file:" + path}, "migrate", "--prefix", "orders_")
+	if code != exitOK {
+		t.Fatalf("exit %d, want 0\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	if !sqliteTableExists(t, path, "orders_processed") {
+		t.Fatal("orders_processed does not exist after migrate --prefix orders_")
+	}
+	if sqliteTableExists(t, path, "idem_processed") {
+		t.Error("idem_processed was created despite --prefix")
+	}
+}
+
+// TestMigratePostgres migrates a fresh PostgreSQL schema and checks the table exists in it.
+func TestMigratePostgres(t *testing.T) {
+	t.Parallel()
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	code, out, errOut := runCLI(t, "migrate", "--dsn", testenv.PostgresDSN(), "--schema", schema)
+	if code != exitOK {
+		t.Fatalf("exit %d, want 0\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	if !appliedSome.MatchString(out) || !strings.Contains(out, schema) {
+		t.Errorf("output does not say what was done where:\n%s", out)
+	}
+	var exists bool
+	if err := pool.QueryRow(context.Background(),
+		`SELECT EXISTS (SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'idem_processed')`,
+		schema).Scan(&exists); err != nil {
+		t.Fatal(err)
+	}
+	if !exists {
+		t.Fatalf("%s.idem_processed does not exist after migrate", schema)
+	}
+
+	code, out, errOut = runCLI(t, "migrate", "--dsn", testenv.PostgresDSN(), "--schema", schema)
+	if code != exitOK || !strings.Contains(out, "already up to date") {
+		t.Errorf("second migrate: exit %d, want 0 and \"already up to date\"\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+}
+
+// TestMigrateUsageErrors checks that a missing DSN and bad options exit 2 before touching a database.
+func TestMigrateUsageErrors(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	tests := []struct {
+		name string
+		env  map[string]string
+		args []string
+		want string
+	}{
+		{"missing DSN", nil, []string{"migrate"}, "no database given: pass --dsn or set IDEM_DSN"},
+		{"blank DSN in environment", map[string]string{dsnEnv: "  "}, []string{"migrate"}, "no database given"},
+		{"bad prefix", nil, []string{"migrate", "--dsn", filepath.Join(dir, "a.db"), "--prefix", "Bad-Prefix"}, "--prefix"},
+		{"empty prefix", nil, []string{"migrate", "--dsn", filepath.Join(dir, "b.db"), "--prefix", ""}, "--prefix"},
+		{"prefix too long", nil, []string{"migrate", "--dsn", filepath.Join(dir, "c.db"), "--prefix", strings.Repeat("p", 41)}, "maximum is 40"},
+		{"bad schema", nil, []string{"migrate", "--dsn", "postgres://u@127.0.0.1:1/x", "--schema", "x;drop"}, "--schema"},
+		{"schema with SQLite", nil, []string{"migrate", "--dsn", filepath.Join(dir, "d.db"), "--schema", "s"}, "only to PostgreSQL"},
+		{"unrecognised DSN", nil, []string{"migrate", "--dsn", "mysql://u:hunter2@host/db"}, "unrecognised DSN"},
+		{"bad Postgres DSN", nil, []string{"migrate", "--dsn", "postgres://u@host:notaport/db"}, "bad PostgreSQL DSN"},
+		{"positional argument", nil, []string{"migrate", "--dsn", filepath.Join(dir, "e.db"), "now"}, "unexpected argument"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			code, _, errOut := runCLIEnv(t, tc.env, tc.args...)
+			if code != exitUsage {
+				t.Errorf("exit %d, want %d; stderr: %s", code, exitUsage, errOut)
+			}
+			if !strings.Contains(errOut, tc.want) {
+				t.Errorf("stderr lacks %q:\n%s", tc.want, errOut)
+			}
+			if strings.Contains(errOut, "hunter2") {
+				t.Errorf("stderr shows a password:\n%s", errOut)
+			}
+		})
+	}
+	t.Cleanup(func() {
+		// Runs after the parallel subtests: a usage error must be found
+		// before a database file is created.
+		for _, name := range []string{"a.db", "b.db", "c.db", "d.db", "e.db"} {
+			if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
+				t.Errorf("a usage error created %s", name)
+			}
+		}
+	})
+}
+
+// TestMigrateOperationFailure checks that a database that cannot be opened exits 1.
+func TestMigrateOperationFailure(t *testing.T) {
+	t.Parallel()
+	code, _, errOut := runCLI(t, "migrate", "--dsn", filepath.Join(t.TempDir(), "no", "such", "dir", "x.db"))
+	if code != exitFailed {
+		t.Errorf("exit %d, want %d; stderr: %s", code, exitFailed, errOut)
+	}
+}
+
+// TestParseDSN checks which DSN forms select which driver.
+func TestParseDSN(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		dsn  string
+		kind storeKind
+		path string
+	}{
+		{"postgres://u@localhost/db", kindPostgres, ""},
+		{"POSTGRESQL://u@localhost/db", kindPostgres, ""},
+		{"sqlite:idem.db", kindSQLite, "idem.db"},
+		{"sqlite:///var/lib/idem.db", kindSQLite, "/var/lib/idem.db"},
+		{"file:/tmp/x", kindSQLite, "/tmp/x"},
+		{"/tmp/x.sqlite", kindSQLite, "/tmp/x.sqlite"},
+		{"rel/x.sqlite3", kindSQLite, "rel/x.sqlite3"},
+		{"x.DB", kindSQLite, "x.DB"},
+	}
+	for _, tc := range tests {
+		got, err := parseDSN(tc.dsn)
+		if err != nil {
+			t.Errorf("parseDSN(%q): %v", tc.dsn, err)
+			continue
+		}
+		if got.kind != tc.kind || got.path != tc.path {
+			t.Errorf("parseDSN(%q) = %v %q, want %v %q", tc.dsn, got.kind, got.path, tc.kind, tc.path)
+		}
+	}
+	for _, bad := range []string{"", "idem", "mysql://x", "sqlite:", "file:x.db?mode=ro", "x.txt"} {
+		_, err := parseDSN(bad)
+		var ue *usageError
+		if !errors.As(err, &ue) {
+			t.Errorf("parseDSN(%q) = %v, want a usage error", bad, err)
+		}
+	}
+}
+
+// TestRedactDSN checks that passwords are hidden from messages.
+func TestRedactDSN(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]string{
+		"postgres://u:secret@h:5432/db": "postgres://u:xxxxx@h:5432/db",
+		"postgres://u@h/db":             "postgres://u@h/db",
+		"sqlite:x.db":                   "sqlite:x.db",
+	} {
+		if got := redactDSN(in); got != want {
+			t.Errorf("redactDSN(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

@@ -1,0 +1,316 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"flag"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem/internal/sqlident"
+	"github.com/idemhq/idem/postgres"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// dsnEnv is the environment variable that supplies the DSN when --dsn is
+// not given.
+const dsnEnv = "IDEM_DSN"
+
+// defaultPrefix is the table prefix the drivers use when none is configured.
+const defaultPrefix = "idem_"
+
+// pingTimeout bounds the first connection to PostgreSQL.
+const pingTimeout = 15 * time.Second
+
+// dsnHelp describes the accepted DSN forms, for help texts and errors.
+const dsnHelp = `DSN forms:
+  postgres://user:pass@host:5432/db?sslmode=disable   PostgreSQL (also postgresql://)
+  sqlite:PATH or file:PATH                            SQLite file (created if missing)
+  PATH ending in .db, .sqlite or .sqlite3             SQLite file`
+
+// storeKind says which driver a DSN selects.
+type storeKind int
+
+const (
+	kindPostgres storeKind = iota + 1
+	kindSQLite
+)
+
+// String returns the database's name.
+func (k storeKind) String() string {
+	switch k {
+	case kindPostgres:
+		return "PostgreSQL"
+	case kindSQLite:
+		return "SQLite"
+	}
+	return "unknown"
+}
+
+// target is a parsed DSN.
+type target struct {
+	kind storeKind
+	// dsn is the connection string passed to pgx (PostgreSQL only).
+	dsn string
+	// path is the database file (SQLite only).
+	path string
+}
+
+// resolveDSN returns the DSN from the --dsn flag value, or from IDEM_DSN
+// when the flag is empty, or a usage error when neither is set.
+func resolveDSN(flagValue string, getenv func(string) string) (string, error) {
+	if dsn := strings.TrimSpace(flagValue); dsn != "" {
+		return dsn, nil
+	}
+	if dsn := strings.TrimSpace(getenv(dsnEnv)); dsn != "" {
+		return dsn, nil
+	}
+	return "", usagef("no database given: pass --dsn or set %s, for example\n"+
+		"  --dsn postgres://user@localhost:5432/app?sslmode=disable\n"+
+		"  --dsn sqlite:idem.db", dsnEnv)
+}
+
+// parseDSN recognises a PostgreSQL URL or a SQLite path. It returns a
+// usage error for anything else.
+func parseDSN(dsn string) (target, error) {
+	lower := strings.ToLower(dsn)
+	switch {
+	case strings.HasPrefix(lower, "postgres://"), strings.HasPrefix(lower, "postgresql://"):
+		return target{kind: kindPostgres, dsn: dsn}, nil
+	case strings.HasPrefix(lower, "sqlite:"):
+		// sqlite:///abs/path and sqlite://rel/path are accepted too.
+		return sqliteTarget(dsn, strings.TrimPrefix(dsn[len("sqlite:"):], "//"))
+	case strings.HasPrefix(lower, "file:"):
+		return sqliteTarget(dsn, dsn[len("file:"):])
+	case strings.HasSuffix(lower, ".db"), strings.HasSuffix(lower, ".sqlite"), strings.HasSuffix(lower, ".sqlite3"):
+		return sqliteTarget(dsn, dsn)
+	}
+	return target{}, usagef("unrecognised DSN %q\n%s", redactDSN(dsn), dsnHelp)
+}
+
+// sqliteTarget checks the path part of a SQLite DSN.
+func sqliteTarget(dsn, path string) (target, error) {
+	if path == "" {
+		return target{}, usagef("DSN %q names no SQLite file\n%s", dsn, dsnHelp)
+	}
+	if strings.ContainsRune(path, '?') {
+		return target{}, usagef("DSN %q: query parameters are not supported for SQLite; idem sets the pragmas it relies on itself", dsn)
+	}
+	return target{kind: kindSQLite, path: path}, nil
+}
+
+// redactDSN hides a password in a URL-shaped DSN before it is printed.
+func redactDSN(dsn string) string {
+	scheme, rest, ok := strings.Cut(dsn, "://")
+	if !ok {
+		return dsn
+	}
+	userinfo, hostpart, ok := strings.Cut(rest, "@")
+	if !ok {
+		return dsn
+	}
+	if user, _, hasPass := strings.Cut(userinfo, ":"); hasPass {
+		return scheme + "://" + user + ":xxxxx@" + hostpart
+	}
+	return dsn
+}
+
+// storeFlags are the flags shared by every command that opens a store.
+type storeFlags struct {
+	dsn, schema, prefix string
+}
+
+// addStoreFlags defines --dsn, --schema and --prefix on fs.
+func addStoreFlags(fs *flag.FlagSet) *storeFlags {
+	f := &storeFlags{}
+	fs.StringVar(&f.dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+")")
+	fs.StringVar(&f.schema, "schema", "", "PostgreSQL `schema` for idem's tables, created if missing (default: the connection's search_path)")
+	fs.StringVar(&f.prefix, "prefix", defaultPrefix, "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes")
+	return f
+}
+
+// open resolves the DSN (flag, then environment), validates the flags and
+// opens the store. The caller must Close it.
+func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
+	dsn, err := resolveDSN(f.dsn, e.getenv)
+	if err != nil {
+		return nil, err
+	}
+	if f.prefix == "" {
+		return nil, usagef("--prefix is empty: idem's tables always carry a prefix (the default is %q)", defaultPrefix)
+	}
+	return openStore(ctx, dsn, storeOptions{Schema: f.schema, Prefix: f.prefix})
+}
+
+// storeOptions are the table-layout settings shared by the commands that
+// open a store.
+type storeOptions struct {
+	// Schema is the PostgreSQL schema holding idem's tables; empty means
+	// the connection's search_path. Not allowed for SQLite.
+	Schema string
+	// Prefix is prepended to every table name; empty means "idem_".
+	Prefix string
+}
+
+// check validates the options against the target before anything is
+// opened, so that a bad flag is a usage error rather than a half-created
+// database.
+func (o *storeOptions) check(t target) error {
+	if o.Prefix == "" {
+		o.Prefix = defaultPrefix
+	}
+	if err := sqlident.Check("--prefix", o.Prefix, false); err != nil {
+		return &usageError{err: err}
+	}
+	if err := sqlident.Check("--schema", o.Schema, true); err != nil {
+		return &usageError{err: err}
+	}
+	if o.Schema != "" && t.kind != kindPostgres {
+		return usagef("--schema applies only to PostgreSQL; SQLite has no schemas (use --prefix)")
+	}
+	return nil
+}
+
+// store is an opened idem store. Exactly one of the driver groups is set,
+// according to kind.
+type store struct {
+	target
+	opts storeOptions
+
+	sqliteDB  *sql.DB
+	sqliteDrv *sqlite.Driver
+
+	pgPool *pgxpool.Pool
+	pgDrv  *postgres.Driver
+}
+
+// openStore parses dsn, validates opts and opens the database with idem's
+// driver for it. Usage problems (a bad DSN or option) are *usageError;
+// connection failures are plain errors. The caller must Close the store.
+func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, error) {
+	t, err := parseDSN(dsn)
+	if err != nil {
+		return nil, err
+	}
+	if err := opts.check(t); err != nil {
+		return nil, err
+	}
+	s := &store{target: t, opts: opts}
+	switch t.kind {
+	case kindSQLite:
+		if s.sqliteDB, err = sqlite.Open(t.path, nil); err != nil {
+			return nil, fmt.Errorf("open SQLite database: %w", err)
+		}
+		if s.sqliteDrv, err = sqlite.New(s.sqliteDB, &sqlite.Config{TablePrefix: opts.Prefix}); err != nil {
+			s.Close()
+			return nil, fmt.Errorf("SQLite driver: %w", err)
+		}
+	case kindPostgres:
+		cfg, err := pgxpool.ParseConfig(t.dsn)
+		if err != nil {
+			return nil, usagef("bad PostgreSQL DSN: %w", err)
+		}
+		if s.pgPool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+			return nil, fmt.Errorf("connect to %s: %w", s, err)
+		}
+		pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+		err = s.pgPool.Ping(pctx)
+		cancel()
+		if err != nil {
+			s.Close()
+			return nil, fmt.Errorf("connect to %s: %w", s, err)
+		}
+		if s.pgDrv, err = postgres.New(s.pgPool, &postgres.Config{Schema: opts.Schema, TablePrefix: opts.Prefix}); err != nil {
+			s.Close()
+			return nil, fmt.Errorf("PostgreSQL driver: %w", err)
+		}
+	}
+	return s, nil
+}
+
+// Close releases the database handles.
+func (s *store) Close() {
+	if s.sqliteDB != nil {
+		s.sqliteDB.Close()
+	}
+	if s.pgPool != nil {
+		s.pgPool.Close()
+	}
+}
+
+// String describes the database without secrets, for messages.
+func (s *store) String() string {
+	switch s.kind {
+	case kindSQLite:
+		return "SQLite " + s.path
+	case kindPostgres:
+		if s.pgPool != nil {
+			c := s.pgPool.Config().ConnConfig
+			return fmt.Sprintf("PostgreSQL %s@%s:%d/%s", c.User, c.Host, c.Port, c.Database)
+		}
+		return "PostgreSQL " + redactDSN(s.dsn)
+	}
+	return "unknown store"
+}
+
+// Migrate brings idem's schema up to date with the store's driver.
+func (s *store) Migrate(ctx context.Context) error {
+	switch s.kind {
+	case kindSQLite:
+		return s.sqliteDrv.Migrate(ctx)
+	case kindPostgres:
+		return s.pgDrv.Migrate(ctx)
+	}
+	return fmt.Errorf("migrate: unsupported store %s", s)
+}
+
+// table returns the quoted, schema-qualified name of idem's table with the
+// given suffix ("processed", "migrations").
+func (s *store) table(suffix string) string {
+	return sqlident.Qualified(s.opts.Schema, s.opts.Prefix+suffix)
+}
+
+// schemaVersion returns how many migrations are recorded and the highest
+// version, both 0 when the migrations table does not exist yet.
+func (s *store) schemaVersion(ctx context.Context) (count, version int, err error) {
+	name := s.opts.Prefix + "migrations"
+	q := `SELECT count(*), coalesce(max(version), 0) FROM ` + s.table("migrations")
+	switch s.kind {
+	case kindSQLite:
+		var n int
+		if err := s.sqliteDB.QueryRowContext(ctx, `SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?`, name).Scan(&n); err != nil {
+			return 0, 0, fmt.Errorf("read schema version: %w", err)
+		}
+		if n == 0 {
+			return 0, 0, nil
+		}
+		err = s.sqliteDB.QueryRowContext(ctx, q).Scan(&count, &version)
+	case kindPostgres:
+		var exists bool
+		if err := s.pgPool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.table("migrations")).Scan(&exists); err != nil {
+			return 0, 0, fmt.Errorf("read schema version: %w", err)
+		}
+		if !exists {
+			return 0, 0, nil
+		}
+		err = s.pgPool.QueryRow(ctx, q).Scan(&count, &version)
+	default:
+		return 0, 0, fmt.Errorf("read schema version: unsupported store %s", s)
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("read schema version: %w", err)
+	}
+	return count, version, nil
+}
+
+// plural returns "n word" or "n words".
+func plural(n int, word string) string {
+	if n == 1 {
+		return "1 " + word
+	}
+	return strconv.Itoa(n) + " " + word + "s"
+}

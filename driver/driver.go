@@ -1,0 +1,84 @@
+// Package driver defines the contract between idem's core and its store
+// drivers.
+//
+// The core owns the algorithm (validate → insert marker first → compare
+// payload hashes → run the handler → commit); a driver owns only its SQL
+// dialect, its schema and its transactions. Every driver must pass the
+// conformance suite in package idemtest.
+//
+// The contract is generic over the driver's transaction type TTx, so a
+// handler receives the driver's native transaction (for example *sql.Tx for
+// SQLite) and ProcessTx accepts one the caller opened.
+//
+// Operations are named noun-first and take one params struct each, so that
+// fields can be added without breaking drivers.
+package driver
+
+import "context"
+
+// Driver is the transactional store contract every idem store driver
+// implements.
+type Driver[TTx any] interface {
+	// Begin opens a read-write transaction.
+	Begin(ctx context.Context) (TTx, error)
+	// Commit commits tx. It must report an error if the transaction was
+	// rolled back instead (for example because a statement in it failed).
+	Commit(ctx context.Context, tx TTx) error
+	// Rollback aborts tx. Rolling back a finished transaction is not an
+	// error worth reporting to the user; drivers may return it anyway.
+	Rollback(ctx context.Context, tx TTx) error
+
+	// MarkerInsert inserts one marker inside tx with ON CONFLICT DO NOTHING
+	// semantics. When another transaction holds an uncommitted marker with
+	// the same key, the call must wait for it and then report the committed
+	// outcome (inserted if that transaction rolled back, not inserted with
+	// the existing hash if it committed) rather than fail.
+	MarkerInsert(ctx context.Context, tx TTx, p *MarkerInsertParams) (MarkerInsertResult, error)
+
+	// MarkerInsertMany inserts several markers of one handler inside tx,
+	// with the same semantics as MarkerInsert for each. The message IDs are
+	// unique and sorted (so concurrent batches lock in one order). The
+	// result has one entry per ID, in the order given.
+	MarkerInsertMany(ctx context.Context, tx TTx, p *MarkerInsertManyParams) ([]MarkerInsertResult, error)
+
+	// Migrate brings the schema up to date. It is safe to call
+	// concurrently and repeatedly.
+	Migrate(ctx context.Context) error
+}
+
+// BeginMarkerInserter is an optional fast path: open a transaction and insert
+// the first marker in one round trip. The core uses it when a driver
+// implements it. On error no transaction is left open.
+type BeginMarkerInserter[TTx any] interface {
+	BeginMarkerInsert(ctx context.Context, p *MarkerInsertParams) (TTx, MarkerInsertResult, error)
+}
+
+// MarkerInsertParams are the parameters of Driver.MarkerInsert.
+type MarkerInsertParams struct {
+	// Handler is the validated handler name.
+	Handler string
+	// MessageID is the validated message ID.
+	MessageID string
+	// PayloadHash is the SHA-256 of the message payload.
+	PayloadHash []byte
+}
+
+// MarkerInsertManyParams are the parameters of Driver.MarkerInsertMany.
+type MarkerInsertManyParams struct {
+	// Handler is the validated handler name.
+	Handler string
+	// MessageIDs are unique and sorted ascending (byte order).
+	MessageIDs []string
+	// PayloadHashes holds the SHA-256 of each message's payload, parallel
+	// to MessageIDs.
+	PayloadHashes [][]byte
+}
+
+// MarkerInsertResult reports what a marker insert found.
+type MarkerInsertResult struct {
+	// Inserted is true when this transaction now holds the marker.
+	Inserted bool
+	// ExistingHash is the payload hash of the committed marker that
+	// prevented the insert. It is nil when Inserted is true.
+	ExistingHash []byte
+}

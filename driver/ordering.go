@@ -1,0 +1,84 @@
+package driver
+
+import (
+	"context"
+	"time"
+)
+
+// SequenceGuard is implemented by drivers that support idem's per-aggregate
+// ordering guard and version-only mode.
+type SequenceGuard[TTx any] interface {
+	// SequenceAdvance moves the last applied sequence of (Handler,
+	// AggregateID) to Seq inside tx, if and only if Seq is the next one
+	// (last+1), or any later one when AllowGap is set. A missing row counts
+	// as last = 0. Concurrent calls for one aggregate serialize on its row:
+	// a caller waits for the other transaction and then decides on the
+	// committed value. When it does not advance, the result reports the
+	// committed last sequence so the core can tell stale from gap.
+	SequenceAdvance(ctx context.Context, tx TTx, p *SequenceAdvanceParams) (SequenceAdvanceResult, error)
+
+	// GapSighting records, in its own committed statement, that Seq of
+	// (Handler, AggregateID) was seen while an earlier sequence was
+	// missing, and returns when it was first seen together with the
+	// store's current time (the same clock), so the Wait policy's deadline
+	// holds across retries, restarts and instances.
+	GapSighting(ctx context.Context, p *GapSightingParams) (GapSightingResult, error)
+}
+
+// SequenceAdvanceParams are the parameters of SequenceGuard.SequenceAdvance.
+type SequenceAdvanceParams struct {
+	Handler     string
+	AggregateID string
+	// Seq is ≥ 1.
+	Seq int64
+	// AllowGap advances to any Seq greater than the last one.
+	AllowGap bool
+}
+
+// SequenceAdvanceResult reports what SequenceAdvance did.
+type SequenceAdvanceResult struct {
+	// Advanced is true when the last applied sequence is now Seq.
+	Advanced bool
+	// Last is the committed last applied sequence when Advanced is false.
+	Last int64
+}
+
+// GapSightingParams are the parameters of SequenceGuard.GapSighting.
+type GapSightingParams struct {
+	Handler     string
+	AggregateID string
+	Seq         int64
+}
+
+// GapSightingResult is the answer of SequenceGuard.GapSighting.
+type GapSightingResult struct {
+	// FirstSeen is when this sequence was first seen with a gap before it.
+	FirstSeen time.Time
+	// Now is the store's current time, on the same clock as FirstSeen.
+	Now time.Time
+}
+
+// VersionStore is implemented by drivers that support write-side
+// sequencing: a per-aggregate version counter advanced inside the caller's
+// transaction.
+type VersionStore[TTx any] interface {
+	// VersionNext allocates the next version of (Stream, AggregateID) in
+	// one statement and returns it (1 for a new aggregate). The row stays
+	// locked until tx ends, so a rolled-back transaction gives its number
+	// back and committed numbers have no gaps.
+	VersionNext(ctx context.Context, tx TTx, p *VersionParams) (int64, error)
+	// VersionAdvance moves the version from Expected to Expected+1 in one
+	// conditional statement (Expected 0 creates the aggregate). It reports
+	// false, with the current version, when the version was not Expected.
+	VersionAdvance(ctx context.Context, tx TTx, p *VersionParams) (advanced bool, current int64, err error)
+	// VersionCurrent reads the version (0 for an unknown aggregate).
+	VersionCurrent(ctx context.Context, tx TTx, p *VersionParams) (int64, error)
+}
+
+// VersionParams name an aggregate on the write side.
+type VersionParams struct {
+	Stream      string
+	AggregateID string
+	// Expected is the version the caller read, for VersionAdvance.
+	Expected int64
+}

@@ -1,0 +1,148 @@
+package idem
+
+import (
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"unicode/utf8"
+)
+
+var (
+	// ErrInvalidMessage matches every error about a malformed envelope.
+	ErrInvalidMessage = errors.New("idem: invalid message")
+	// ErrInvalidHandlerName matches every error about a bad handler name.
+	ErrInvalidHandlerName = errors.New("idem: invalid handler name")
+	// ErrConflict matches a *ConflictError: the same message ID was seen
+	// before with a different payload.
+	ErrConflict = errors.New("idem: same message ID, different payload")
+	// ErrInvalidConfig matches errors about a bad Config or driver option.
+	ErrInvalidConfig = errors.New("idem: invalid configuration")
+)
+
+// ValidationError describes why an envelope or a handler name was refused.
+// It matches ErrInvalidMessage or ErrInvalidHandlerName with errors.Is.
+// Validation errors are never retriable: the same input fails the same way.
+type ValidationError struct {
+	// Field names what was wrong: "ID", "AggregateID", "handler name", ...
+	Field string
+	// Reason says why, in words.
+	Reason string
+	// Value is the offending value, possibly long or binary; Error quotes a
+	// bounded prefix of it.
+	Value string
+
+	err error
+}
+
+// Error implements error.
+func (e *ValidationError) Error() string {
+	msg := e.err.Error() + ": " + e.Field + " " + e.Reason
+	if e.Value != "" {
+		msg += " (" + quoteBounded(e.Value, 80) + ")"
+	}
+	return msg
+}
+
+// quoteBounded quotes s (escaping invalid and unprintable bytes) and cuts
+// the quoted form at a rune boundary so it is at most max bytes plus "…".
+func quoteBounded(s string, max int) string {
+	if len(s) > max {
+		s = s[:max]
+	}
+	q := strconv.Quote(s)
+	if len(q) <= max {
+		return q
+	}
+	cut := max
+	for cut > 0 && !utf8.RuneStart(q[cut]) {
+		cut--
+	}
+	return q[:cut] + "…"
+}
+
+// Unwrap returns the sentinel (ErrInvalidMessage or ErrInvalidHandlerName).
+func (e *ValidationError) Unwrap() error { return e.err }
+
+// ConflictError reports that a message ID already has a marker with a
+// different payload hash. The message was not applied. It matches
+// ErrConflict.
+type ConflictError struct {
+	Handler      string
+	MessageID    string
+	StoredHash   []byte
+	ReceivedHash []byte
+}
+
+// Error implements error.
+func (e *ConflictError) Error() string {
+	return fmt.Sprintf("idem: handler %q, message %q: payload hash %s differs from the stored %s",
+		e.Handler, e.MessageID, shortHash(e.ReceivedHash), shortHash(e.StoredHash))
+}
+
+// Is makes errors.Is(err, ErrConflict) true.
+func (e *ConflictError) Is(target error) bool { return target == ErrConflict }
+
+func shortHash(h []byte) string {
+	if len(h) > 8 {
+		h = h[:8]
+	}
+	return hex.EncodeToString(h)
+}
+
+// PanicError is returned when a handler panicked. The transaction was rolled
+// back; the panic did not escape the processor.
+type PanicError struct {
+	// Value is what the handler passed to panic.
+	Value any
+	// Stack is the goroutine stack at the panic.
+	Stack []byte
+}
+
+// Error implements error.
+func (e *PanicError) Error() string { return fmt.Sprintf("idem: handler panicked: %v", e.Value) }
+
+// Unwrap returns Value when it is an error.
+func (e *PanicError) Unwrap() error {
+	if err, ok := e.Value.(error); ok {
+		return err
+	}
+	return nil
+}
+
+// PermanentError marks an error as non-retriable: retrying the same message
+// fails the same way, so it belongs in the dead-letter store at once.
+// Create one with Permanent.
+type PermanentError struct {
+	Err error
+}
+
+// Error implements error.
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent wraps err so that IsPermanent reports true for it: return it
+// from a handler for input that can never succeed (a payload that does not
+// decode, an unknown event type). Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &PermanentError{Err: err}
+}
+
+// IsPermanent reports whether err is non-retriable: it wraps a
+// *PermanentError, a *ValidationError, a *ConflictError or a final
+// *GapError. Every other error is treated as retriable.
+func IsPermanent(err error) bool {
+	var (
+		pe *PermanentError
+		ve *ValidationError
+		ce *ConflictError
+		ge *GapError
+	)
+	return errors.As(err, &pe) || errors.As(err, &ve) || errors.As(err, &ce) ||
+		(errors.As(err, &ge) && ge.Final)
+}

@@ -1,0 +1,90 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// A handler that charges a card through a payment API: an external effect,
+// so it runs in lease mode. It sends the lease's idempotency key as the
+// Idempotency-Key header, which the API uses to charge once however often
+// the call is repeated (after a crash between the call and done, say).
+func ExampleLeaseProcessor() {
+	// The payment API: charges once per Idempotency-Key.
+	var (
+		mu      sync.Mutex
+		charged = map[string]bool{}
+		charges int
+	)
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get("Idempotency-Key")
+		mu.Lock()
+		defer mu.Unlock()
+		fmt.Println("API got Idempotency-Key", key)
+		if !charged[key] {
+			charged[key] = true
+			charges++
+		}
+	}))
+	defer api.Close()
+
+	ctx := context.Background()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	proc, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "worker-1"})
+	if err != nil {
+		log.Fatal(err)
+	}
+
+	charge := &idem.LeaseHandler{
+		Name: "payments.charge", // stable: part of every row and of the key
+		Call: func(ctx context.Context, l *idem.Lease, msg *idem.Message) error {
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, api.URL+"/charges", bytes.NewReader(msg.Payload))
+			if err != nil {
+				return idem.Permanent(err)
+			}
+			req.Header.Set("Idempotency-Key", l.IdempotencyKey)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return err // retried after the backoff, with the same key
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				return fmt.Errorf("payment API: %s", resp.Status)
+			}
+			fmt.Println("charged on attempt", l.Attempt, "with fencing token", l.Token)
+			return nil
+		},
+	}
+
+	msg := &idem.Message{ID: "order-42", Payload: []byte(`{"amount":1999,"currency":"EUR"}`)}
+	for range 2 { // the broker delivers it twice
+		out, err := proc.Process(ctx, charge, msg)
+		fmt.Println(out, err)
+	}
+	fmt.Println("charges:", charges)
+	// Output:
+	// API got Idempotency-Key 2516c16688970d136ea2cbfa2cb3a658b01228d92c7fc7dbde0fabf56dcf0685
+	// charged on attempt 1 with fencing token 1
+	// applied <nil>
+	// duplicate <nil>
+	// charges: 1
+}

@@ -1,0 +1,140 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// A projection that credits account balances. However often the broker
+// redelivers FundsCredited, the balance moves once.
+func Example() {
+	ctx := context.Background()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL)`); err != nil {
+		log.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+
+	credit := &idem.Handler[*sql.Tx]{
+		Name: "balances", // stable: stored with every marker
+		Apply: func(ctx context.Context, tx *sql.Tx, msg *idem.Message) error {
+			var ev struct {
+				Account string `json:"account"`
+				Amount  int64  `json:"amount"`
+			}
+			if err := json.Unmarshal(msg.Payload, &ev); err != nil {
+				return idem.Permanent(err) // retrying cannot fix a bad payload
+			}
+			_, err := tx.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES (?, ?)
+				ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, ev.Account, ev.Amount)
+			return err
+		},
+	}
+
+	msg := &idem.Message{ID: "evt-1", Type: "FundsCredited", Payload: []byte(`{"account":"alice","amount":100}`)}
+	for range 3 { // the broker delivers it three times
+		out, err := proc.Process(ctx, credit, msg)
+		fmt.Println(out, err)
+	}
+
+	var balance int64
+	if err := db.QueryRow(`SELECT amount FROM balances WHERE account = 'alice'`).Scan(&balance); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("alice:", balance)
+	// Output:
+	// applied <nil>
+	// duplicate <nil>
+	// duplicate <nil>
+	// alice: 100
+}
+
+// The same message ID with a different payload is a producer bug: it is
+// reported as a Conflict and never applied.
+func ExampleConflictError() {
+	ctx := context.Background()
+	db, _ := sqlite.Open(":memory:", nil)
+	defer db.Close()
+	drv, _ := sqlite.New(db, nil)
+	_ = drv.Migrate(ctx)
+	proc, _ := idem.NewProcessor(drv, nil)
+	h := &idem.Handler[*sql.Tx]{Name: "mailer", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return nil }}
+
+	_, _ = proc.Process(ctx, h, &idem.Message{ID: "order-7", Payload: []byte("v1")})
+	out, err := proc.Process(ctx, h, &idem.Message{ID: "order-7", Payload: []byte("v2")})
+
+	var ce *idem.ConflictError
+	fmt.Println(out, errors.As(err, &ce), ce.MessageID, idem.IsPermanent(err))
+	// Output: conflict true order-7 true
+}
+
+// Invalid envelopes are refused with a typed error before anything is
+// written.
+func ExampleMessage_Validate() {
+	err := (&idem.Message{ID: "bad\x00id"}).Validate()
+	var ve *idem.ValidationError
+	fmt.Println(errors.Is(err, idem.ErrInvalidMessage), errors.As(err, &ve), ve.Field)
+	fmt.Println(err)
+	// Output:
+	// true true ID
+	// idem: invalid message: ID contains a NUL byte at offset 3 ("bad\x00id")
+}
+
+// ProcessBatch hands the handler only the messages it has not seen, so it
+// can write them with one set-based statement.
+func ExampleProcessor_ProcessBatch() {
+	ctx := context.Background()
+	db, _ := sqlite.Open(":memory:", nil)
+	defer db.Close()
+	drv, _ := sqlite.New(db, nil)
+	_ = drv.Migrate(ctx)
+	proc, _ := idem.NewProcessor(drv, nil)
+	h := &idem.Handler[*sql.Tx]{
+		Name: "indexer",
+		ApplyBatch: func(ctx context.Context, tx *sql.Tx, msgs []*idem.Message) error {
+			ids := make([]string, len(msgs))
+			for i, m := range msgs {
+				ids[i] = m.ID
+			}
+			fmt.Println("new:", ids)
+			return nil
+		},
+	}
+	msgs := func(ids ...string) []*idem.Message {
+		out := make([]*idem.Message, len(ids))
+		for i, id := range ids {
+			out[i] = &idem.Message{ID: id}
+		}
+		return out
+	}
+	outs, _ := proc.ProcessBatch(ctx, h, msgs("a", "b", "c"))
+	fmt.Println(outs)
+	outs, _ = proc.ProcessBatch(ctx, h, msgs("b", "d", "d"))
+	fmt.Println(outs)
+	// Output:
+	// new: [a b c]
+	// [applied applied applied]
+	// new: [d]
+	// [duplicate applied duplicate]
+}

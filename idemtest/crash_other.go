@@ -1,0 +1,14 @@
+//go:build !unix
+
+package idemtest
+
+import "testing"
+
+// RunLeaseCrash needs Unix signals to kill a child process: on this
+// platform it skips.
+func RunLeaseCrash(t *testing.T, h *LeaseCrashHarness) {
+	t.Skip("lease crash tests need a Unix platform (SIGKILL of a child process)")
+}
+
+// LeaseCrashChild does nothing on this platform.
+func LeaseCrashChild(t *testing.T, h *LeaseCrashHarness) {}

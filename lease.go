@@ -1,0 +1,726 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/idemhq/idem/driver"
+)
+
+// Defaults of LeaseConfig.
+const (
+	// DefaultLeaseTTL is the default LeaseConfig.TTL.
+	DefaultLeaseTTL = 15 * time.Minute
+	// DefaultLeaseHeartbeat is the default LeaseConfig.Heartbeat (capped
+	// at TTL/3 for short TTLs).
+	DefaultLeaseHeartbeat = 30 * time.Second
+	// DefaultBackoffBase is the default LeaseConfig.BackoffBase.
+	DefaultBackoffBase = time.Second
+	// DefaultBackoffMax is the default LeaseConfig.BackoffMax.
+	DefaultBackoffMax = 5 * time.Minute
+)
+
+// Environment variables that LeaseConfig.FromEnv reads.
+const (
+	// EnvLeaseTTL sets LeaseConfig.TTL, as a Go duration ("15m", "90s").
+	EnvLeaseTTL = "IDEM_LEASE_TTL"
+	// EnvLeaseHeartbeat sets LeaseConfig.Heartbeat, as a Go duration.
+	EnvLeaseHeartbeat = "IDEM_LEASE_HEARTBEAT"
+	// EnvLeaseOwner sets LeaseConfig.Owner.
+	EnvLeaseOwner = "IDEM_LEASE_OWNER"
+)
+
+// Fault points passed to LeaseConfig.FaultHook, in the order an attempt
+// reaches them. Points inside the handler (before and after its external
+// call) belong to the handler itself.
+const (
+	// FaultAfterClaim: the claim is committed; the handler has not
+	// started.
+	FaultAfterClaim = "after_claim"
+	// FaultBeforeHeartbeat: a heartbeat is about to be sent (on the
+	// heartbeat goroutine, while the handler runs).
+	FaultBeforeHeartbeat = "before_heartbeat"
+	// FaultBeforeDone: the handler returned nil; the row is not yet marked
+	// done.
+	FaultBeforeDone = "before_done"
+	// FaultAfterDone: the row is marked done; Process has not returned.
+	FaultAfterDone = "after_done"
+	// FaultBeforeFail: the handler failed; the row is not yet marked
+	// failed.
+	FaultBeforeFail = "before_fail"
+)
+
+// maxLastErrorLen bounds the error text stored with a failed row, in bytes.
+const maxLastErrorLen = 2048
+
+var (
+	// ErrFenced matches a *FencedError: a heartbeat, done or failed write
+	// whose fencing token was no longer current.
+	ErrFenced = errors.New("idem: lease fenced: token is no longer current")
+	// ErrLeaseExpired is the cause (context.Cause) of a handler context
+	// cancelled because the lease ran out before a heartbeat renewed it.
+	ErrLeaseExpired = errors.New("idem: lease expired before a heartbeat renewed it")
+	// ErrFailedPermanently matches the error Process returns for a message
+	// whose lease-mode handler failed permanently on an earlier delivery
+	// (a Permanent error, or MaxAttempts reached). The handler is not
+	// called again; the error is permanent.
+	ErrFailedPermanently = errors.New("idem: message failed permanently earlier")
+)
+
+// FencedError reports a lease write (heartbeat, done, failed) refused because
+// the caller's fencing token was no longer current: the lease expired and
+// another worker claimed the message since (or the row was finished). Nothing
+// was written. It matches ErrFenced.
+type FencedError struct {
+	// Op is the refused write: "heartbeat", "done" or "failed".
+	Op string
+	// Handler and MessageID name the row.
+	Handler   string
+	MessageID string
+	// Token is the stale token the caller held.
+	Token int64
+	// CurrentToken, CurrentOwner and CurrentStatus describe the row as
+	// found; CurrentStatus is "missing" if the row no longer exists.
+	CurrentToken  int64
+	CurrentOwner  string
+	CurrentStatus string
+}
+
+// Error implements error.
+func (e *FencedError) Error() string {
+	return fmt.Sprintf("idem: handler %q, message %q: %s with token %d refused: the row is %s with token %d (owner %q)",
+		e.Handler, e.MessageID, e.Op, e.Token, e.CurrentStatus, e.CurrentToken, e.CurrentOwner)
+}
+
+// Is makes errors.Is(err, ErrFenced) true.
+func (e *FencedError) Is(target error) bool { return target == ErrFenced }
+
+// IdempotencyKey returns the key lease mode hands to the handler of handler
+// for messageID: the lower-case hex SHA-256 of handler, a NUL byte and
+// messageID. It is the same for every attempt, worker and process, so a
+// downstream API that deduplicates by it (an Idempotency-Key header, a
+// request ID, a unique column) applies the effect once.
+//
+// A hash rather than the readable "handler:id": it is unambiguous (handler
+// names may contain ':' and IDs anything but NUL), always 64 ASCII
+// characters (IDs may be 255 bytes of any UTF-8, which header values and
+// APIs that cap keys at 64 characters refuse), and does not disclose
+// message IDs to third parties.
+func IdempotencyKey(handler, messageID string) string {
+	h := sha256.New()
+	h.Write([]byte(handler))
+	h.Write([]byte{0})
+	h.Write([]byte(messageID))
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// Lease is what a lease-mode handler gets besides the message.
+type Lease struct {
+	// Token is the fencing token: it grows by one at every claim of this
+	// (handler, message ID), so a downstream that remembers the highest
+	// token it has seen per key can refuse writes from a worker that lost
+	// its lease.
+	Token int64
+	// IdempotencyKey is IdempotencyKey(handler name, message ID): send it
+	// to downstream APIs so that a repeated attempt is recognised.
+	IdempotencyKey string
+	// Owner is this worker's identity (LeaseConfig.Owner).
+	Owner string
+	// Attempt counts the claims of this message, this one included: 1 on
+	// the first attempt, more after a failure or an expired lease.
+	Attempt int
+}
+
+// LeaseHandler is a handler whose effect lives outside the database: an
+// HTTP call, an email, a write to another store. It runs under a lease; see
+// LeaseProcessor.
+type LeaseHandler struct {
+	// Name identifies the handler; see ValidateHandlerName. It is stored
+	// with every row and is part of the idempotency key. Use a name for
+	// one mode only. Required.
+	Name string
+	// Call performs the effect. ctx is cancelled as soon as the lease is
+	// lost (context.Cause gives ErrLeaseExpired or a *FencedError) and
+	// when the caller's context is; stop and return then. Returning nil
+	// marks the message done; an error marks it failed and schedules a
+	// retry, unless it is Permanent. Required.
+	Call func(ctx context.Context, l *Lease, msg *Message) error
+	// OnConflict is the payload-conflict policy. Default OnConflictError.
+	OnConflict ConflictPolicy
+}
+
+// LeaseConfig configures a LeaseProcessor. The zero value is valid: every
+// field has a default, filled in and checked by NewLeaseProcessor.
+type LeaseConfig struct {
+	// TTL is how long a claim or a heartbeat keeps the lease. A worker that
+	// crashes holds the message this long before another may retry it; a
+	// worker whose heartbeats fail for this long loses it. At least 1 ms.
+	// Default 15 min. Environment: IDEM_LEASE_TTL.
+	TTL time.Duration
+	// Heartbeat is the interval at which the lease is extended while the
+	// handler runs. It must be below TTL/2, so that one failed heartbeat
+	// does not lose the lease. Default 30 s, or TTL/3 when that is
+	// shorter. Environment: IDEM_LEASE_HEARTBEAT.
+	Heartbeat time.Duration
+	// Owner names this worker in the store, for diagnostics: the fencing
+	// token, not the owner, decides who may write. 1–255 bytes of UTF-8
+	// without NUL. Default "hostname:pid". Environment: IDEM_LEASE_OWNER.
+	Owner string
+	// BackoffBase and BackoffMax shape the delay after a failed attempt
+	// before the message may be claimed again: exponential with full
+	// jitter, uniform in [0, min(BackoffMax, BackoffBase × 2^(attempt−1))].
+	// Defaults 1 s (or BackoffMax, if that is set and shorter) and 5 min
+	// (or BackoffBase, if that is longer).
+	BackoffBase, BackoffMax time.Duration
+	// MaxAttempts makes a failure permanent once the message has been
+	// claimed this many times (crashed attempts count). 0, the default,
+	// retries without limit.
+	MaxAttempts int
+	// Logger receives warnings: lost leases, failed heartbeats, payload
+	// conflicts under OnConflictWarn. Default slog.Default().
+	Logger *slog.Logger
+	// Hooks receive outcomes (HookOutcome) and lost leases
+	// (HookLeaseLost). Default: none.
+	Hooks []Hook
+	// FaultHook, when set, is called at each Fault* point of every
+	// attempt. It is for tests only: crash tests kill the process in it,
+	// zombie tests block in it. Leave it nil in production.
+	FaultHook func(point string)
+}
+
+// FromEnv overwrites the fields whose IDEM_LEASE_* environment variable is
+// set and not empty: IDEM_LEASE_TTL and IDEM_LEASE_HEARTBEAT as Go durations
+// ("15m", "30s"), IDEM_LEASE_OWNER as a string. Call it after setting the
+// fields in code to let operators override them. A value that does not
+// parse, or a duration that is not positive, gives an error matching
+// ErrInvalidConfig that names the variable; the other rules are checked by
+// NewLeaseProcessor.
+func (c *LeaseConfig) FromEnv() error {
+	for _, v := range []struct {
+		name string
+		dst  *time.Duration
+	}{{EnvLeaseTTL, &c.TTL}, {EnvLeaseHeartbeat, &c.Heartbeat}} {
+		s := os.Getenv(v.name)
+		if s == "" {
+			continue
+		}
+		d, err := time.ParseDuration(s)
+		if err != nil {
+			return fmt.Errorf("%w: %s=%q is not a duration such as 90s or 15m", ErrInvalidConfig, v.name, s)
+		}
+		if d <= 0 {
+			return fmt.Errorf("%w: %s=%q must be positive", ErrInvalidConfig, v.name, s)
+		}
+		*v.dst = d
+	}
+	if s := os.Getenv(EnvLeaseOwner); s != "" {
+		c.Owner = s
+	}
+	return nil
+}
+
+// resolve returns c with defaults filled in, or why it is invalid.
+func (c LeaseConfig) resolve() (LeaseConfig, error) {
+	bad := func(format string, args ...any) (LeaseConfig, error) {
+		return LeaseConfig{}, fmt.Errorf("%w: lease: "+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	switch {
+	case c.TTL == 0:
+		c.TTL = DefaultLeaseTTL
+	case c.TTL < time.Millisecond:
+		return bad("TTL (%s) is %s; it must be at least 1ms", EnvLeaseTTL, c.TTL)
+	}
+	switch {
+	case c.Heartbeat == 0:
+		c.Heartbeat = min(DefaultLeaseHeartbeat, c.TTL/3)
+	case c.Heartbeat < 0:
+		return bad("Heartbeat (%s) is %s; it must be positive", EnvLeaseHeartbeat, c.Heartbeat)
+	}
+	if c.Heartbeat >= c.TTL/2 {
+		return bad("Heartbeat (%s) is %s; it must be below TTL/2 = %s so that one failed heartbeat does not lose the lease",
+			EnvLeaseHeartbeat, c.Heartbeat, c.TTL/2)
+	}
+	if c.Owner == "" {
+		c.Owner = defaultOwner()
+	}
+	if reason := checkText(c.Owner, MaxIDLen); reason != "" {
+		return bad("Owner (%s) %s", EnvLeaseOwner, reason)
+	}
+	if c.BackoffBase == 0 {
+		c.BackoffBase = DefaultBackoffBase
+		if c.BackoffMax > 0 {
+			c.BackoffBase = min(c.BackoffBase, c.BackoffMax)
+		}
+	}
+	if c.BackoffMax == 0 {
+		c.BackoffMax = max(DefaultBackoffMax, c.BackoffBase)
+	}
+	if c.BackoffBase < 0 || c.BackoffMax < c.BackoffBase {
+		return bad("BackoffBase is %s and BackoffMax %s; want 0 < BackoffBase ≤ BackoffMax", c.BackoffBase, c.BackoffMax)
+	}
+	if c.MaxAttempts < 0 {
+		return bad("MaxAttempts is %d; want 0 (unlimited) or more", c.MaxAttempts)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// defaultOwner returns "hostname:pid".
+func defaultOwner() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown-host"
+	}
+	pid := fmt.Sprintf(":%d", os.Getpid())
+	host = strings.ToValidUTF8(strings.ReplaceAll(host, "\x00", ""), "?")
+	for len(host)+len(pid) > MaxIDLen {
+		_, size := utf8.DecodeLastRuneInString(host)
+		host = host[:len(host)-size]
+	}
+	return host + pid
+}
+
+// HookLeaseLost is told every time a worker loses a lease: a heartbeat, done
+// or failed write refused as fenced, or the lease running out before a
+// heartbeat renewed it. Losses are normal after long pauses and store
+// outages, but a steady stream means the TTL is too short for the handler.
+// It may run on the heartbeat goroutine: keep it fast and never block.
+type HookLeaseLost interface {
+	OnLeaseLost(ctx context.Context, ev *LeaseLostEvent)
+}
+
+// LeaseLostEvent describes a lost lease.
+type LeaseLostEvent struct {
+	// Handler and MessageID name the row.
+	Handler   string
+	MessageID string
+	// Owner is this worker; Token the lease it lost.
+	Owner string
+	Token int64
+	// Op is "heartbeat", "done" or "failed" for a fenced write, "expired"
+	// when the lease ran out locally.
+	Op string
+	// Err is the *FencedError, or ErrLeaseExpired.
+	Err error
+}
+
+// LeaseProcessor runs lease-mode handlers: handlers whose effect lives
+// outside the database, so the marker cannot share its transaction.
+//
+// For each delivery it claims (handler, message ID) with a lease and a
+// fencing token in one atomic statement, runs the handler while a heartbeat
+// extends the lease, and marks the row done — or failed, with a retry time
+// from the backoff. Heartbeat, done and failed are refused (a *FencedError)
+// once another worker has claimed the message since; the handler's context
+// is cancelled as soon as the lease is lost. No transaction stays open while
+// the handler runs.
+//
+// This is at-least-once plus dedup, not exactly-once: a worker that dies
+// after the effect and before done leaves a lease that expires after the TTL,
+// and the next claim runs the handler again with the same idempotency key.
+// The effect happens once only if the downstream honours that key. See
+// docs/lease-mode.md.
+//
+// It is safe for concurrent use.
+type LeaseProcessor struct {
+	drv       driver.LeaseDriver
+	cfg       LeaseConfig
+	onOutcome []HookOutcome
+	onLost    []HookLeaseLost
+}
+
+// NewLeaseProcessor returns a LeaseProcessor over drv. It does not migrate
+// the schema. Invalid configuration gives an error matching
+// ErrInvalidConfig.
+func NewLeaseProcessor(drv driver.LeaseDriver, cfg *LeaseConfig) (*LeaseProcessor, error) {
+	if drv == nil {
+		return nil, fmt.Errorf("%w: nil lease driver", ErrInvalidConfig)
+	}
+	if cfg == nil {
+		cfg = &LeaseConfig{}
+	}
+	rc, err := cfg.resolve()
+	if err != nil {
+		return nil, err
+	}
+	p := &LeaseProcessor{drv: drv, cfg: rc}
+	for i, h := range rc.Hooks {
+		o, isOutcome := h.(HookOutcome)
+		l, isLost := h.(HookLeaseLost)
+		if !isOutcome && !isLost {
+			return nil, fmt.Errorf("%w: Hooks[%d] (%T) implements no Hook interface", ErrInvalidConfig, i, h)
+		}
+		if isOutcome {
+			p.onOutcome = append(p.onOutcome, o)
+		}
+		if isLost {
+			p.onLost = append(p.onLost, l)
+		}
+	}
+	return p, nil
+}
+
+// Config returns the configuration in effect, defaults filled in.
+func (p *LeaseProcessor) Config() LeaseConfig { return p.cfg }
+
+// Process runs msg through h under a lease. Outcomes:
+//
+//   - Applied, nil: the handler returned nil and the row is marked done.
+//     Acknowledge the delivery.
+//   - Duplicate, nil: the row was already done; the handler was not called.
+//     Acknowledge.
+//   - InFlight, nil: another worker holds a live lease, or the last
+//     attempt failed and its retry time has not come. Do not acknowledge:
+//     redeliver later.
+//   - Conflict, *ConflictError: the row holds a different payload hash;
+//     never applied. Dead-letter, then acknowledge.
+//   - OutcomeNone, error: nothing is done. The handler's error (the row is
+//     marked failed and retried after the backoff), a *PanicError, a
+//     *FencedError (the lease was lost: another worker has the message), a
+//     store error, or a *ValidationError. IsPermanent reports the errors
+//     not worth retrying (Permanent handler errors, MaxAttempts reached,
+//     ErrFailedPermanently, validation): dead-letter those.
+func (p *LeaseProcessor) Process(ctx context.Context, h *LeaseHandler, msg *Message) (Outcome, error) {
+	start := time.Now()
+	out, err := p.process(ctx, h, msg)
+	if len(p.onOutcome) > 0 {
+		ev := &OutcomeEvent{Outcome: out, Err: err, Duration: time.Since(start), BatchSize: 1}
+		if h != nil {
+			ev.Handler = h.Name
+		}
+		if msg != nil {
+			ev.MessageID = msg.ID
+		}
+		for _, hk := range p.onOutcome {
+			hk.OnOutcome(ctx, ev)
+		}
+	}
+	return out, err
+}
+
+func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Message) (Outcome, error) {
+	if h == nil {
+		return OutcomeNone, fmt.Errorf("%w: nil lease handler", ErrInvalidConfig)
+	}
+	if err := ValidateHandlerName(h.Name); err != nil {
+		return OutcomeNone, err
+	}
+	if h.Call == nil {
+		return OutcomeNone, fmt.Errorf("%w: lease handler %q has no Call", ErrInvalidConfig, h.Name)
+	}
+	if err := msg.Validate(); err != nil {
+		return OutcomeNone, err
+	}
+	hash := msg.PayloadHash()
+	sent := time.Now()
+	res, err := p.drv.LeaseClaim(ctx, &driver.LeaseClaimParams{
+		Handler: h.Name, MessageID: msg.ID, PayloadHash: hash, Owner: p.cfg.Owner, TTL: p.cfg.TTL,
+	})
+	if err != nil {
+		return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: claim lease: %w", h.Name, msg.ID, err)
+	}
+	if !res.Claimed {
+		return p.notClaimed(h, msg.ID, hash, res.Existing)
+	}
+	p.fault(FaultAfterClaim)
+
+	l := &Lease{Token: res.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: res.Attempt}
+	hctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	k := p.keep(ctx, cancel, h.Name, msg.ID, l, sent)
+	herr := callLease(hctx, h, l, msg)
+	k.stop()
+	if herr == nil {
+		return p.complete(ctx, h, msg, l)
+	}
+	return p.fail(ctx, h, msg, l, herr)
+}
+
+// notClaimed decides the outcome of a claim that found a row it could not
+// take over.
+func (p *LeaseProcessor) notClaimed(h *LeaseHandler, id string, hash []byte, row *driver.LeaseRow) (Outcome, error) {
+	if row == nil {
+		// Gone between the claim and the read: try again later.
+		return InFlight, nil
+	}
+	if !bytes.Equal(row.PayloadHash, hash) {
+		return payloadConflict(p.cfg.Logger, h.Name, h.OnConflict, id, hash, row.PayloadHash)
+	}
+	switch row.Status {
+	case driver.LeaseDone:
+		return Duplicate, nil
+	case driver.LeaseRunning:
+		return InFlight, nil
+	case driver.LeaseFailed:
+		if row.NextAttemptAt.IsZero() {
+			return OutcomeNone, &PermanentError{Err: fmt.Errorf("%w: handler %q, message %q, after %d attempts: %s",
+				ErrFailedPermanently, h.Name, id, row.Attempts, row.LastError)}
+		}
+		return InFlight, nil
+	}
+	return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: unknown lease status %q", h.Name, id, row.Status)
+}
+
+func callLease(ctx context.Context, h *LeaseHandler, l *Lease, msg *Message) (err error) {
+	defer recoverPanic(&err)
+	if err = h.Call(ctx, l, msg); err != nil {
+		return handlerError(h.Name, err)
+	}
+	return nil
+}
+
+// complete marks the row done.
+func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease) (Outcome, error) {
+	p.fault(FaultBeforeDone)
+	wctx, cancel := p.writeContext(ctx)
+	defer cancel()
+	res, err := p.drv.LeaseComplete(wctx, &driver.LeaseCompleteParams{Handler: h.Name, MessageID: msg.ID, Token: l.Token})
+	if err != nil {
+		return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done: %w", h.Name, msg.ID, err)
+	}
+	if !res.OK {
+		fe := fencedError("done", h.Name, msg.ID, l.Token, res.Current)
+		p.fenced(ctx, l, fe)
+		return OutcomeNone, fe
+	}
+	p.fault(FaultAfterDone)
+	return Applied, nil
+}
+
+// fail marks the row failed with a retry time, or permanently.
+func (p *LeaseProcessor) fail(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error) (Outcome, error) {
+	permanent := IsPermanent(herr)
+	shutdown := ctx.Err() != nil
+	exhausted := !permanent && !shutdown && p.cfg.MaxAttempts > 0 && l.Attempt >= p.cfg.MaxAttempts
+	var retryIn time.Duration
+	if !shutdown {
+		// A worker shutting down hands the message on at once instead.
+		retryIn = p.backoff(l.Attempt)
+	}
+	p.fault(FaultBeforeFail)
+	wctx, cancel := p.writeContext(ctx)
+	defer cancel()
+	res, err := p.drv.LeaseFail(wctx, &driver.LeaseFailParams{
+		Handler: h.Name, MessageID: msg.ID, Token: l.Token,
+		LastError: lastErrorText(herr), RetryIn: retryIn, Permanent: permanent || exhausted,
+	})
+	if err != nil {
+		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", herr, err)
+	}
+	if !res.OK {
+		fe := fencedError("failed", h.Name, msg.ID, l.Token, res.Current)
+		p.fenced(ctx, l, fe)
+		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", herr, fe)
+	}
+	if exhausted {
+		return OutcomeNone, &PermanentError{Err: fmt.Errorf("idem: gave up after %d attempts: %w", l.Attempt, herr)}
+	}
+	return OutcomeNone, herr
+}
+
+// writeContext bounds a done or failed write. It survives the caller's
+// cancellation, so that a worker shutting down still records what its
+// handler did; past the TTL the lease is gone anyway.
+func (p *LeaseProcessor) writeContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), p.cfg.TTL)
+}
+
+// backoff returns the delay before attempt+1 may run: full jitter over an
+// exponential ceiling.
+func (p *LeaseProcessor) backoff(attempt int) time.Duration {
+	ceiling := p.cfg.BackoffBase
+	for i := 1; i < attempt && ceiling < p.cfg.BackoffMax; i++ {
+		if ceiling > p.cfg.BackoffMax/2 {
+			ceiling = p.cfg.BackoffMax
+			break
+		}
+		ceiling *= 2
+	}
+	ceiling = min(ceiling, p.cfg.BackoffMax)
+	if ceiling < math.MaxInt64 {
+		ceiling++ // rand.N's range is half-open: include the ceiling
+	}
+	return rand.N(ceiling)
+}
+
+func (p *LeaseProcessor) fault(point string) {
+	if p.cfg.FaultHook != nil {
+		p.cfg.FaultHook(point)
+	}
+}
+
+// fenced reports a write refused as fenced.
+func (p *LeaseProcessor) fenced(ctx context.Context, l *Lease, fe *FencedError) {
+	p.lost(ctx, &LeaseLostEvent{Handler: fe.Handler, MessageID: fe.MessageID, Owner: l.Owner, Token: l.Token, Op: fe.Op, Err: fe})
+}
+
+// lost reports a lost lease to the log and the hooks.
+func (p *LeaseProcessor) lost(ctx context.Context, ev *LeaseLostEvent) {
+	p.cfg.Logger.Warn("idem: lease lost", slog.String("handler", ev.Handler), slog.String("message_id", ev.MessageID),
+		slog.String("op", ev.Op), slog.Int64("token", ev.Token), slog.Any("error", ev.Err))
+	for _, hk := range p.onLost {
+		hk.OnLeaseLost(ctx, ev)
+	}
+}
+
+func fencedError(op, handler, id string, token int64, cur *driver.LeaseRow) *FencedError {
+	fe := &FencedError{Op: op, Handler: handler, MessageID: id, Token: token, CurrentStatus: "missing"}
+	if cur != nil {
+		fe.CurrentToken, fe.CurrentOwner, fe.CurrentStatus = cur.Token, cur.Owner, string(cur.Status)
+	}
+	return fe
+}
+
+// lastErrorText makes err storable: valid UTF-8, no NUL, bounded.
+func lastErrorText(err error) string {
+	s := strings.ToValidUTF8(err.Error(), "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\uFFFD")
+	if len(s) <= maxLastErrorLen {
+		return s
+	}
+	cut := maxLastErrorLen
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "…"
+}
+
+// keeper heartbeats one lease while its handler runs and cancels the
+// handler's context when the lease is lost: at once when a heartbeat is
+// fenced, and when TTL has passed since the last claim or heartbeat was sent
+// without a renewal (the store computes the expiry from a later instant, so
+// the local deadline is never later than the store's).
+type keeper struct {
+	p       *LeaseProcessor
+	ctx     context.Context // the caller's: for the store and hooks, never cancelled by the keeper
+	cancel  context.CancelCauseFunc
+	handler string
+	id      string
+	lease   *Lease
+
+	mu       sync.Mutex
+	deadline time.Time
+	timer    *time.Timer
+	over     bool // expired or stopped: no more cancellations or reports
+	expiring bool // expire took the lease: stop waits for expired
+
+	stopc   chan struct{}
+	done    chan struct{}
+	expired chan struct{} // closed when expire has cancelled and reported
+}
+
+func (p *LeaseProcessor) keep(ctx context.Context, cancel context.CancelCauseFunc, handler, id string, l *Lease, sent time.Time) *keeper {
+	k := &keeper{p: p, ctx: ctx, cancel: cancel, handler: handler, id: id, lease: l,
+		deadline: sent.Add(p.cfg.TTL), stopc: make(chan struct{}), done: make(chan struct{}), expired: make(chan struct{})}
+	k.mu.Lock()
+	k.timer = time.AfterFunc(time.Until(k.deadline), k.expire)
+	k.mu.Unlock()
+	go k.run()
+	return k
+}
+
+func (k *keeper) run() {
+	defer close(k.done)
+	t := time.NewTicker(k.p.cfg.Heartbeat)
+	defer t.Stop()
+	for {
+		select {
+		case <-k.stopc:
+			return
+		case <-t.C:
+		}
+		k.p.fault(FaultBeforeHeartbeat)
+		select {
+		case <-k.stopc:
+			return
+		default:
+		}
+		sent := time.Now()
+		// A slow heartbeat is still worth waiting for while the lease
+		// lasts: bound it by the local deadline, and by at least one
+		// interval once that has passed.
+		hctx, cancel := context.WithTimeout(context.WithoutCancel(k.ctx), max(k.remaining(), k.p.cfg.Heartbeat))
+		res, err := k.p.drv.LeaseHeartbeat(hctx, &driver.LeaseHeartbeatParams{
+			Handler: k.handler, MessageID: k.id, Token: k.lease.Token, TTL: k.p.cfg.TTL,
+		})
+		cancel()
+		switch {
+		case err != nil:
+			k.p.cfg.Logger.Warn("idem: lease heartbeat failed; retrying at the next interval",
+				slog.String("handler", k.handler), slog.String("message_id", k.id), slog.Any("error", err))
+		case !res.OK:
+			fe := fencedError("heartbeat", k.handler, k.id, k.lease.Token, res.Current)
+			k.cancel(fe)
+			k.p.fenced(k.ctx, k.lease, fe)
+			return
+		default:
+			k.extend(sent.Add(k.p.cfg.TTL))
+		}
+	}
+}
+
+// remaining is the time left until the local deadline.
+func (k *keeper) remaining() time.Duration {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return time.Until(k.deadline)
+}
+
+// extend moves the local deadline after a successful heartbeat, unless the
+// lease already expired locally (the handler's context stays cancelled).
+func (k *keeper) extend(deadline time.Time) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.over {
+		return
+	}
+	k.deadline = deadline
+	k.timer.Reset(time.Until(deadline))
+}
+
+func (k *keeper) expire() {
+	k.mu.Lock()
+	if k.over || time.Now().Before(k.deadline) {
+		// Stopped, or a heartbeat extended the lease as the timer fired.
+		k.mu.Unlock()
+		return
+	}
+	k.over = true
+	k.expiring = true
+	k.mu.Unlock()
+	defer close(k.expired)
+	k.cancel(ErrLeaseExpired)
+	k.p.lost(k.ctx, &LeaseLostEvent{Handler: k.handler, MessageID: k.id, Owner: k.lease.Owner, Token: k.lease.Token,
+		Op: "expired", Err: ErrLeaseExpired})
+}
+
+// stop ends the heartbeats and the expiry timer and waits for the heartbeat
+// goroutine, so that no heartbeat races the done or failed write. If the
+// lease already expired it also waits for the expiry to be reported, so the
+// report always precedes Process returning.
+func (k *keeper) stop() {
+	close(k.stopc)
+	<-k.done
+	k.mu.Lock()
+	k.over = true
+	k.timer.Stop()
+	expiring := k.expiring
+	k.mu.Unlock()
+	if expiring {
+		<-k.expired
+	}
+}

@@ -1,0 +1,114 @@
+package idem
+
+import (
+	"crypto/sha256"
+	"fmt"
+	"time"
+	"unicode/utf8"
+)
+
+// MaxIDLen is the maximum length of a message ID, in bytes.
+const MaxIDLen = 255
+
+// MaxHandlerNameLen is the maximum length of a handler name, in bytes.
+const MaxHandlerNameLen = 128
+
+// Message is the envelope idem processes. Broker adapters map their
+// deliveries into it; a user-supplied decode function may do it instead.
+//
+// Only ID is required. The payload hash that detects "same ID, different
+// payload" covers Payload alone: metadata such as Headers and Time may differ
+// between redeliveries without being a conflict.
+type Message struct {
+	// ID identifies the message across redeliveries: 1–255 bytes of valid
+	// UTF-8 with no NUL byte. Required.
+	ID string
+	// Stream names where the message came from (topic, subject). Optional.
+	Stream string
+	// Type names the kind of event, for example "FundsCredited". Optional.
+	Type string
+	// AggregateID identifies the entity the event belongs to. Optional;
+	// compared byte-for-byte.
+	AggregateID string
+	// Seq is the per-aggregate sequence number (≥ 1), or 0 when absent.
+	Seq int64
+	// Payload is the message body.
+	Payload []byte
+	// Headers carries broker metadata.
+	Headers map[string]string
+	// Time is when the event happened, if known.
+	Time time.Time
+}
+
+// Validate reports whether m is a well-formed envelope. The error is a
+// *ValidationError matching ErrInvalidMessage.
+func (m *Message) Validate() error {
+	if m == nil {
+		return &ValidationError{Field: "message", Reason: "is nil", err: ErrInvalidMessage}
+	}
+	if reason := checkText(m.ID, MaxIDLen); reason != "" {
+		return &ValidationError{Field: "ID", Reason: reason, Value: m.ID, err: ErrInvalidMessage}
+	}
+	if m.Seq < 0 {
+		return &ValidationError{Field: "Seq", Reason: fmt.Sprintf("is %d; must be ≥ 1, or 0 when absent", m.Seq), err: ErrInvalidMessage}
+	}
+	if m.Seq > 0 && m.AggregateID == "" {
+		return &ValidationError{Field: "AggregateID", Reason: "is empty but Seq is set", err: ErrInvalidMessage}
+	}
+	if m.AggregateID != "" {
+		if reason := checkText(m.AggregateID, MaxIDLen); reason != "" {
+			return &ValidationError{Field: "AggregateID", Reason: reason, Value: m.AggregateID, err: ErrInvalidMessage}
+		}
+	}
+	return nil
+}
+
+// PayloadHash returns the SHA-256 of the payload: the value stored with the
+// marker and compared on redelivery.
+func (m *Message) PayloadHash() []byte {
+	sum := sha256.Sum256(m.Payload)
+	return sum[:]
+}
+
+// checkText returns why s is not an acceptable identifier, or "".
+func checkText(s string, maxLen int) string {
+	switch {
+	case len(s) == 0:
+		return "is empty"
+	case len(s) > maxLen:
+		return fmt.Sprintf("is %d bytes; the maximum is %d", len(s), maxLen)
+	case !utf8.ValidString(s):
+		return "is not valid UTF-8"
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return fmt.Sprintf("contains a NUL byte at offset %d", i)
+		}
+	}
+	return ""
+}
+
+// ValidateHandlerName reports whether name is an acceptable handler name:
+// 1–128 bytes of ASCII letters, digits and the punctuation . _ - : /
+//
+// Handler names are stored with every marker, so they must be stable
+// strings chosen by the user, never derived from Go identifiers: a refactor
+// must not orphan markers. The error is a *ValidationError matching
+// ErrInvalidHandlerName.
+func ValidateHandlerName(name string) error {
+	if len(name) == 0 {
+		return &ValidationError{Field: "handler name", Reason: "is empty", err: ErrInvalidHandlerName}
+	}
+	if len(name) > MaxHandlerNameLen {
+		return &ValidationError{Field: "handler name", Reason: fmt.Sprintf("is %d bytes; the maximum is %d", len(name), MaxHandlerNameLen), Value: name, err: ErrInvalidHandlerName}
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
+			c == '.' || c == '_' || c == '-' || c == ':' || c == '/'
+		if !ok {
+			return &ValidationError{Field: "handler name", Reason: fmt.Sprintf("has %q at offset %d; allowed are ASCII letters, digits and . _ - : /", c, i), Value: name, err: ErrInvalidHandlerName}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,129 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemhq/idem/driver"
+)
+
+var _ driver.LeaseDriver = (*Driver)(nil)
+
+// Lease mode on Postgres runs every operation as one auto-committed
+// statement on a pooled connection, never inside a transaction that stays
+// open while the handler runs. Every time comes from the database's clock
+// (now()), so workers on different hosts agree on when a lease expires
+// whatever their own clocks say. Durations travel as microseconds.
+
+// leaseClaimSQL is one atomic statement: a concurrent claim of the same key
+// waits on the primary key (or the row lock) and then evaluates the WHERE
+// against the committed winner, so only one claimer gets a row back.
+const leaseClaimSQL = `INSERT INTO %[1]s AS t
+    (handler, message_id, payload_hash, status, owner, lease_until, token, attempts)
+VALUES ($1, $2, $3, 'running', $4, now() + $5::bigint * interval '1 microsecond', 1, 1)
+ON CONFLICT (handler, message_id) DO UPDATE SET
+    status = 'running', owner = excluded.owner, lease_until = excluded.lease_until,
+    token = t.token + 1, attempts = t.attempts + 1, next_attempt_at = NULL
+WHERE t.payload_hash = excluded.payload_hash
+  AND ((t.status = 'running' AND t.lease_until <= now())
+    OR (t.status = 'failed' AND t.next_attempt_at <= now()))
+RETURNING t.token, t.attempts, t.lease_until`
+
+// LeaseClaim implements driver.LeaseDriver.
+func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (driver.LeaseClaimResult, error) {
+	var res driver.LeaseClaimResult
+	err := d.pool.QueryRow(ctx, fmt.Sprintf(leaseClaimSQL, d.t.processed),
+		p.Handler, p.MessageID, p.PayloadHash, p.Owner, p.TTL.Microseconds()).Scan(&res.Token, &res.Attempt, &res.LeaseUntil)
+	switch {
+	case err == nil:
+		res.Claimed = true
+		return res, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return driver.LeaseClaimResult{}, fmt.Errorf("postgres: claim lease: %w", err)
+	}
+	row, err := d.LeaseGet(ctx, &driver.LeaseGetParams{Handler: p.Handler, MessageID: p.MessageID})
+	if err != nil {
+		return driver.LeaseClaimResult{}, err
+	}
+	return driver.LeaseClaimResult{Existing: row}, nil
+}
+
+// LeaseHeartbeat implements driver.LeaseDriver.
+func (d *Driver) LeaseHeartbeat(ctx context.Context, p *driver.LeaseHeartbeatParams) (driver.LeaseWriteResult, error) {
+	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+` SET lease_until = now() + $4::bigint * interval '1 microsecond'
+WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
+		p.Handler, p.MessageID, p.Token, p.TTL.Microseconds())
+	return d.fencedWrite(ctx, "heartbeat", p.Handler, p.MessageID, tag, err)
+}
+
+// LeaseComplete implements driver.LeaseDriver.
+func (d *Driver) LeaseComplete(ctx context.Context, p *driver.LeaseCompleteParams) (driver.LeaseWriteResult, error) {
+	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+`
+SET status = 'done', lease_until = NULL, next_attempt_at = NULL, last_error = NULL, processed_at = now()
+WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
+		p.Handler, p.MessageID, p.Token)
+	return d.fencedWrite(ctx, "mark done", p.Handler, p.MessageID, tag, err)
+}
+
+// LeaseFail implements driver.LeaseDriver.
+func (d *Driver) LeaseFail(ctx context.Context, p *driver.LeaseFailParams) (driver.LeaseWriteResult, error) {
+	var retryIn *int64 // NULL: never again
+	if !p.Permanent {
+		us := p.RetryIn.Microseconds()
+		retryIn = &us
+	}
+	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+`
+SET status = 'failed', lease_until = NULL, last_error = $4,
+    next_attempt_at = now() + $5::bigint * interval '1 microsecond'
+WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
+		p.Handler, p.MessageID, p.Token, p.LastError, retryIn)
+	return d.fencedWrite(ctx, "mark failed", p.Handler, p.MessageID, tag, err)
+}
+
+// fencedWrite turns the result of a token-guarded UPDATE into a
+// LeaseWriteResult, reading the current row when the token was stale.
+func (d *Driver) fencedWrite(ctx context.Context, op, handler, id string, tag pgconn.CommandTag, err error) (driver.LeaseWriteResult, error) {
+	if err != nil {
+		return driver.LeaseWriteResult{}, fmt.Errorf("postgres: lease %s: %w", op, err)
+	}
+	if tag.RowsAffected() == 1 {
+		return driver.LeaseWriteResult{OK: true}, nil
+	}
+	row, err := d.LeaseGet(ctx, &driver.LeaseGetParams{Handler: handler, MessageID: id})
+	if err != nil {
+		return driver.LeaseWriteResult{}, err
+	}
+	return driver.LeaseWriteResult{Current: row}, nil
+}
+
+// LeaseGet implements driver.LeaseDriver.
+func (d *Driver) LeaseGet(ctx context.Context, p *driver.LeaseGetParams) (*driver.LeaseRow, error) {
+	var (
+		row               driver.LeaseRow
+		status            string
+		leaseUntil, nextA *time.Time
+	)
+	err := d.pool.QueryRow(ctx, `SELECT status, payload_hash, coalesce(owner, ''), token, attempts,
+    lease_until, next_attempt_at, coalesce(last_error, ''), now()
+FROM `+d.t.processed+` WHERE handler = $1 AND message_id = $2`, p.Handler, p.MessageID).Scan(
+		&status, &row.PayloadHash, &row.Owner, &row.Token, &row.Attempts, &leaseUntil, &nextA, &row.LastError, &row.Now)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("postgres: read lease: %w", err)
+	}
+	row.Status = driver.LeaseStatus(status)
+	if leaseUntil != nil {
+		row.LeaseUntil = *leaseUntil
+	}
+	if nextA != nil {
+		row.NextAttemptAt = *nextA
+	}
+	return &row, nil
+}

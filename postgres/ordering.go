@@ -1,0 +1,121 @@
+package postgres
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemhq/idem/driver"
+)
+
+var (
+	_ driver.SequenceGuard[Tx] = (*Driver)(nil)
+	_ driver.VersionStore[Tx]  = (*Driver)(nil)
+)
+
+// SequenceAdvance implements driver.SequenceGuard. The in-order case is one
+// statement: an upsert whose conflict branch only fires when the stored
+// sequence is the one before (it waits on a concurrent transaction's row
+// lock and re-checks the committed value). Anything else ensures the row
+// exists, locks it and reads it in one round trip, then decides.
+func (d *Driver) SequenceAdvance(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
+	var last int64
+	err := tx.QueryRow(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq)
+SELECT $1, $2, $3::bigint WHERE $3::bigint = 1 OR $4::boolean
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq
+WHERE s.last_seq = excluded.last_seq - 1 OR ($4::boolean AND s.last_seq < excluded.last_seq)
+RETURNING last_seq`, p.Handler, p.AggregateID, p.Seq, p.AllowGap).Scan(&last)
+	if err == nil {
+		return driver.SequenceAdvanceResult{Advanced: true}, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return driver.SequenceAdvanceResult{}, err
+	}
+	// Out of order, or a new aggregate starting past 1. Creating the row
+	// first makes a concurrent creator's insert wait for ours (and ours for
+	// it), so the locked read below sees every committed predecessor.
+	b := &pgx.Batch{}
+	b.Queue(`INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES ($1, $2, 0) ON CONFLICT DO NOTHING`, p.Handler, p.AggregateID)
+	b.Queue(`SELECT last_seq FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate_id = $2 FOR UPDATE`, p.Handler, p.AggregateID)
+	br := tx.SendBatch(ctx, b)
+	_, err = br.Exec()
+	if err == nil {
+		err = br.QueryRow().Scan(&last)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return driver.SequenceAdvanceResult{}, err
+	}
+	if p.Seq == last+1 || (p.AllowGap && p.Seq > last) {
+		if _, err := tx.Exec(ctx, `UPDATE `+d.t.sequences+` SET last_seq = $3 WHERE handler = $1 AND aggregate_id = $2`,
+			p.Handler, p.AggregateID, p.Seq); err != nil {
+			return driver.SequenceAdvanceResult{}, err
+		}
+		return driver.SequenceAdvanceResult{Advanced: true}, nil
+	}
+	return driver.SequenceAdvanceResult{Last: last}, nil
+}
+
+// GapSighting implements driver.SequenceGuard on the database clock.
+func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (driver.GapSightingResult, error) {
+	var r driver.GapSightingResult
+	err := d.pool.QueryRow(ctx, `INSERT INTO `+d.t.gaps+` AS g (handler, aggregate_id, seq) VALUES ($1, $2, $3)
+ON CONFLICT (handler, aggregate_id, seq) DO UPDATE SET first_seen_at = g.first_seen_at
+RETURNING first_seen_at, now()`, p.Handler, p.AggregateID, p.Seq).Scan(&r.FirstSeen, &r.Now)
+	return r, err
+}
+
+// VersionNext implements driver.VersionStore with one upsert; the row lock
+// it takes lasts until tx ends, so concurrent allocators queue and a
+// rollback gives the number back.
+func (d *Driver) VersionNext(ctx context.Context, tx Tx, p *driver.VersionParams) (int64, error) {
+	var v int64
+	err := tx.QueryRow(ctx, `INSERT INTO `+d.t.versions+` AS v (stream, aggregate_id, version) VALUES ($1, $2, 1)
+ON CONFLICT (stream, aggregate_id) DO UPDATE SET version = v.version + 1
+RETURNING version`, p.Stream, p.AggregateID).Scan(&v)
+	return v, err
+}
+
+// VersionAdvance implements driver.VersionStore with one conditional
+// statement; the current version is read only to report a mismatch.
+func (d *Driver) VersionAdvance(ctx context.Context, tx Tx, p *driver.VersionParams) (bool, int64, error) {
+	var (
+		v   int64
+		err error
+	)
+	if p.Expected == 0 {
+		err = tx.QueryRow(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES ($1, $2, 1)
+ON CONFLICT DO NOTHING RETURNING version`, p.Stream, p.AggregateID).Scan(&v)
+	} else {
+		err = tx.QueryRow(ctx, `UPDATE `+d.t.versions+` SET version = version + 1
+WHERE stream = $1 AND aggregate_id = $2 AND version = $3 RETURNING version`, p.Stream, p.AggregateID, p.Expected).Scan(&v)
+	}
+	if err == nil {
+		return true, v, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return false, 0, err
+	}
+	err = tx.QueryRow(ctx, `SELECT version FROM `+d.t.versions+` WHERE stream = $1 AND aggregate_id = $2`, p.Stream, p.AggregateID).Scan(&v)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, 0, nil
+	}
+	if err != nil {
+		return false, 0, fmt.Errorf("postgres: read version: %w", err)
+	}
+	return false, v, nil
+}
+
+// VersionCurrent implements driver.VersionStore.
+func (d *Driver) VersionCurrent(ctx context.Context, tx Tx, p *driver.VersionParams) (int64, error) {
+	var v int64
+	err := tx.QueryRow(ctx, `SELECT version FROM `+d.t.versions+` WHERE stream = $1 AND aggregate_id = $2`, p.Stream, p.AggregateID).Scan(&v)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
+	}
+	return v, err
+}

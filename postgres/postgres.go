@@ -1,0 +1,379 @@
+// Package postgres is idem's production store driver, on pgx v5.
+//
+//	pool, err := pgxpool.New(ctx, "postgres://…")
+//	drv, err := postgres.New(pool, &postgres.Config{Schema: "app"})
+//	err = drv.Migrate(ctx)
+//	proc, err := idem.NewProcessor(drv, nil)
+//
+// Handlers receive a postgres.Tx: the transaction that holds the marker.
+// pgx.Tx satisfies it, so ProcessTx accepts a transaction the caller began
+// with pool.Begin.
+//
+// For Process the driver sends BEGIN and the marker INSERT in one round trip
+// (a pgx batch), which is why the transaction type is the Tx interface rather
+// than pgx.Tx itself.
+//
+// Isolation: transactions run at the server's default isolation (READ
+// COMMITTED unless configured otherwise). A concurrent delivery of the same
+// ID blocks on the primary key until the first transaction ends, then sees
+// its committed marker and reports Duplicate.
+package postgres
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/migrations"
+	"github.com/idemhq/idem/internal/sqlident"
+)
+
+//go:embed migrations/*.sql
+var migrationFS embed.FS
+
+// Tx is the transaction a handler receives. pgx.Tx satisfies it, and so
+// does the subset of it that sqlc-generated code needs (DBTX).
+type Tx interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+	CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error)
+	// Conn returns the underlying connection.
+	Conn() *pgx.Conn
+}
+
+// Config configures the driver. The zero value is valid.
+type Config struct {
+	// Schema holds idem's tables. It must match [a-z_][a-z0-9_]* (at most
+	// 40 bytes); Migrate creates it if missing. Default: none, so tables
+	// resolve through the connection's search_path.
+	Schema string
+	// TablePrefix is prepended to every table name, with the same rules.
+	// Default "idem_".
+	TablePrefix string
+}
+
+// Driver implements driver.Driver[postgres.Tx].
+type Driver struct {
+	pool   *pgxpool.Pool
+	schema string
+	prefix string
+	t      tables
+	sql    statements
+}
+
+type tables struct {
+	processed, migrations     string
+	sequences, gaps, versions string
+}
+
+type statements struct {
+	insertMarker, selectHash, insertMarkers, selectHashes string
+}
+
+var (
+	_ driver.Driver[Tx]              = (*Driver)(nil)
+	_ driver.BeginMarkerInserter[Tx] = (*Driver)(nil)
+)
+
+// New returns a driver over pool. It does not touch the database until
+// Migrate or the first transaction.
+func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: postgres: nil pool", idem.ErrInvalidConfig)
+	}
+	if cfg == nil {
+		cfg = &Config{}
+	}
+	prefix := cfg.TablePrefix
+	if prefix == "" {
+		prefix = "idem_"
+	}
+	if err := sqlident.Check("postgres: Schema", cfg.Schema, true); err != nil {
+		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
+	}
+	if err := sqlident.Check("postgres: TablePrefix", prefix, false); err != nil {
+		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
+	}
+	d := &Driver{pool: pool, schema: cfg.Schema, prefix: prefix}
+	d.t = tables{
+		processed:  sqlident.Qualified(cfg.Schema, prefix+"processed"),
+		migrations: sqlident.Qualified(cfg.Schema, prefix+"migrations"),
+		sequences:  sqlident.Qualified(cfg.Schema, prefix+"sequences"),
+		gaps:       sqlident.Qualified(cfg.Schema, prefix+"gaps"),
+		versions:   sqlident.Qualified(cfg.Schema, prefix+"versions"),
+	}
+	d.sql = statements{
+		insertMarker: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`,
+		selectHash:   `SELECT payload_hash FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = $2`,
+		insertMarkers: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash)
+SELECT $1, m.id, m.h FROM unnest($2::text[], $3::bytea[]) AS m(id, h)
+ON CONFLICT DO NOTHING RETURNING message_id`,
+		selectHashes: `SELECT message_id, payload_hash FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = ANY($2::text[])`,
+	}
+	return d, nil
+}
+
+// Pool returns the pool the driver uses.
+func (d *Driver) Pool() *pgxpool.Pool { return d.pool }
+
+// Migrate creates the schema if configured and applies the embedded
+// migrations not yet recorded, all in one transaction under an advisory
+// lock, so concurrent calls from several instances are safe.
+func (d *Driver) Migrate(ctx context.Context) error {
+	ms, err := migrations.Load(migrationFS, "migrations", strings.NewReplacer(
+		"{{processed}}", d.t.processed,
+		"{{processed_at_idx}}", sqlident.Quote(d.prefix+"processed_at_brin"),
+		"{{sequences}}", d.t.sequences,
+		"{{gaps}}", d.t.gaps,
+		"{{versions}}", d.t.versions,
+	))
+	if err != nil {
+		return fmt.Errorf("postgres: load migrations: %w", err)
+	}
+	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "idem-migrate:"+d.schema+"."+d.prefix); err != nil {
+			return fmt.Errorf("postgres: migration lock: %w", err)
+		}
+		if d.schema != "" {
+			if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+sqlident.Quote(d.schema)); err != nil {
+				return fmt.Errorf("postgres: create schema: %w", err)
+			}
+		}
+		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
+			` (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+			return fmt.Errorf("postgres: create migrations table: %w", err)
+		}
+		for _, m := range ms {
+			var done bool
+			if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+d.t.migrations+` WHERE version = $1)`, m.Version).Scan(&done); err != nil {
+				return fmt.Errorf("postgres: migration %s: %w", m.Name, err)
+			}
+			if done {
+				continue
+			}
+			if _, err := tx.Exec(ctx, m.SQL); err != nil {
+				return fmt.Errorf("postgres: migration %s: %w", m.Name, err)
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO `+d.t.migrations+` (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
+				return fmt.Errorf("postgres: migration %s: %w", m.Name, err)
+			}
+		}
+		return nil
+	})
+}
+
+// connTx is a transaction on a pooled connection that the driver began
+// itself. It lets BEGIN travel in the same round trip as the first INSERT,
+// which pgx.Tx cannot represent.
+type connTx struct {
+	c *pgxpool.Conn
+}
+
+func (t *connTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return t.c.Exec(ctx, sql, args...)
+}
+
+func (t *connTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return t.c.Query(ctx, sql, args...)
+}
+
+func (t *connTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return t.c.QueryRow(ctx, sql, args...)
+}
+
+func (t *connTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return t.c.SendBatch(ctx, b)
+}
+
+func (t *connTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
+	return t.c.CopyFrom(ctx, table, columns, src)
+}
+
+func (t *connTx) Conn() *pgx.Conn { return t.c.Conn() }
+
+// end finishes the transaction with sql ("commit" or "rollback") and returns
+// the connection to the pool. A connection left inside a transaction (after
+// an error) is destroyed by the pool rather than reused.
+func (t *connTx) end(ctx context.Context, sql string) (pgconn.CommandTag, error) {
+	if t.c == nil {
+		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
+	tag, err := t.c.Exec(ctx, sql)
+	t.c.Release()
+	t.c = nil
+	return tag, err
+}
+
+// ErrCommitRolledBack is returned by Commit when the server rolled the
+// transaction back instead (a statement in it had failed).
+var ErrCommitRolledBack = errors.New("postgres: commit was rolled back by the server")
+
+// Begin opens a transaction on a pooled connection.
+func (d *Driver) Begin(ctx context.Context) (Tx, error) {
+	c, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := c.Exec(ctx, "begin"); err != nil {
+		c.Release()
+		return nil, err
+	}
+	return &connTx{c: c}, nil
+}
+
+// BeginMarkerInsert opens a transaction and inserts the marker in one round
+// trip.
+func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertParams) (Tx, driver.MarkerInsertResult, error) {
+	c, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return nil, driver.MarkerInsertResult{}, err
+	}
+	tx := &connTx{c: c}
+	b := &pgx.Batch{}
+	b.Queue("begin")
+	b.Queue(d.sql.insertMarker, p.Handler, p.MessageID, p.PayloadHash)
+	br := c.SendBatch(ctx, b)
+	_, err = br.Exec()
+	var tag pgconn.CommandTag
+	if err == nil {
+		tag, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
+		return nil, driver.MarkerInsertResult{}, err
+	}
+	res, err := d.afterInsert(ctx, tx, tag, p)
+	if err != nil {
+		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
+		return nil, driver.MarkerInsertResult{}, err
+	}
+	return tx, res, nil
+}
+
+// Commit commits a transaction begun by this driver. If the server answers
+// ROLLBACK (the transaction had failed), it returns ErrCommitRolledBack.
+func (d *Driver) Commit(ctx context.Context, tx Tx) error {
+	ct, ok := tx.(*connTx)
+	if !ok {
+		if c, ok := tx.(interface{ Commit(context.Context) error }); ok {
+			return c.Commit(ctx)
+		}
+		return fmt.Errorf("postgres: Commit of a %T not begun by this driver", tx)
+	}
+	tag, err := ct.end(ctx, "commit")
+	if err != nil {
+		return err
+	}
+	if tag.String() == "ROLLBACK" {
+		return ErrCommitRolledBack
+	}
+	return nil
+}
+
+// Rollback rolls back a transaction begun by this driver.
+func (d *Driver) Rollback(ctx context.Context, tx Tx) error {
+	ct, ok := tx.(*connTx)
+	if !ok {
+		if r, ok := tx.(interface{ Rollback(context.Context) error }); ok {
+			if err := r.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+				return err
+			}
+			return nil
+		}
+		return fmt.Errorf("postgres: Rollback of a %T not begun by this driver", tx)
+	}
+	if ct.c == nil {
+		return nil
+	}
+	_, err := ct.end(ctx, "rollback")
+	return err
+}
+
+// MarkerInsert implements driver.Driver.
+func (d *Driver) MarkerInsert(ctx context.Context, tx Tx, p *driver.MarkerInsertParams) (driver.MarkerInsertResult, error) {
+	tag, err := tx.Exec(ctx, d.sql.insertMarker, p.Handler, p.MessageID, p.PayloadHash)
+	if err != nil {
+		return driver.MarkerInsertResult{}, err
+	}
+	return d.afterInsert(ctx, tx, tag, p)
+}
+
+func (d *Driver) afterInsert(ctx context.Context, tx Tx, tag pgconn.CommandTag, p *driver.MarkerInsertParams) (driver.MarkerInsertResult, error) {
+	if tag.RowsAffected() == 1 {
+		return driver.MarkerInsertResult{Inserted: true}, nil
+	}
+	var existing []byte
+	if err := tx.QueryRow(ctx, d.sql.selectHash, p.Handler, p.MessageID).Scan(&existing); err != nil {
+		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: read existing marker: %w", err)
+	}
+	return driver.MarkerInsertResult{ExistingHash: existing}, nil
+}
+
+// MarkerInsertMany inserts all markers with one multi-row INSERT … ON
+// CONFLICT DO NOTHING RETURNING (arrays unnested server-side, so a batch of
+// any size is one statement with three parameters), then reads the hashes of
+// the IDs that were already there.
+func (d *Driver) MarkerInsertMany(ctx context.Context, tx Tx, p *driver.MarkerInsertManyParams) ([]driver.MarkerInsertResult, error) {
+	rows, err := tx.Query(ctx, d.sql.insertMarkers, p.Handler, p.MessageIDs, p.PayloadHashes)
+	if err != nil {
+		return nil, err
+	}
+	inserted := make(map[string]struct{}, len(p.MessageIDs))
+	var id string
+	_, err = pgx.ForEachRow(rows, []any{&id}, func() error {
+		inserted[id] = struct{}{}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]driver.MarkerInsertResult, len(p.MessageIDs))
+	var missing []string
+	for i, mid := range p.MessageIDs {
+		if _, ok := inserted[mid]; ok {
+			out[i].Inserted = true
+		} else {
+			missing = append(missing, mid)
+		}
+	}
+	if len(missing) == 0 {
+		return out, nil
+	}
+	rows, err = tx.Query(ctx, d.sql.selectHashes, p.Handler, missing)
+	if err != nil {
+		return nil, err
+	}
+	existing := make(map[string][]byte, len(missing))
+	var h []byte
+	_, err = pgx.ForEachRow(rows, []any{&id, &h}, func() error {
+		existing[id] = h
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	for i, mid := range p.MessageIDs {
+		if out[i].Inserted {
+			continue
+		}
+		eh, ok := existing[mid]
+		if !ok {
+			return nil, fmt.Errorf("postgres: marker %q was neither inserted nor found", mid)
+		}
+		out[i].ExistingHash = eh
+	}
+	return out, nil
+}

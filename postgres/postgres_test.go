@@ -1,0 +1,224 @@
+package postgres_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
+)
+
+// openStore returns a store on a fresh schema. The pool allows more
+// connections than the suite's 32 goroutines, so their transactions really
+// contend on the same rows at once.
+func openStore(t testing.TB) *idemtest.Store[postgres.Tx] {
+	t.Helper()
+	pool := testenv.PostgresPool(t, 40)
+	schema := testenv.FreshSchema(t, pool)
+	return storeIn(t, pool, schema)
+}
+
+func storeIn(t testing.TB, pool *pgxpool.Pool, schema string) *idemtest.Store[postgres.Tx] {
+	t.Helper()
+	ctx := context.Background()
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	balances := pgx.Identifier{schema, "balances"}.Sanitize()
+	states := pgx.Identifier{schema, "states"}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+balances+` (account text PRIMARY KEY, amount bigint NOT NULL);
+CREATE TABLE `+states+` (aggregate text PRIMARY KEY, value text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return &idemtest.Store[postgres.Tx]{
+		Driver: drv,
+		Credit: func(ctx context.Context, tx postgres.Tx, account string, amount int64) error {
+			_, err := tx.Exec(ctx, `INSERT INTO `+balances+` (account, amount) VALUES ($1, $2)
+ON CONFLICT (account) DO UPDATE SET amount = `+balances+`.amount + excluded.amount`, account, amount)
+			return err
+		},
+		CreditMany: func(ctx context.Context, tx postgres.Tx, accounts []string, amounts []int64) error {
+			_, err := tx.Exec(ctx, `INSERT INTO `+balances+` (account, amount)
+SELECT a, n FROM unnest($1::text[], $2::bigint[]) AS u(a, n)
+ON CONFLICT (account) DO UPDATE SET amount = `+balances+`.amount + excluded.amount`, accounts, amounts)
+			return err
+		},
+		Put: func(ctx context.Context, tx postgres.Tx, agg, value string) error {
+			_, err := tx.Exec(ctx, `INSERT INTO `+states+` (aggregate, value) VALUES ($1, $2)
+ON CONFLICT (aggregate) DO UPDATE SET value = excluded.value`, agg, value)
+			return err
+		},
+		Append: func(ctx context.Context, tx postgres.Tx, agg, value string) error {
+			_, err := tx.Exec(ctx, `INSERT INTO `+states+` (aggregate, value) VALUES ($1, ',' || $2)
+ON CONFLICT (aggregate) DO UPDATE SET value = `+states+`.value || excluded.value`, agg, value)
+			return err
+		},
+		States: func(ctx context.Context) (map[string]string, error) {
+			rows, err := pool.Query(ctx, `SELECT aggregate, value FROM `+states)
+			if err != nil {
+				return nil, err
+			}
+			m := map[string]string{}
+			var a, v string
+			_, err = pgx.ForEachRow(rows, []any{&a, &v}, func() error { m[a] = v; return nil })
+			return m, err
+		},
+		Markers: func(ctx context.Context, handler string) (n int, err error) {
+			err = pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+` WHERE handler = $1`, handler).Scan(&n)
+			return n, err
+		},
+		Balances: func(ctx context.Context) (map[string]int64, error) {
+			rows, err := pool.Query(ctx, `SELECT account, amount FROM `+balances)
+			if err != nil {
+				return nil, err
+			}
+			m := map[string]int64{}
+			var a string
+			var n int64
+			_, err = pgx.ForEachRow(rows, []any{&a, &n}, func() error { m[a] = n; return nil })
+			return m, err
+		},
+	}
+}
+
+func TestConformance(t *testing.T) {
+	idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
+}
+
+func TestOrdering(t *testing.T) {
+	idemtest.RunOrdering(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
+}
+
+// TestConcurrencyCheckNeedsUniqueConstraint removes the primary key the
+// guarantee rests on and shows that the conformance suite's concurrency
+// check then fails: the check really tests the guarantee.
+func TestConcurrencyCheckNeedsUniqueConstraint(t *testing.T) {
+	pool := testenv.PostgresPool(t, 40)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `ALTER TABLE `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+` DROP CONSTRAINT idem_processed_pkey`); err != nil {
+		t.Fatal(err)
+	}
+	err := idemtest.CheckConcurrentDuplicates(ctx, s, 8, 200, 0)
+	if err == nil {
+		t.Fatal("the concurrency check passed without the unique constraint")
+	}
+	if !strings.Contains(err.Error(), "applied") || !strings.Contains(err.Error(), "balances differ") {
+		t.Fatalf("unexpected failure: %v", err)
+	}
+	t.Logf("without the primary key, as expected: %v", err)
+}
+
+func TestMigrateConcurrentlyAndTwice(t *testing.T) {
+	pool := testenv.PostgresPool(t, 10)
+	schema := testenv.FreshSchema(t, pool)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema, TablePrefix: "order_"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 4)
+	for range 4 {
+		go func() { errs <- drv.Migrate(context.Background()) }()
+	}
+	for range 4 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func() (n, maxVersion int) {
+		t.Helper()
+		if err := pool.QueryRow(context.Background(), `SELECT count(*), max(version) FROM `+pgx.Identifier{schema, "order_migrations"}.Sanitize()).Scan(&n, &maxVersion); err != nil {
+			t.Fatal(err)
+		}
+		return n, maxVersion
+	}
+	n, maxVersion := count()
+	if n < 2 || maxVersion < 3 {
+		t.Fatalf("%d migrations recorded up to version %d, want every embedded one", n, maxVersion)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if again, _ := count(); again != n {
+		t.Fatalf("migrating again recorded %d migrations, had %d", again, n)
+	}
+}
+
+func TestHostileIdentifiersRefused(t *testing.T) {
+	pool := testenv.PostgresPool(t, 2)
+	for _, cfg := range []postgres.Config{
+		{Schema: `public"; DROP SCHEMA public; --`},
+		{TablePrefix: "Idem"},
+		{TablePrefix: "a-b"},
+		{Schema: "9lives"},
+	} {
+		if _, err := postgres.New(pool, &cfg); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("%+v: got %v, want ErrInvalidConfig", cfg, err)
+		}
+	}
+}
+
+// TestCommitAfterFailedStatement checks that a handler which swallowed a
+// statement error cannot get its transaction reported as committed.
+func TestCommitAfterFailedStatement(t *testing.T) {
+	s := openStore(t)
+	ctx := context.Background()
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[postgres.Tx]{Name: "sloppy", Apply: func(ctx context.Context, tx postgres.Tx, m *idem.Message) error {
+		_, _ = tx.Exec(ctx, `SELECT 1/0`) // error ignored: the transaction is now aborted
+		return nil
+	}}
+	out, err := p.Process(ctx, h, &idem.Message{ID: "m1"})
+	if out != idem.OutcomeNone || !errors.Is(err, postgres.ErrCommitRolledBack) {
+		t.Fatalf("got (%v, %v), want ErrCommitRolledBack", out, err)
+	}
+	good := &idem.Handler[postgres.Tx]{Name: "sloppy", Apply: func(context.Context, postgres.Tx, *idem.Message) error { return nil }}
+	out, err = p.Process(ctx, good, &idem.Message{ID: "m1"})
+	if out != idem.Applied || err != nil {
+		t.Fatalf("redelivery after a rolled-back commit: (%v, %v), want applied", out, err)
+	}
+}
+
+// TestProcessTxWithPgxTx runs ProcessTx inside a transaction the caller
+// began with pgx directly.
+func TestProcessTxWithPgxTx(t *testing.T) {
+	s := openStore(t)
+	ctx := context.Background()
+	pool := s.Driver.(*postgres.Driver).Pool()
+	p, _ := idem.NewProcessor(s.Driver, nil)
+	h := idemtest.CreditHandler(s, "balances", nil)
+	e := idemtest.Events(1)[0]
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		out, err := p.ProcessTx(ctx, tx, h, e.Message())
+		if out != idem.Applied {
+			t.Errorf("outcome %v", out)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := p.Process(ctx, h, e.Message())
+	if out != idem.Duplicate || err != nil {
+		t.Fatalf("redelivery: (%v, %v)", out, err)
+	}
+	bal, _ := s.Balances(ctx)
+	if bal[e.Account] != e.Amount {
+		t.Fatalf("balance %d, want %d", bal[e.Account], e.Amount)
+	}
+}

@@ -1,0 +1,512 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"slices"
+	"time"
+
+	"github.com/idemhq/idem/driver"
+)
+
+// ConflictPolicy says what to do when a message ID arrives again with a
+// different payload.
+type ConflictPolicy uint8
+
+const (
+	// OnConflictError (the default) reports Conflict with a
+	// *ConflictError; the message is never applied. Callers should
+	// dead-letter it.
+	OnConflictError ConflictPolicy = iota
+	// OnConflictWarn treats the message as a Duplicate and logs a warning
+	// with both hashes.
+	OnConflictWarn
+)
+
+// Handler is a named unit of work whose effects idem applies at most once
+// per message ID.
+//
+// The name is stored with every marker: choose a stable string and never
+// derive it from Go identifiers, so that a refactor does not orphan the
+// markers (which would re-apply old messages). Two handlers with different
+// names dedupe independently.
+type Handler[TTx any] struct {
+	// Name identifies the handler; see ValidateHandlerName. Required.
+	Name string
+	// Apply performs the effect of one message using tx, the transaction
+	// that also holds the marker. Returning an error (or panicking) rolls
+	// both back.
+	Apply func(ctx context.Context, tx TTx, msg *Message) error
+	// ApplyBatch, when set, receives the new messages of a batch (in the
+	// order given, duplicates and conflicts removed) so it can apply them
+	// with one set-based write. When nil, batches call Apply per message.
+	// When only ApplyBatch is set, Process calls it with one message.
+	ApplyBatch func(ctx context.Context, tx TTx, msgs []*Message) error
+	// OnConflict is the payload-conflict policy. Default OnConflictError.
+	OnConflict ConflictPolicy
+	// Ordering, when set, turns on the per-aggregate ordering guard (and
+	// optionally version-only dedup); see Ordering. It needs a driver that
+	// implements driver.SequenceGuard. Batches refuse a handler with
+	// Ordering: ordering is decided message by message.
+	Ordering *Ordering
+}
+
+// Config configures a Processor. The zero value is valid.
+type Config struct {
+	// Logger receives warnings (payload conflicts under ConflictWarn,
+	// failed rollbacks). Default: slog.Default().
+	Logger *slog.Logger
+	// Hooks receive outcomes and timings; see Hook. Default: none.
+	Hooks []Hook
+}
+
+// Processor applies handlers at most once per (handler, message ID) on top
+// of a store driver. It is safe for concurrent use.
+type Processor[TTx any] struct {
+	drv         driver.Driver[TTx]
+	beginInsert driver.BeginMarkerInserter[TTx]
+	seq         driver.SequenceGuard[TTx]
+	logger      *slog.Logger
+	onOutcome   []HookOutcome
+}
+
+// NewProcessor returns a Processor over drv. It does not migrate the schema;
+// call the driver's Migrate (or `idem migrate`) first.
+func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx], error) {
+	if drv == nil {
+		return nil, fmt.Errorf("%w: nil driver", ErrInvalidConfig)
+	}
+	if cfg == nil {
+		cfg = &Config{}
+	}
+	p := &Processor[TTx]{drv: drv, logger: cfg.Logger}
+	if p.logger == nil {
+		p.logger = slog.Default()
+	}
+	if bi, ok := drv.(driver.BeginMarkerInserter[TTx]); ok {
+		p.beginInsert = bi
+	}
+	if sg, ok := drv.(driver.SequenceGuard[TTx]); ok {
+		p.seq = sg
+	}
+	for i, h := range cfg.Hooks {
+		o, ok := h.(HookOutcome)
+		if !ok {
+			return nil, fmt.Errorf("%w: Hooks[%d] (%T) implements no Hook interface", ErrInvalidConfig, i, h)
+		}
+		p.onOutcome = append(p.onOutcome, o)
+	}
+	return p, nil
+}
+
+// Process applies msg with h in a transaction the processor opens and
+// commits. The marker is inserted first, so a concurrent delivery of the
+// same ID waits on it and then reports Duplicate without an error.
+//
+// The error is non-nil exactly when the outcome is OutcomeNone (nothing was
+// recorded: retry the delivery) or Conflict (a *ConflictError: do not
+// retry). Invalid messages and handler names give a *ValidationError.
+func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
+	start := time.Now()
+	out, err := p.process(ctx, h, msg)
+	p.report(ctx, h, msg, out, err, start, 1)
+	return out, err
+}
+
+// ProcessTx is Process inside tx, a transaction the caller owns, so the
+// marker commits or rolls back with the caller's other writes. ProcessTx
+// never commits or rolls back tx. If it returns an error with OutcomeNone,
+// the caller must roll tx back: it may hold the marker without the effect.
+//
+// Under REPEATABLE READ or SERIALIZABLE isolation a concurrent duplicate may
+// surface as the database's serialization error instead of Duplicate; retry
+// the transaction.
+//
+// For a handler with Ordering under GapWait, a gap comes back as a retriable
+// *GapError without a deadline; after rolling back, pass it to SightGap to
+// record the first sighting and learn whether the deadline has passed.
+func (p *Processor[TTx]) ProcessTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {
+	start := time.Now()
+	out, err := p.processTx(ctx, tx, h, msg)
+	p.report(ctx, h, msg, out, err, start, 1)
+	return out, err
+}
+
+func (p *Processor[TTx]) process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
+	if err := checkHandler(h); err != nil {
+		return OutcomeNone, err
+	}
+	if err := msg.Validate(); err != nil {
+		return OutcomeNone, err
+	}
+	agg, guarded, err := p.guardKey(h, msg)
+	if err != nil {
+		return OutcomeNone, err
+	}
+	if guarded && h.Ordering.VersionOnly {
+		return p.processVersionOnly(ctx, h, msg, agg)
+	}
+	params := &driver.MarkerInsertParams{Handler: h.Name, MessageID: msg.ID, PayloadHash: msg.PayloadHash()}
+	var (
+		tx  TTx
+		res driver.MarkerInsertResult
+	)
+	if p.beginInsert != nil {
+		tx, res, err = p.beginInsert.BeginMarkerInsert(ctx, params)
+		if err != nil {
+			return OutcomeNone, fmt.Errorf("idem: begin and insert marker: %w", err)
+		}
+	} else {
+		if tx, err = p.drv.Begin(ctx); err != nil {
+			return OutcomeNone, fmt.Errorf("idem: begin: %w", err)
+		}
+		if res, err = p.drv.MarkerInsert(ctx, tx, params); err != nil {
+			p.rollback(ctx, tx)
+			return OutcomeNone, fmt.Errorf("idem: insert marker: %w", err)
+		}
+	}
+	if !res.Inserted {
+		p.rollback(ctx, tx)
+		return p.existing(h, msg.ID, params.PayloadHash, res.ExistingHash)
+	}
+	return p.guardApplyCommit(ctx, tx, h, msg, agg, guarded)
+}
+
+// guardApplyCommit runs the ordering guard (when guarded), the handler and
+// the commit of a transaction the processor owns.
+func (p *Processor[TTx]) guardApplyCommit(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message, agg string, guarded bool) (Outcome, error) {
+	if guarded {
+		proceed, out, err := p.guard(ctx, tx, h, msg, agg)
+		if !proceed {
+			p.rollback(ctx, tx)
+			if err != nil {
+				return OutcomeNone, p.sight(ctx, h, err)
+			}
+			return out, nil
+		}
+	}
+	if err := callApply(ctx, h, tx, msg); err != nil {
+		p.rollback(ctx, tx)
+		return OutcomeNone, err
+	}
+	if err := p.drv.Commit(ctx, tx); err != nil {
+		return OutcomeNone, fmt.Errorf("idem: commit: %w", err)
+	}
+	return Applied, nil
+}
+
+// processVersionOnly dedupes by the ordering guard alone: no marker.
+func (p *Processor[TTx]) processVersionOnly(ctx context.Context, h *Handler[TTx], msg *Message, agg string) (Outcome, error) {
+	tx, err := p.drv.Begin(ctx)
+	if err != nil {
+		return OutcomeNone, fmt.Errorf("idem: begin: %w", err)
+	}
+	return p.guardApplyCommit(ctx, tx, h, msg, agg, true)
+}
+
+func (p *Processor[TTx]) processTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {
+	if err := checkHandler(h); err != nil {
+		return OutcomeNone, err
+	}
+	if err := msg.Validate(); err != nil {
+		return OutcomeNone, err
+	}
+	agg, guarded, err := p.guardKey(h, msg)
+	if err != nil {
+		return OutcomeNone, err
+	}
+	if !guarded || !h.Ordering.VersionOnly {
+		params := &driver.MarkerInsertParams{Handler: h.Name, MessageID: msg.ID, PayloadHash: msg.PayloadHash()}
+		res, err := p.drv.MarkerInsert(ctx, tx, params)
+		if err != nil {
+			return OutcomeNone, fmt.Errorf("idem: insert marker: %w", err)
+		}
+		if !res.Inserted {
+			return p.existing(h, msg.ID, params.PayloadHash, res.ExistingHash)
+		}
+	}
+	if guarded {
+		proceed, out, err := p.guard(ctx, tx, h, msg, agg)
+		if !proceed {
+			// A gap under GapWait is returned without its durable first
+			// sighting: recording it now would wait for the caller's own
+			// open transaction on single-writer stores. See SightGap.
+			return out, err
+		}
+	}
+	if err := callApply(ctx, h, tx, msg); err != nil {
+		return OutcomeNone, err
+	}
+	return Applied, nil
+}
+
+// existing decides Duplicate or Conflict for a marker that was already there.
+func (p *Processor[TTx]) existing(h *Handler[TTx], id string, received, stored []byte) (Outcome, error) {
+	if bytes.Equal(received, stored) {
+		return Duplicate, nil
+	}
+	return payloadConflict(p.logger, h.Name, h.OnConflict, id, received, stored)
+}
+
+// payloadConflict applies policy to a message whose payload hash differs
+// from the stored one: Conflict with a *ConflictError, or under
+// OnConflictWarn a logged Duplicate. Atomic and lease mode share it.
+func payloadConflict(logger *slog.Logger, handler string, policy ConflictPolicy, id string, received, stored []byte) (Outcome, error) {
+	if policy == OnConflictWarn {
+		logger.Warn("idem: payload conflict treated as duplicate",
+			slog.String("handler", handler), slog.String("message_id", id),
+			slog.String("stored_hash", shortHash(stored)), slog.String("received_hash", shortHash(received)))
+		return Duplicate, nil
+	}
+	return Conflict, &ConflictError{Handler: handler, MessageID: id, StoredHash: stored, ReceivedHash: received}
+}
+
+// ProcessBatch applies msgs with h in one transaction. The handler sees only
+// the messages that are new (no marker yet, first occurrence in the batch);
+// the others are Duplicate or Conflict. Either every new message and its
+// marker commit, or none do.
+//
+// The outcomes are parallel to msgs. The error is non-nil only when nothing
+// was committed (then the outcomes are nil): an invalid message fails the
+// whole batch with a *ValidationError before the store is touched.
+// Conflicts are reported as Conflict outcomes (and to hooks), not as an
+// error, because the rest of the batch committed.
+func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
+	start := time.Now()
+	outs, conflicts, err := p.processBatch(ctx, nil, false, h, msgs)
+	p.reportBatch(ctx, h, msgs, outs, conflicts, err, start)
+	return outs, err
+}
+
+// ProcessBatchTx is ProcessBatch inside tx, a transaction the caller owns.
+// As with ProcessTx, on error the caller must roll tx back.
+func (p *Processor[TTx]) ProcessBatchTx(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
+	start := time.Now()
+	outs, conflicts, err := p.processBatch(ctx, &tx, true, h, msgs)
+	p.reportBatch(ctx, h, msgs, outs, conflicts, err, start)
+	return outs, err
+}
+
+func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned bool, h *Handler[TTx], msgs []*Message) ([]Outcome, map[int]error, error) {
+	if err := checkHandler(h); err != nil {
+		return nil, nil, err
+	}
+	if h.Ordering != nil {
+		return nil, nil, fmt.Errorf("%w: handler %q has Ordering, which batches do not support: use Process", ErrInvalidConfig, h.Name)
+	}
+	if len(msgs) == 0 {
+		return []Outcome{}, nil, nil
+	}
+	for i, m := range msgs {
+		if err := m.Validate(); err != nil {
+			return nil, nil, fmt.Errorf("idem: batch message %d: %w", i, err)
+		}
+	}
+
+	// First occurrence of each ID goes to the store; later occurrences are
+	// decided against it after the insert.
+	hashes := make([][]byte, len(msgs))
+	first := make(map[string]int, len(msgs))
+	uniq := make([]int, 0, len(msgs))
+	for i, m := range msgs {
+		hashes[i] = m.PayloadHash()
+		if _, seen := first[m.ID]; !seen {
+			first[m.ID] = i
+			uniq = append(uniq, i)
+		}
+	}
+	// Sorted IDs make concurrent overlapping batches lock in one order
+	// instead of deadlocking.
+	slices.SortFunc(uniq, func(a, b int) int {
+		switch {
+		case msgs[a].ID < msgs[b].ID:
+			return -1
+		case msgs[a].ID > msgs[b].ID:
+			return 1
+		}
+		return 0
+	})
+	params := &driver.MarkerInsertManyParams{
+		Handler:       h.Name,
+		MessageIDs:    make([]string, len(uniq)),
+		PayloadHashes: make([][]byte, len(uniq)),
+	}
+	for k, i := range uniq {
+		params.MessageIDs[k] = msgs[i].ID
+		params.PayloadHashes[k] = hashes[i]
+	}
+
+	var tx TTx
+	if owned {
+		tx = *callerTx
+	} else {
+		var err error
+		if tx, err = p.drv.Begin(ctx); err != nil {
+			return nil, nil, fmt.Errorf("idem: begin: %w", err)
+		}
+	}
+	fail := func(err error) ([]Outcome, map[int]error, error) {
+		if !owned {
+			p.rollback(ctx, tx)
+		}
+		return nil, nil, err
+	}
+	res, err := p.drv.MarkerInsertMany(ctx, tx, params)
+	if err != nil {
+		return fail(fmt.Errorf("idem: insert markers: %w", err))
+	}
+	if len(res) != len(uniq) {
+		return fail(fmt.Errorf("idem: driver returned %d marker results for %d IDs", len(res), len(uniq)))
+	}
+
+	outs := make([]Outcome, len(msgs))
+	var conflicts map[int]error
+	decide := func(i int, storedHash []byte) {
+		var err error
+		if outs[i], err = p.existing(h, msgs[i].ID, hashes[i], storedHash); err != nil {
+			if conflicts == nil {
+				conflicts = make(map[int]error)
+			}
+			conflicts[i] = err
+		}
+	}
+	stored := make(map[string][]byte, len(uniq)) // hash the store holds after this batch
+	for k, i := range uniq {
+		if res[k].Inserted {
+			outs[i] = Applied
+			stored[msgs[i].ID] = hashes[i]
+			continue
+		}
+		stored[msgs[i].ID] = res[k].ExistingHash
+		decide(i, res[k].ExistingHash)
+	}
+	fresh := make([]*Message, 0, len(uniq))
+	for i, m := range msgs {
+		if first[m.ID] != i {
+			decide(i, stored[m.ID])
+			continue
+		}
+		if outs[i] == Applied {
+			fresh = append(fresh, m)
+		}
+	}
+	if len(fresh) > 0 {
+		if err := callApplyBatch(ctx, h, tx, fresh); err != nil {
+			return fail(err)
+		}
+	}
+	if !owned {
+		if len(fresh) == 0 {
+			p.rollback(ctx, tx)
+		} else if err := p.drv.Commit(ctx, tx); err != nil {
+			return nil, nil, fmt.Errorf("idem: commit: %w", err)
+		}
+	}
+	return outs, conflicts, nil
+}
+
+func checkHandler[TTx any](h *Handler[TTx]) error {
+	if h == nil {
+		return fmt.Errorf("%w: nil handler", ErrInvalidConfig)
+	}
+	if err := ValidateHandlerName(h.Name); err != nil {
+		return err
+	}
+	if h.Apply == nil && h.ApplyBatch == nil {
+		return fmt.Errorf("%w: handler %q has neither Apply nor ApplyBatch", ErrInvalidConfig, h.Name)
+	}
+	return nil
+}
+
+func callApply[TTx any](ctx context.Context, h *Handler[TTx], tx TTx, msg *Message) (err error) {
+	defer recoverPanic(&err)
+	if h.Apply != nil {
+		err = h.Apply(ctx, tx, msg)
+	} else {
+		err = h.ApplyBatch(ctx, tx, []*Message{msg})
+	}
+	if err != nil {
+		return handlerError(h.Name, err)
+	}
+	return nil
+}
+
+func callApplyBatch[TTx any](ctx context.Context, h *Handler[TTx], tx TTx, msgs []*Message) (err error) {
+	defer recoverPanic(&err)
+	if h.ApplyBatch != nil {
+		err = h.ApplyBatch(ctx, tx, msgs)
+	} else {
+		for _, m := range msgs {
+			if err = h.Apply(ctx, tx, m); err != nil {
+				return fmt.Errorf("idem: handler %q, message %q: %w", h.Name, m.ID, err)
+			}
+		}
+	}
+	if err != nil {
+		return handlerError(h.Name, err)
+	}
+	return nil
+}
+
+func handlerError(name string, err error) error {
+	var pe *PanicError
+	if errors.As(err, &pe) {
+		return err
+	}
+	return fmt.Errorf("idem: handler %q: %w", name, err)
+}
+
+func recoverPanic(err *error) {
+	if r := recover(); r != nil {
+		*err = &PanicError{Value: r, Stack: debug.Stack()}
+	}
+}
+
+func (p *Processor[TTx]) rollback(ctx context.Context, tx TTx) {
+	if err := p.drv.Rollback(context.WithoutCancel(ctx), tx); err != nil {
+		p.logger.Warn("idem: rollback failed", slog.Any("error", err))
+	}
+}
+
+func (p *Processor[TTx]) report(ctx context.Context, h *Handler[TTx], msg *Message, out Outcome, err error, start time.Time, n int) {
+	if len(p.onOutcome) == 0 {
+		return
+	}
+	ev := &OutcomeEvent{Outcome: out, Err: err, Duration: time.Since(start), BatchSize: n}
+	if h != nil {
+		ev.Handler = h.Name
+	}
+	if msg != nil {
+		ev.MessageID = msg.ID
+	}
+	for _, hk := range p.onOutcome {
+		hk.OnOutcome(ctx, ev)
+	}
+}
+
+func (p *Processor[TTx]) reportBatch(ctx context.Context, h *Handler[TTx], msgs []*Message, outs []Outcome, conflicts map[int]error, err error, start time.Time) {
+	if len(p.onOutcome) == 0 {
+		return
+	}
+	d := time.Since(start)
+	for i, m := range msgs {
+		ev := &OutcomeEvent{Err: err, Duration: d, BatchSize: len(msgs)}
+		if h != nil {
+			ev.Handler = h.Name
+		}
+		if m != nil {
+			ev.MessageID = m.ID
+		}
+		if err == nil {
+			ev.Outcome = outs[i]
+			ev.Err = conflicts[i]
+		}
+		for _, hk := range p.onOutcome {
+			hk.OnOutcome(ctx, ev)
+		}
+	}
+}

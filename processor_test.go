@@ -1,0 +1,260 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/sqlite"
+)
+
+func memProcessor(t testing.TB, cfg *idem.Config) *idem.Processor[*sql.Tx] {
+	t.Helper()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(drv, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func noop() *idem.Handler[*sql.Tx] {
+	return &idem.Handler[*sql.Tx]{Name: "noop", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return nil }}
+}
+
+func TestNewProcessorRejectsBadConfig(t *testing.T) {
+	t.Parallel()
+	if _, err := idem.NewProcessor[*sql.Tx](nil, nil); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("nil driver: %v", err)
+	}
+	db, _ := sqlite.Open(":memory:", nil)
+	defer db.Close()
+	drv, _ := sqlite.New(db, nil)
+	if _, err := idem.NewProcessor(drv, &idem.Config{Hooks: []idem.Hook{42}}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("hook implementing nothing: %v", err)
+	}
+}
+
+func TestHandlerWithoutFunctionRejected(t *testing.T) {
+	t.Parallel()
+	p := memProcessor(t, nil)
+	ctx := context.Background()
+	h := &idem.Handler[*sql.Tx]{Name: "empty"}
+	if _, err := p.Process(ctx, h, &idem.Message{ID: "1"}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("Process: %v", err)
+	}
+	if _, err := p.ProcessBatch(ctx, h, []*idem.Message{{ID: "1"}}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("ProcessBatch: %v", err)
+	}
+	if _, err := p.Process(ctx, nil, &idem.Message{ID: "1"}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("nil handler: %v", err)
+	}
+}
+
+type recorder struct {
+	mu  sync.Mutex
+	evs []idem.OutcomeEvent
+}
+
+func (r *recorder) OnOutcome(_ context.Context, ev *idem.OutcomeEvent) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.evs = append(r.evs, *ev)
+}
+
+func TestHooksSeeEveryOutcome(t *testing.T) {
+	t.Parallel()
+	rec := &recorder{}
+	p := memProcessor(t, &idem.Config{Hooks: []idem.Hook{rec}})
+	ctx := context.Background()
+	boom := errors.New("boom")
+	fail := &idem.Handler[*sql.Tx]{Name: "noop", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return boom }}
+
+	_, _ = p.Process(ctx, noop(), &idem.Message{ID: "a", Payload: []byte("1")})
+	_, _ = p.Process(ctx, noop(), &idem.Message{ID: "a", Payload: []byte("1")})
+	_, _ = p.Process(ctx, noop(), &idem.Message{ID: "a", Payload: []byte("2")})
+	_, _ = p.Process(ctx, fail, &idem.Message{ID: "b"})
+	_, _ = p.ProcessBatch(ctx, noop(), []*idem.Message{{ID: "c"}, {ID: "a", Payload: []byte("1")}})
+
+	want := []struct {
+		id  string
+		out idem.Outcome
+		err error
+		n   int
+	}{
+		{"a", idem.Applied, nil, 1},
+		{"a", idem.Duplicate, nil, 1},
+		{"a", idem.Conflict, idem.ErrConflict, 1},
+		{"b", idem.OutcomeNone, boom, 1},
+		{"c", idem.Applied, nil, 2},
+		{"a", idem.Duplicate, nil, 2},
+	}
+	if len(rec.evs) != len(want) {
+		t.Fatalf("%d events, want %d: %+v", len(rec.evs), len(want), rec.evs)
+	}
+	for i, w := range want {
+		ev := rec.evs[i]
+		if ev.Handler != "noop" || ev.MessageID != w.id || ev.Outcome != w.out || ev.BatchSize != w.n || ev.Duration <= 0 {
+			t.Errorf("event %d: %+v, want id %s outcome %v batch %d", i, ev, w.id, w.out, w.n)
+		}
+		if (w.err == nil) != (ev.Err == nil) || (w.err != nil && !errors.Is(ev.Err, w.err)) {
+			t.Errorf("event %d: err %v, want %v", i, ev.Err, w.err)
+		}
+	}
+}
+
+func TestHandlerErrorIsWrapped(t *testing.T) {
+	t.Parallel()
+	p := memProcessor(t, nil)
+	boom := errors.New("boom")
+	h := &idem.Handler[*sql.Tx]{Name: "wrap", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return idem.Permanent(boom) }}
+	_, err := p.Process(context.Background(), h, &idem.Message{ID: "x"})
+	if !errors.Is(err, boom) || !idem.IsPermanent(err) || !strings.Contains(err.Error(), `handler "wrap"`) {
+		t.Fatalf("got %v", err)
+	}
+	if idem.IsPermanent(errors.New("timeout")) || idem.Permanent(nil) != nil {
+		t.Fatal("plain errors must be retriable; Permanent(nil) must be nil")
+	}
+}
+
+func TestCancelledContextRecordsNothing(t *testing.T) {
+	t.Parallel()
+	p := memProcessor(t, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var called atomic.Bool
+	h := &idem.Handler[*sql.Tx]{Name: "h", Apply: func(context.Context, *sql.Tx, *idem.Message) error { called.Store(true); return nil }}
+	out, err := p.Process(ctx, h, &idem.Message{ID: "x"})
+	if err == nil || out != idem.OutcomeNone || called.Load() {
+		t.Fatalf("cancelled: (%v, %v, called=%v)", out, err, called.Load())
+	}
+	out, err = p.Process(context.Background(), h, &idem.Message{ID: "x"})
+	if out != idem.Applied || err != nil {
+		t.Fatalf("after cancellation: (%v, %v), want applied", out, err)
+	}
+}
+
+func TestValidateBoundaries(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		msg   idem.Message
+		field string // "" = valid
+	}{
+		{idem.Message{ID: "x"}, ""},
+		{idem.Message{ID: strings.Repeat("a", 255)}, ""},
+		{idem.Message{ID: strings.Repeat("a", 256)}, "ID"},
+		{idem.Message{ID: "ünïcödé ✓"}, ""},
+		{idem.Message{ID: string([]byte{0xc3})}, "ID"},
+		{idem.Message{ID: "a", AggregateID: "acct", Seq: 1}, ""},
+		{idem.Message{ID: "a", Seq: 1}, "AggregateID"},
+		{idem.Message{ID: "a", AggregateID: "x", Seq: -1}, "Seq"},
+		{idem.Message{ID: "a", AggregateID: "x\x00"}, "AggregateID"},
+	}
+	for _, c := range cases {
+		err := c.msg.Validate()
+		var ve *idem.ValidationError
+		switch {
+		case c.field == "" && err != nil:
+			t.Errorf("%q: unexpected %v", c.msg.ID, err)
+		case c.field != "" && (!errors.As(err, &ve) || ve.Field != c.field || !errors.Is(err, idem.ErrInvalidMessage)):
+			t.Errorf("%q: got %v, want a ValidationError on %s", c.msg.ID, err, c.field)
+		}
+	}
+	long := (&idem.Message{ID: strings.Repeat("z", 300)}).Validate().Error()
+	if len(long) > 200 {
+		t.Errorf("error text should bound the quoted value: %d bytes", len(long))
+	}
+}
+
+func TestOutcomeString(t *testing.T) {
+	t.Parallel()
+	for o, s := range map[idem.Outcome]string{idem.OutcomeNone: "none", idem.Applied: "applied", idem.Duplicate: "duplicate", idem.Conflict: "conflict", 200: "outcome(200)"} {
+		if o.String() != s {
+			t.Errorf("%d: %q, want %q", o, o.String(), s)
+		}
+	}
+}
+
+// validID is the reference definition the fuzzer checks Validate against.
+func validID(id string) bool {
+	return len(id) >= 1 && len(id) <= idem.MaxIDLen && utf8.ValidString(id) && !strings.ContainsRune(id, 0)
+}
+
+func FuzzValidate(f *testing.F) {
+	for _, s := range []string{"", "a", "evt-1", "\x00", "\xff", strings.Repeat("x", 255), strings.Repeat("é", 128), "a\u200bb"} {
+		f.Add(s, "acct", int64(1))
+	}
+	f.Fuzz(func(t *testing.T, id, agg string, seq int64) {
+		m := &idem.Message{ID: id, AggregateID: agg, Seq: seq}
+		err := m.Validate()
+		want := validID(id) && seq >= 0 && (seq == 0 || agg != "") && (agg == "" || validID(agg))
+		if (err == nil) != want {
+			t.Fatalf("Validate(%q, %q, %d) = %v, want valid=%v", id, agg, seq, err, want)
+		}
+		if err != nil {
+			var ve *idem.ValidationError
+			if !errors.As(err, &ve) || !errors.Is(err, idem.ErrInvalidMessage) {
+				t.Fatalf("untyped error %T %v", err, err)
+			}
+			if !utf8.ValidString(err.Error()) || len(err.Error()) > 300 {
+				t.Fatalf("error text must be bounded, printable UTF-8: %q", err.Error())
+			}
+		}
+		if herr := idem.ValidateHandlerName(id); herr != nil && !errors.Is(herr, idem.ErrInvalidHandlerName) {
+			t.Fatalf("handler name error untyped: %v", herr)
+		}
+	})
+}
+
+// FuzzProcess feeds arbitrary envelopes through a real SQLite processor:
+// never a panic; invalid input gets the typed error; valid input is applied
+// once, then a Duplicate, and a changed payload is a Conflict.
+func FuzzProcess(f *testing.F) {
+	f.Add("evt-1", []byte("payload"))
+	f.Add("", []byte{})
+	f.Add("\xffbad", []byte{0})
+	f.Add(strings.Repeat("x", 256), []byte(nil))
+	p := memProcessor(f, nil)
+	var n atomic.Int64
+	f.Fuzz(func(t *testing.T, id string, payload []byte) {
+		ctx := context.Background()
+		h := noop()
+		h.Name = fmt.Sprintf("fuzz-%d", n.Add(1)) // fresh handler: no state from earlier inputs
+		msg := &idem.Message{ID: id, Payload: payload}
+		out, err := p.Process(ctx, h, msg)
+		if !validID(id) {
+			if !errors.Is(err, idem.ErrInvalidMessage) || out != idem.OutcomeNone {
+				t.Fatalf("invalid ID %q: (%v, %v)", id, out, err)
+			}
+			return
+		}
+		if out != idem.Applied || err != nil {
+			t.Fatalf("first delivery of %q: (%v, %v)", id, out, err)
+		}
+		if out, err = p.Process(ctx, h, msg); out != idem.Duplicate || err != nil {
+			t.Fatalf("redelivery of %q: (%v, %v)", id, out, err)
+		}
+		changed := &idem.Message{ID: id, Payload: append([]byte{1}, payload...)}
+		if out, err = p.Process(ctx, h, changed); out != idem.Conflict || !errors.Is(err, idem.ErrConflict) {
+			t.Fatalf("changed payload of %q: (%v, %v)", id, out, err)
+		}
+	})
+}

@@ -1,0 +1,153 @@
+package sqlite_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"path/filepath"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/sqlite"
+)
+
+func openStore(t testing.TB) *idemtest.Store[*sql.Tx] {
+	t.Helper()
+	db, err := sqlite.Open(filepath.Join(t.TempDir(), "idem.db"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE states (aggregate TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID`); err != nil {
+		t.Fatal(err)
+	}
+	return &idemtest.Store[*sql.Tx]{
+		Driver: drv,
+		Credit: func(ctx context.Context, tx *sql.Tx, account string, amount int64) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES (?, ?)
+ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, account, amount)
+			return err
+		},
+		Put: func(ctx context.Context, tx *sql.Tx, agg, value string) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO states (aggregate, value) VALUES (?, ?)
+ON CONFLICT (aggregate) DO UPDATE SET value = excluded.value`, agg, value)
+			return err
+		},
+		Append: func(ctx context.Context, tx *sql.Tx, agg, value string) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO states (aggregate, value) VALUES (?, ',' || ?)
+ON CONFLICT (aggregate) DO UPDATE SET value = value || excluded.value`, agg, value)
+			return err
+		},
+		States: func(ctx context.Context) (map[string]string, error) {
+			rows, err := db.QueryContext(ctx, `SELECT aggregate, value FROM states`)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			m := map[string]string{}
+			for rows.Next() {
+				var a, v string
+				if err := rows.Scan(&a, &v); err != nil {
+					return nil, err
+				}
+				m[a] = v
+			}
+			return m, rows.Err()
+		},
+		Markers: func(ctx context.Context, handler string) (n int, err error) {
+			err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_processed WHERE handler = ?`, handler).Scan(&n)
+			return n, err
+		},
+		Balances: func(ctx context.Context) (map[string]int64, error) {
+			rows, err := db.QueryContext(ctx, `SELECT account, amount FROM balances`)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			m := map[string]int64{}
+			for rows.Next() {
+				var a string
+				var n int64
+				if err := rows.Scan(&a, &n); err != nil {
+					return nil, err
+				}
+				m[a] = n
+			}
+			return m, rows.Err()
+		},
+	}
+}
+
+func TestConformance(t *testing.T) {
+	t.Parallel()
+	idemtest.Run(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}
+
+func TestOrdering(t *testing.T) {
+	t.Parallel()
+	idemtest.RunOrdering(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}
+
+func TestMigrateIsIdempotent(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	for range 3 {
+		if err := s.Driver.Migrate(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestHostilePrefixRefused(t *testing.T) {
+	t.Parallel()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	for _, p := range []string{`x"; DROP TABLE t; --`, "Upper_", "1abc", "a b", "ünï", "very_long_prefix_that_exceeds_the_limit_of_forty"} {
+		if _, err := sqlite.New(db, &sqlite.Config{TablePrefix: p}); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("prefix %q: got %v, want ErrInvalidConfig", p, err)
+		}
+	}
+	// A reserved word is fine: identifiers are always quoted.
+	drv, err := sqlite.New(db, &sqlite.Config{TablePrefix: "order_"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestProcessBeforeMigrate(t *testing.T) {
+	t.Parallel()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	drv, _ := sqlite.New(db, nil)
+	p, _ := idem.NewProcessor(drv, nil)
+	h := &idem.Handler[*sql.Tx]{Name: "h", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return nil }}
+	if _, err := p.Process(context.Background(), h, &idem.Message{ID: "1"}); err == nil {
+		t.Fatal("Process before Migrate succeeded")
+	}
+}
+
+func TestOpenRejectsBadSynchronous(t *testing.T) {
+	t.Parallel()
+	if _, err := sqlite.Open(":memory:", &sqlite.OpenOptions{Synchronous: "sometimes"}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("got %v, want ErrInvalidConfig", err)
+	}
+}
