@@ -1,0 +1,239 @@
+// Package bench measures idem's overhead: the throughput of a consumer that
+// applies each event through idem, relative to the same transaction without
+// the marker, on the same store and in the same process.
+//
+// A Target runs one store's four transaction shapes: a plain transaction per
+// message, an idempotent one (Processor.Process), a plain transaction per
+// batch, and an idempotent one (Processor.ProcessBatch). All four apply the
+// same effect, an upsert into a balances table, so the difference between
+// plain and idempotent is the marker alone. Every event has a new message
+// ID: the marker insert path is what is measured.
+//
+// Run drives one variant with several workers; Compare alternates plain and
+// idempotent rounds and reports medians and their ratio. The package is used
+// both by `go test -bench` and by the idem command line, so it never imports
+// package testing.
+package bench
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemhq/idem"
+)
+
+// TablePrefix is the prefix of every table the benchmark creates, idem's
+// included, so that pointing a benchmark at an existing database never
+// touches the application's tables.
+const TablePrefix = "idem_bench_"
+
+// handlerName is the name of the benchmark handler.
+const handlerName = "bench.balances"
+
+// Variant selects whether a run goes through idem.
+type Variant uint8
+
+const (
+	// Plain runs the transaction without a marker, using the store's
+	// native API.
+	Plain Variant = iota
+	// Idem runs the same transaction through an idem.Processor.
+	Idem
+)
+
+// String returns "plain" or "idem".
+func (v Variant) String() string {
+	switch v {
+	case Plain:
+		return "plain"
+	case Idem:
+		return "idem"
+	}
+	return "variant(" + strconv.Itoa(int(v)) + ")"
+}
+
+// Target is one store set up for benchmarking: a balances table and a
+// migrated idem schema. Its methods are safe for concurrent use.
+//
+// Every message carries its account in AggregateID and its amount, in
+// decimal, in Payload; see Decode. The batch methods receive messages with
+// unique IDs and apply the balances aggregated per account, in account
+// order (see Aggregate).
+type Target interface {
+	// Name identifies the store, for example "postgres".
+	Name() string
+	// PlainOne applies msg in its own transaction without idem.
+	PlainOne(ctx context.Context, msg *idem.Message) error
+	// IdemOne applies msg with Processor.Process. An outcome other than
+	// Applied is an error.
+	IdemOne(ctx context.Context, msg *idem.Message) error
+	// PlainBatch applies msgs in one transaction without idem.
+	PlainBatch(ctx context.Context, msgs []*idem.Message) error
+	// IdemBatch applies msgs with Processor.ProcessBatch. An outcome other
+	// than Applied is an error.
+	IdemBatch(ctx context.Context, msgs []*idem.Message) error
+}
+
+// Workload describes one run.
+type Workload struct {
+	// Workers is the number of goroutines applying events concurrently.
+	// Default 1.
+	Workers int
+	// BatchSize is the number of events per transaction. 0 means one
+	// event per transaction through the per-message API (Process); any
+	// other value uses the batch API (ProcessBatch), even 1.
+	BatchSize int
+	// Events stops the run after this many events. 0 means no limit.
+	Events int
+	// Duration stops the run once this much time has passed; workers
+	// finish the transaction they are in. 0 means no limit. At least one
+	// of Events and Duration must be set.
+	Duration time.Duration
+	// Accounts is the number of distinct balance rows. The accounts are
+	// partitioned between the workers, as a broker partitions by key, so
+	// workers never wait on each other's row locks. Default 10,000: a
+	// batch of 1,000 events then touches about 820 distinct rows, so the
+	// effect writes close to one row per event, as the marker does.
+	Accounts int
+}
+
+func (w Workload) withDefaults() (Workload, error) {
+	if w.Workers <= 0 {
+		w.Workers = 1
+	}
+	if w.Accounts <= 0 {
+		w.Accounts = 10000
+	}
+	if w.Accounts < w.Workers {
+		w.Accounts = w.Workers
+	}
+	if w.BatchSize < 0 {
+		return w, fmt.Errorf("bench: batch size %d is negative", w.BatchSize)
+	}
+	if w.Events < 0 || w.Duration < 0 {
+		return w, errors.New("bench: negative event count or duration")
+	}
+	if w.Events == 0 && w.Duration == 0 {
+		return w, errors.New("bench: workload sets neither Events nor Duration")
+	}
+	return w, nil
+}
+
+// Result is the outcome of one run.
+type Result struct {
+	// Variant is what ran.
+	Variant Variant
+	// Events is the number of events applied.
+	Events int
+	// Elapsed is the wall time from the start of the first transaction to
+	// the end of the last.
+	Elapsed time.Duration
+}
+
+// Rate returns the throughput in events per second.
+func (r Result) Rate() float64 {
+	if r.Elapsed <= 0 {
+		return 0
+	}
+	return float64(r.Events) / r.Elapsed.Seconds()
+}
+
+// Run applies w's events to t with variant v and measures the throughput.
+// Each run uses message IDs never used before, so every event takes the
+// marker insert path. The first error stops all workers and is returned.
+func Run(ctx context.Context, t Target, v Variant, w Workload) (Result, error) {
+	w, err := w.withDefaults()
+	if err != nil {
+		return Result{}, err
+	}
+	if v != Plain && v != Idem {
+		return Result{}, fmt.Errorf("bench: unknown variant %d", v)
+	}
+	prefix, err := runPrefix()
+	if err != nil {
+		return Result{}, err
+	}
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+
+	unit := max(w.BatchSize, 1)
+	var (
+		next    atomic.Int64 // next sequence number to hand out
+		applied atomic.Int64
+		wg      sync.WaitGroup
+	)
+	start := time.Now()
+	var deadline time.Time
+	if w.Duration > 0 {
+		deadline = start.Add(w.Duration)
+	}
+	// claim returns the half-open range of sequence numbers of the
+	// worker's next transaction, or ok false when the run is over.
+	claim := func() (lo, hi int64, ok bool) {
+		if ctx.Err() != nil || (!deadline.IsZero() && !time.Now().Before(deadline)) {
+			return 0, 0, false
+		}
+		hi = next.Add(int64(unit))
+		lo = hi - int64(unit)
+		if w.Events > 0 {
+			if lo >= int64(w.Events) {
+				return 0, 0, false
+			}
+			hi = min(hi, int64(w.Events))
+		}
+		return lo, hi, true
+	}
+	for i := range w.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			g := newGenerator(prefix, i, w.Workers, w.Accounts, unit)
+			for {
+				lo, hi, ok := claim()
+				if !ok {
+					return
+				}
+				msgs := g.messages(lo, hi)
+				var err error
+				switch {
+				case w.BatchSize == 0 && v == Plain:
+					err = t.PlainOne(ctx, msgs[0])
+				case w.BatchSize == 0:
+					err = t.IdemOne(ctx, msgs[0])
+				case v == Plain:
+					err = t.PlainBatch(ctx, msgs)
+				default:
+					err = t.IdemBatch(ctx, msgs)
+				}
+				if err != nil {
+					cancel(fmt.Errorf("bench: %s %s worker %d: %w", t.Name(), v, i, err))
+					return
+				}
+				applied.Add(hi - lo)
+			}
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	if err := context.Cause(ctx); err != nil {
+		return Result{}, err
+	}
+	return Result{Variant: v, Events: int(applied.Load()), Elapsed: elapsed}, nil
+}
+
+// runPrefix returns a random prefix that makes a run's message IDs unique
+// across runs and processes sharing one database.
+func runPrefix() (string, error) {
+	b := make([]byte, 6)
+	if _, err := rand.Read(b); err != nil {
+		return "", fmt.Errorf("bench: random run prefix: %w", err)
+	}
+	return hex.EncodeToString(b), nil
+}

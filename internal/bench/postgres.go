@@ -1,0 +1,186 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/sqlident"
+	"github.com/idemhq/idem/postgres"
+)
+
+// PostgresOptions configures OpenPostgres.
+type PostgresOptions struct {
+	// Schema holds the benchmark's tables. It is created if missing, and
+	// then dropped again by Close. Default: none (the search_path).
+	Schema string
+}
+
+// PostgresTarget is a Target on a PostgreSQL database.
+type PostgresTarget struct {
+	pool          *pgxpool.Pool
+	schema        string
+	createdSchema bool
+	proc          *idem.Processor[postgres.Tx]
+	h             *idem.Handler[postgres.Tx]
+	upsertOne     string
+	upsertMany    string
+}
+
+// OpenPostgres migrates idem into opts.Schema and creates the balances
+// table there. The pool should allow at least as many connections as the
+// workload has workers. Close the target when done.
+func OpenPostgres(ctx context.Context, pool *pgxpool.Pool, opts *PostgresOptions) (*PostgresTarget, error) {
+	if opts == nil {
+		opts = &PostgresOptions{}
+	}
+	t := &PostgresTarget{pool: pool, schema: opts.Schema}
+	if err := t.setup(ctx); err != nil {
+		return nil, errors.Join(err, t.Close(context.WithoutCancel(ctx)))
+	}
+	return t, nil
+}
+
+func (t *PostgresTarget) setup(ctx context.Context) error {
+	if t.pool == nil {
+		return errors.New("bench: nil pool")
+	}
+	if err := sqlident.Check("bench: schema", t.schema, true); err != nil {
+		return err
+	}
+	if t.schema != "" {
+		var exists bool
+		if err := t.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, t.schema).Scan(&exists); err != nil {
+			return fmt.Errorf("bench: look up schema: %w", err)
+		}
+		t.createdSchema = !exists
+	}
+	drv, err := postgres.New(t.pool, &postgres.Config{Schema: t.schema, TablePrefix: TablePrefix})
+	if err != nil {
+		return fmt.Errorf("bench: postgres driver: %w", err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		return fmt.Errorf("bench: migrate: %w", err)
+	}
+	balances := sqlident.Qualified(t.schema, TablePrefix+"balances")
+	if _, err := t.pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+balances+
+		` (account text PRIMARY KEY, amount bigint NOT NULL)`); err != nil {
+		return fmt.Errorf("bench: create balances table: %w", err)
+	}
+	t.upsertOne = `INSERT INTO ` + balances + ` AS b (account, amount) VALUES ($1, $2)
+ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
+	t.upsertMany = `INSERT INTO ` + balances + ` AS b (account, amount)
+SELECT a, n FROM unnest($1::text[], $2::bigint[]) AS u(a, n)
+ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
+	if t.proc, err = idem.NewProcessor(drv, nil); err != nil {
+		return fmt.Errorf("bench: processor: %w", err)
+	}
+	t.h = &idem.Handler[postgres.Tx]{
+		Name: handlerName,
+		Apply: func(ctx context.Context, tx postgres.Tx, msg *idem.Message) error {
+			return t.applyOne(ctx, tx, msg)
+		},
+		ApplyBatch: func(ctx context.Context, tx postgres.Tx, msgs []*idem.Message) error {
+			return t.applyBatch(ctx, tx, msgs)
+		},
+	}
+	return nil
+}
+
+// Name returns "postgres".
+func (t *PostgresTarget) Name() string { return "postgres" }
+
+func (t *PostgresTarget) applyOne(ctx context.Context, tx postgres.Tx, msg *idem.Message) error {
+	account, amount, err := Decode(msg)
+	if err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, t.upsertOne, account, amount); err != nil {
+		return fmt.Errorf("bench: upsert balance: %w", err)
+	}
+	return nil
+}
+
+// applyBatch upserts the aggregated balances with one statement over
+// unnested arrays.
+func (t *PostgresTarget) applyBatch(ctx context.Context, tx postgres.Tx, msgs []*idem.Message) error {
+	accounts, amounts, err := Aggregate(msgs)
+	if err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, t.upsertMany, accounts, amounts); err != nil {
+		return fmt.Errorf("bench: upsert balances: %w", err)
+	}
+	return nil
+}
+
+// inTx runs fn in a transaction begun with the pool's Begin and commits it.
+func (t *PostgresTarget) inTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	tx, err := t.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("bench: begin: %w", err)
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("bench: commit: %w", err)
+	}
+	return nil
+}
+
+// PlainOne implements Target.
+func (t *PostgresTarget) PlainOne(ctx context.Context, msg *idem.Message) error {
+	return t.inTx(ctx, func(tx pgx.Tx) error { return t.applyOne(ctx, tx, msg) })
+}
+
+// IdemOne implements Target.
+func (t *PostgresTarget) IdemOne(ctx context.Context, msg *idem.Message) error {
+	out, err := t.proc.Process(ctx, t.h, msg)
+	if err != nil {
+		return err
+	}
+	if out != idem.Applied {
+		return fmt.Errorf("bench: message %q: outcome %v, want applied", msg.ID, out)
+	}
+	return nil
+}
+
+// PlainBatch implements Target.
+func (t *PostgresTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
+	return t.inTx(ctx, func(tx pgx.Tx) error { return t.applyBatch(ctx, tx, msgs) })
+}
+
+// IdemBatch implements Target.
+func (t *PostgresTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
+	outs, err := t.proc.ProcessBatch(ctx, t.h, msgs)
+	if err != nil {
+		return err
+	}
+	return checkApplied(msgs, outs)
+}
+
+// Close drops the tables the target created, and the schema if
+// OpenPostgres created it. It does not close the pool.
+func (t *PostgresTarget) Close(ctx context.Context) error {
+	if t.pool == nil {
+		return nil
+	}
+	var errs []error
+	for _, name := range []string{"balances", "processed", "migrations"} {
+		if _, err := t.pool.Exec(ctx, `DROP TABLE IF EXISTS `+sqlident.Qualified(t.schema, TablePrefix+name)); err != nil {
+			errs = append(errs, fmt.Errorf("bench: drop table: %w", err))
+		}
+	}
+	if t.createdSchema {
+		if _, err := t.pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+sqlident.Quote(t.schema)); err != nil {
+			errs = append(errs, fmt.Errorf("bench: drop schema: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,195 @@
+package bench
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/sqlident"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// SQLiteOptions configures OpenSQLite.
+type SQLiteOptions struct {
+	// Open is passed to sqlite.Open. Nil gives idem's defaults
+	// (synchronous=FULL).
+	Open *sqlite.OpenOptions
+	// RemoveOnClose deletes the database file (and its -wal and -shm
+	// files) when the target is closed.
+	RemoveOnClose bool
+}
+
+// SQLiteTarget is a Target on an SQLite database file.
+type SQLiteTarget struct {
+	path   string
+	remove bool
+	db     *sql.DB
+	proc   *idem.Processor[*sql.Tx]
+	h      *idem.Handler[*sql.Tx]
+	upsert *sql.Stmt
+}
+
+// OpenSQLite opens (creating if needed) the SQLite database at path with
+// sqlite.Open, migrates idem into it and creates the balances table. Close
+// the target when done.
+func OpenSQLite(ctx context.Context, path string, opts *SQLiteOptions) (*SQLiteTarget, error) {
+	if opts == nil {
+		opts = &SQLiteOptions{}
+	}
+	db, err := sqlite.Open(path, opts.Open)
+	if err != nil {
+		return nil, fmt.Errorf("bench: %w", err)
+	}
+	t := &SQLiteTarget{path: path, remove: opts.RemoveOnClose, db: db}
+	if err := t.setup(ctx); err != nil {
+		return nil, errors.Join(err, t.Close())
+	}
+	return t, nil
+}
+
+func (t *SQLiteTarget) setup(ctx context.Context) error {
+	drv, err := sqlite.New(t.db, &sqlite.Config{TablePrefix: TablePrefix})
+	if err != nil {
+		return fmt.Errorf("bench: sqlite driver: %w", err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		return fmt.Errorf("bench: migrate: %w", err)
+	}
+	balances := sqlident.Quote(TablePrefix + "balances")
+	if _, err := t.db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+balances+
+		` (account TEXT PRIMARY KEY, amount INTEGER NOT NULL) WITHOUT ROWID`); err != nil {
+		return fmt.Errorf("bench: create balances table: %w", err)
+	}
+	if t.upsert, err = t.db.PrepareContext(ctx, `INSERT INTO `+balances+` (account, amount) VALUES (?, ?)
+ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`); err != nil {
+		return fmt.Errorf("bench: prepare upsert: %w", err)
+	}
+	if t.proc, err = idem.NewProcessor(drv, nil); err != nil {
+		return fmt.Errorf("bench: processor: %w", err)
+	}
+	t.h = &idem.Handler[*sql.Tx]{
+		Name: handlerName,
+		Apply: func(ctx context.Context, tx *sql.Tx, msg *idem.Message) error {
+			return t.applyOne(ctx, tx, msg)
+		},
+		ApplyBatch: func(ctx context.Context, tx *sql.Tx, msgs []*idem.Message) error {
+			return t.applyBatch(ctx, tx, msgs)
+		},
+	}
+	return nil
+}
+
+// Name returns "sqlite".
+func (t *SQLiteTarget) Name() string { return "sqlite" }
+
+// DB returns the database the target uses.
+func (t *SQLiteTarget) DB() *sql.DB { return t.db }
+
+func (t *SQLiteTarget) applyOne(ctx context.Context, tx *sql.Tx, msg *idem.Message) error {
+	account, amount, err := Decode(msg)
+	if err != nil {
+		return err
+	}
+	if _, err := tx.StmtContext(ctx, t.upsert).ExecContext(ctx, account, amount); err != nil {
+		return fmt.Errorf("bench: upsert balance: %w", err)
+	}
+	return nil
+}
+
+// applyBatch upserts the aggregated balances with the prepared single-row
+// statement, once per account, inside tx.
+func (t *SQLiteTarget) applyBatch(ctx context.Context, tx *sql.Tx, msgs []*idem.Message) error {
+	accounts, amounts, err := Aggregate(msgs)
+	if err != nil {
+		return err
+	}
+	st := tx.StmtContext(ctx, t.upsert)
+	for i, a := range accounts {
+		if _, err := st.ExecContext(ctx, a, amounts[i]); err != nil {
+			return fmt.Errorf("bench: upsert balance: %w", err)
+		}
+	}
+	return nil
+}
+
+// inTx runs fn in a transaction and commits it.
+func (t *SQLiteTarget) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	tx, err := t.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("bench: begin: %w", err)
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("bench: commit: %w", err)
+	}
+	return nil
+}
+
+// PlainOne implements Target.
+func (t *SQLiteTarget) PlainOne(ctx context.Context, msg *idem.Message) error {
+	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyOne(ctx, tx, msg) })
+}
+
+// IdemOne implements Target.
+func (t *SQLiteTarget) IdemOne(ctx context.Context, msg *idem.Message) error {
+	out, err := t.proc.Process(ctx, t.h, msg)
+	if err != nil {
+		return err
+	}
+	if out != idem.Applied {
+		return fmt.Errorf("bench: message %q: outcome %v, want applied", msg.ID, out)
+	}
+	return nil
+}
+
+// PlainBatch implements Target.
+func (t *SQLiteTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
+	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyBatch(ctx, tx, msgs) })
+}
+
+// IdemBatch implements Target.
+func (t *SQLiteTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
+	outs, err := t.proc.ProcessBatch(ctx, t.h, msgs)
+	if err != nil {
+		return err
+	}
+	return checkApplied(msgs, outs)
+}
+
+// Close closes the database and, with RemoveOnClose, deletes its files.
+func (t *SQLiteTarget) Close() error {
+	var errs []error
+	if t.upsert != nil {
+		errs = append(errs, t.upsert.Close())
+	}
+	if err := t.db.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("bench: close %s: %w", t.path, err))
+	}
+	if t.remove {
+		for _, p := range []string{t.path, t.path + "-wal", t.path + "-shm"} {
+			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, fmt.Errorf("bench: %w", err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// checkApplied reports an error unless every outcome is Applied.
+func checkApplied(msgs []*idem.Message, outs []idem.Outcome) error {
+	if len(outs) != len(msgs) {
+		return fmt.Errorf("bench: %d outcomes for %d messages", len(outs), len(msgs))
+	}
+	for i, o := range outs {
+		if o != idem.Applied {
+			return fmt.Errorf("bench: message %q: outcome %v, want applied", msgs[i].ID, o)
+		}
+	}
+	return nil
+}
