@@ -10,6 +10,8 @@
 //	          stream on SQLite and verify every balance
 //	migrate   create or update idem's tables in a PostgreSQL or SQLite
 //	          database
+//	bench     measure idem's throughput as a ratio of the same
+//	          transactions without it
 //	help      show help for idem or for one command
 //
 // Exit codes: 0 success, 1 verification or operation failed, 2 usage error.
@@ -82,6 +84,7 @@ func commands() []*command {
 	return []*command{
 		demoCommand(),
 		migrateCommand(),
+		benchCommand(),
 	}
 }
 

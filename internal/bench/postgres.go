@@ -172,8 +172,19 @@ func (t *PostgresTarget) Close(ctx context.Context) error {
 		return nil
 	}
 	var errs []error
-	for _, name := range []string{"balances", "processed", "migrations"} {
-		if _, err := t.pool.Exec(ctx, `DROP TABLE IF EXISTS `+sqlident.Qualified(t.schema, TablePrefix+name)); err != nil {
+	// Every table idem's migrations created carries TablePrefix: drop them
+	// all, whatever migrations exist.
+	rows, err := t.pool.Query(ctx, `SELECT tablename FROM pg_tables
+WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND starts_with(tablename, $2)`, t.schema, TablePrefix)
+	if err != nil {
+		return fmt.Errorf("bench: list tables: %w", err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("bench: list tables: %w", err)
+	}
+	for _, name := range names {
+		if _, err := t.pool.Exec(ctx, `DROP TABLE IF EXISTS `+sqlident.Qualified(t.schema, name)+` CASCADE`); err != nil {
 			errs = append(errs, fmt.Errorf("bench: drop table: %w", err))
 		}
 	}

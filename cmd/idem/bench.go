@@ -1,0 +1,235 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem/internal/bench"
+)
+
+// benchCommand returns the "bench" subcommand: idem's overhead as a ratio
+// against the same transactions without the marker.
+func benchCommand() *command {
+	return &command{
+		name:     "bench",
+		synopsis: "[--dsn DSN] [--schema S] [--cases C] [--workers N] [--rounds N] [--round D] [--json]",
+		summary:  "measure idem's throughput as a ratio of the same transactions without it",
+		help: `Bench measures what idem costs on your database. For each case it runs the
+same account-balance upsert twice, alternating in rounds: once in a plain
+transaction, once through idem (marker insert, duplicate check, commit). It
+prints the median events/s of both and their ratio; 1.00 means idem is free.
+Every event has a new message ID, so every event pays the marker insert.
+
+Cases:
+  per-message  one event per transaction (Processor.Process)
+  batch-100    100 events per transaction (Processor.ProcessBatch)
+  batch-1000   1,000 events per transaction
+
+Without --dsn (and IDEM_DSN) the benchmark runs on a temporary SQLite file
+with idem's defaults (WAL, synchronous=FULL). On PostgreSQL it creates its
+tables, all prefixed idem_bench_, in --schema (default idem_bench), and
+drops them afterwards; a schema it created is dropped too.
+
+` + dsnHelp + `
+
+Examples:
+  idem bench
+  idem bench --dsn postgres://postgres@127.0.0.1:5432/test --cases batch-1000
+  idem bench --json --rounds 3 --round 1s`,
+		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			var (
+				dsn, schema, cases string
+				workers, rounds    int
+				round              time.Duration
+				asJSON             bool
+			)
+			fs.StringVar(&dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+", else a temporary SQLite file)")
+			fs.StringVar(&schema, "schema", "idem_bench", "PostgreSQL `schema` for the benchmark's tables")
+			fs.StringVar(&cases, "cases", "per-message,batch-100,batch-1000", "comma-separated `cases` to run")
+			fs.IntVar(&workers, "workers", 4, "concurrent `workers` (connections)")
+			fs.IntVar(&rounds, "rounds", 5, "plain/idem round `pairs` per case; the medians are reported")
+			fs.DurationVar(&round, "round", 500*time.Millisecond, "`duration` of each variant's run in a round")
+			fs.BoolVar(&asJSON, "json", false, "print JSON instead of a table")
+			return func(ctx context.Context, e *env, args []string) error {
+				if err := noArgs(args); err != nil {
+					return err
+				}
+				if workers < 1 || rounds < 1 || round <= 0 {
+					return usagef("--workers, --rounds and --round must be positive")
+				}
+				selected, err := benchCases(cases)
+				if err != nil {
+					return err
+				}
+				if dsn == "" {
+					dsn = strings.TrimSpace(e.getenv(dsnEnv))
+				}
+				return runBench(ctx, e, benchConfig{dsn: dsn, schema: schema, cases: selected,
+					workers: workers, rounds: rounds, round: round, json: asJSON})
+			}
+		},
+	}
+}
+
+// benchConfig holds the bench command's flags.
+type benchConfig struct {
+	dsn, schema     string
+	cases           []benchCase
+	workers, rounds int
+	round           time.Duration
+	json            bool
+}
+
+// benchCase is one workload shape: BatchSize 0 is the per-message API.
+type benchCase struct {
+	Name      string
+	BatchSize int
+}
+
+// allBenchCases lists the cases in the order they run.
+func allBenchCases() []benchCase {
+	return []benchCase{{"per-message", 0}, {"batch-100", 100}, {"batch-1000", 1000}}
+}
+
+// benchCases parses the --cases list.
+func benchCases(list string) ([]benchCase, error) {
+	var out []benchCase
+	for _, name := range strings.Split(list, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" {
+			continue
+		}
+		found := false
+		for _, c := range allBenchCases() {
+			if c.Name == name {
+				out = append(out, c)
+				found = true
+			}
+		}
+		if !found {
+			return nil, usagef("unknown case %q (known: per-message, batch-100, batch-1000)", name)
+		}
+	}
+	if len(out) == 0 {
+		return nil, usagef("--cases selects no case")
+	}
+	return out, nil
+}
+
+// benchResult is one case's figures, as printed with --json.
+type benchResult struct {
+	Case      string    `json:"case"`
+	Store     string    `json:"store"`
+	Workers   int       `json:"workers"`
+	BatchSize int       `json:"batch_size"`
+	Plain     float64   `json:"plain_events_per_s"`
+	Idem      float64   `json:"idem_events_per_s"`
+	Ratio     float64   `json:"ratio"`
+	PlainRuns []float64 `json:"plain_rounds"`
+	IdemRuns  []float64 `json:"idem_rounds"`
+}
+
+// runBench opens the target the DSN names and runs the selected cases.
+func runBench(ctx context.Context, e *env, cfg benchConfig) error {
+	target, closeTarget, err := openBenchTarget(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer closeTarget()
+
+	var results []benchResult
+	for _, c := range cfg.cases {
+		if !cfg.json {
+			fmt.Fprintf(e.stderr, "idem bench: %s on %s, %d workers, %d rounds of %s...\n",
+				c.Name, target.Name(), cfg.workers, cfg.rounds, cfg.round)
+		}
+		w := bench.Workload{Workers: cfg.workers, BatchSize: c.BatchSize, Duration: cfg.round}
+		cmp, err := bench.Compare(ctx, target, bench.CompareOptions{Workload: w, Rounds: cfg.rounds, Warmup: cfg.round / 2})
+		if err != nil {
+			return fmt.Errorf("case %s: %w", c.Name, err)
+		}
+		r := benchResult{Case: c.Name, Store: target.Name(), Workers: cfg.workers, BatchSize: c.BatchSize,
+			Plain: cmp.Plain, Idem: cmp.Idem, Ratio: cmp.Ratio}
+		for i := range cmp.PlainRounds {
+			r.PlainRuns = append(r.PlainRuns, cmp.PlainRounds[i].Rate())
+			r.IdemRuns = append(r.IdemRuns, cmp.IdemRounds[i].Rate())
+		}
+		results = append(results, r)
+	}
+	if cfg.json {
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(results)
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "case\tstore\tworkers\tplain events/s\tidem events/s\tratio\t")
+	for _, r := range results {
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.2f\t\n", r.Case, r.Store, r.Workers,
+			groupThousands(r.Plain), groupThousands(r.Idem), r.Ratio)
+	}
+	return tw.Flush()
+}
+
+// openBenchTarget opens the benchmark target for cfg.dsn, or a temporary
+// SQLite file when it is empty. The returned function releases it.
+func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func(), error) {
+	if cfg.dsn == "" {
+		dir, err := os.MkdirTemp("", "idem-bench-")
+		if err != nil {
+			return nil, nil, err
+		}
+		t, err := bench.OpenSQLite(ctx, filepath.Join(dir, "bench.db"), &bench.SQLiteOptions{RemoveOnClose: true})
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, nil, err
+		}
+		return t, func() { t.Close(); os.RemoveAll(dir) }, nil
+	}
+	tg, err := parseDSN(cfg.dsn)
+	if err != nil {
+		return nil, nil, err
+	}
+	switch tg.kind {
+	case kindSQLite:
+		t, err := bench.OpenSQLite(ctx, tg.path, nil)
+		if err != nil {
+			return nil, nil, err
+		}
+		return t, func() { t.Close() }, nil
+	default:
+		pcfg, err := pgxpool.ParseConfig(tg.dsn)
+		if err != nil {
+			return nil, nil, usagef("DSN %q: %w", redactDSN(tg.dsn), err)
+		}
+		pcfg.MaxConns = int32(cfg.workers + 2)
+		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+		if err != nil {
+			return nil, nil, fmt.Errorf("connect to %s: %w", redactDSN(tg.dsn), err)
+		}
+		t, err := bench.OpenPostgres(ctx, pool, &bench.PostgresOptions{Schema: cfg.schema})
+		if err != nil {
+			pool.Close()
+			return nil, nil, err
+		}
+		return t, func() { t.Close(context.WithoutCancel(ctx)); pool.Close() }, nil
+	}
+}
+
+// groupThousands formats a rate as an integer with thousands separators.
+func groupThousands(f float64) string {
+	s := strconv.FormatInt(int64(f+0.5), 10)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}

@@ -1,0 +1,41 @@
+package main
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+// TestBenchJSONReportsRatios runs a very short benchmark on a temporary
+// SQLite file and checks the JSON figures are consistent.
+func TestBenchJSONReportsRatios(t *testing.T) {
+	t.Parallel()
+	code, out, errOut := runCLI(t, "bench", "--json", "--cases", "per-message,batch-100", "--rounds", "1", "--round", "50ms", "--workers", "2")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	var results []benchResult
+	if err := json.Unmarshal([]byte(out), &results); err != nil {
+		t.Fatalf("output is not JSON: %v\n%s", err, out)
+	}
+	if len(results) != 2 || results[0].Case != "per-message" || results[1].BatchSize != 100 {
+		t.Fatalf("results %+v, want per-message then batch-100", results)
+	}
+	for _, r := range results {
+		if r.Store != "sqlite" || r.Plain <= 0 || r.Idem <= 0 {
+			t.Errorf("%s: %+v, want positive rates on sqlite", r.Case, r)
+		}
+		if got := r.Idem / r.Plain; got-r.Ratio > 1e-9 || r.Ratio-got > 1e-9 {
+			t.Errorf("%s: ratio %v, want idem/plain = %v", r.Case, r.Ratio, got)
+		}
+	}
+}
+
+// TestBenchRejectsUnknownCase checks a bad --cases value is a usage error.
+func TestBenchRejectsUnknownCase(t *testing.T) {
+	t.Parallel()
+	code, _, errOut := runCLI(t, "bench", "--cases", "batch-7")
+	if code != exitUsage || !strings.Contains(errOut, `unknown case "batch-7"`) {
+		t.Fatalf("exit %d, stderr %q; want a usage error naming the case", code, errOut)
+	}
+}
