@@ -69,6 +69,7 @@ type Config struct {
 type Processor[TTx any] struct {
 	drv         driver.Driver[TTx]
 	beginInsert driver.BeginMarkerInserter[TTx]
+	beginMany   driver.BeginMarkerManyInserter[TTx]
 	seq         driver.SequenceGuard[TTx]
 	logger      *slog.Logger
 	onOutcome   []HookOutcome
@@ -89,6 +90,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if bi, ok := drv.(driver.BeginMarkerInserter[TTx]); ok {
 		p.beginInsert = bi
+	}
+	if bm, ok := drv.(driver.BeginMarkerManyInserter[TTx]); ok {
+		p.beginMany = bm
 	}
 	if sg, ok := drv.(driver.SequenceGuard[TTx]); ok {
 		p.seq = sg
@@ -340,11 +344,19 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 		params.PayloadHashes[k] = hashes[i]
 	}
 
-	var tx TTx
-	if owned {
+	var (
+		tx  TTx
+		res []driver.MarkerInsertResult
+		err error
+	)
+	switch {
+	case owned:
 		tx = *callerTx
-	} else {
-		var err error
+	case p.beginMany != nil:
+		if tx, res, err = p.beginMany.BeginMarkerInsertMany(ctx, params); err != nil {
+			return nil, nil, fmt.Errorf("idem: begin and insert markers: %w", err)
+		}
+	default:
 		if tx, err = p.drv.Begin(ctx); err != nil {
 			return nil, nil, fmt.Errorf("idem: begin: %w", err)
 		}
@@ -355,9 +367,10 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 		}
 		return nil, nil, err
 	}
-	res, err := p.drv.MarkerInsertMany(ctx, tx, params)
-	if err != nil {
-		return fail(fmt.Errorf("idem: insert markers: %w", err))
+	if res == nil {
+		if res, err = p.drv.MarkerInsertMany(ctx, tx, params); err != nil {
+			return fail(fmt.Errorf("idem: insert markers: %w", err))
+		}
 	}
 	if len(res) != len(uniq) {
 		return fail(fmt.Errorf("idem: driver returned %d marker results for %d IDs", len(res), len(uniq)))

@@ -53,6 +53,15 @@ type BeginMarkerInserter[TTx any] interface {
 	BeginMarkerInsert(ctx context.Context, p *MarkerInsertParams) (TTx, MarkerInsertResult, error)
 }
 
+// BeginMarkerManyInserter is an optional fast path for batches: open a
+// transaction and insert a batch's markers, with MarkerInsertMany's
+// semantics, in as few round trips as the store allows. The core uses it
+// for ProcessBatch when a driver implements it. On error no transaction is
+// left open.
+type BeginMarkerManyInserter[TTx any] interface {
+	BeginMarkerInsertMany(ctx context.Context, p *MarkerInsertManyParams) (TTx, []MarkerInsertResult, error)
+}
+
 // MarkerInsertParams are the parameters of Driver.MarkerInsert.
 type MarkerInsertParams struct {
 	// Handler is the validated handler name.

@@ -1,8 +1,11 @@
 -- Markers: one row per (handler, message ID) applied. The primary key is the
--- guarantee: a concurrent insert of the same key waits on it.
+-- guarantee: a concurrent insert of the same key waits on it. Handler names
+-- and message IDs are opaque byte strings: COLLATE "C" compares them with
+-- memcmp (cheaper than a locale, and the byte order the processor sorts a
+-- batch's IDs in, so concurrent batches lock in index order).
 CREATE TABLE IF NOT EXISTS {{processed}} (
-    handler      text        NOT NULL,
-    message_id   text        NOT NULL,
+    handler      text COLLATE "C" NOT NULL,
+    message_id   text COLLATE "C" NOT NULL,
     payload_hash bytea       NOT NULL,
     processed_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (handler, message_id)
