@@ -158,13 +158,21 @@ func (p *Processor[TTx]) guardKey(h *Handler[TTx], msg *Message) (string, bool, 
 // version-only mode), or err is a *GapError (after the transaction is
 // rolled back the caller records the sighting with sight).
 func (p *Processor[TTx]) guard(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message, agg string) (proceed bool, out Outcome, err error) {
-	o := h.Ordering
-	res, err := p.seq.SequenceAdvance(ctx, tx, &driver.SequenceAdvanceParams{
-		Handler: h.Name, AggregateID: agg, Seq: msg.Seq, AllowGap: o.Gap == GapAllow,
-	})
+	res, err := p.seq.SequenceAdvance(ctx, tx, p.advanceParams(h, msg, agg))
 	if err != nil {
 		return false, OutcomeNone, fmt.Errorf("idem: ordering guard: %w", err)
 	}
+	return p.decide(h, msg, agg, res)
+}
+
+// advanceParams are the guard's parameters for msg.
+func (p *Processor[TTx]) advanceParams(h *Handler[TTx], msg *Message, agg string) *driver.SequenceAdvanceParams {
+	return &driver.SequenceAdvanceParams{Handler: h.Name, AggregateID: agg, Seq: msg.Seq, AllowGap: h.Ordering.Gap == GapAllow}
+}
+
+// decide turns the guard's result into guard's answer.
+func (p *Processor[TTx]) decide(h *Handler[TTx], msg *Message, agg string, res driver.SequenceAdvanceResult) (proceed bool, out Outcome, err error) {
+	o := h.Ordering
 	switch {
 	case res.Advanced:
 		return true, OutcomeNone, nil

@@ -71,6 +71,7 @@ type Processor[TTx any] struct {
 	beginInsert driver.BeginMarkerInserter[TTx]
 	beginMany   driver.BeginMarkerManyInserter[TTx]
 	seq         driver.SequenceGuard[TTx]
+	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	logger      *slog.Logger
 	onOutcome   []HookOutcome
 }
@@ -96,6 +97,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if sg, ok := drv.(driver.SequenceGuard[TTx]); ok {
 		p.seq = sg
+	}
+	if bs, ok := drv.(driver.BeginSequenceAdvancer[TTx]); ok {
+		p.beginSeq = bs
 	}
 	for i, h := range cfg.Hooks {
 		o, ok := h.(HookOutcome)
@@ -205,11 +209,25 @@ func (p *Processor[TTx]) guardApplyCommit(ctx context.Context, tx TTx, h *Handle
 
 // processVersionOnly dedupes by the ordering guard alone: no marker.
 func (p *Processor[TTx]) processVersionOnly(ctx context.Context, h *Handler[TTx], msg *Message, agg string) (Outcome, error) {
-	tx, err := p.drv.Begin(ctx)
-	if err != nil {
-		return OutcomeNone, fmt.Errorf("idem: begin: %w", err)
+	if p.beginSeq == nil {
+		tx, err := p.drv.Begin(ctx)
+		if err != nil {
+			return OutcomeNone, fmt.Errorf("idem: begin: %w", err)
+		}
+		return p.guardApplyCommit(ctx, tx, h, msg, agg, true)
 	}
-	return p.guardApplyCommit(ctx, tx, h, msg, agg, true)
+	tx, res, err := p.beginSeq.BeginSequenceAdvance(ctx, p.advanceParams(h, msg, agg))
+	if err != nil {
+		return OutcomeNone, fmt.Errorf("idem: begin and run the ordering guard: %w", err)
+	}
+	if proceed, out, err := p.decide(h, msg, agg, res); !proceed {
+		p.rollback(ctx, tx)
+		if err != nil {
+			return OutcomeNone, p.sight(ctx, h, err)
+		}
+		return out, nil
+	}
+	return p.guardApplyCommit(ctx, tx, h, msg, agg, false)
 }
 
 func (p *Processor[TTx]) processTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {

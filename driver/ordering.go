@@ -25,6 +25,13 @@ type SequenceGuard[TTx any] interface {
 	GapSighting(ctx context.Context, p *GapSightingParams) (GapSightingResult, error)
 }
 
+// BeginSequenceAdvancer is an optional fast path for version-only handlers:
+// open a transaction and run SequenceAdvance in it, in as few round trips
+// as the store allows. On error no transaction is left open.
+type BeginSequenceAdvancer[TTx any] interface {
+	BeginSequenceAdvance(ctx context.Context, p *SequenceAdvanceParams) (TTx, SequenceAdvanceResult, error)
+}
+
 // SequenceAdvanceParams are the parameters of SequenceGuard.SequenceAdvance.
 type SequenceAdvanceParams struct {
 	Handler     string

@@ -22,11 +22,58 @@ var (
 // exists, locks it and reads it in one round trip, then decides.
 func (d *Driver) SequenceAdvance(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
 	var last int64
-	err := tx.QueryRow(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq)
+	err := tx.QueryRow(ctx, d.advanceSQL(), p.Handler, p.AggregateID, p.Seq, p.AllowGap).Scan(&last)
+	return d.advanceSlow(ctx, tx, p, err)
+}
+
+// advanceSQL advances the sequence in one statement when the event is the
+// next one (or, with AllowGap, any later one) and returns a row then.
+func (d *Driver) advanceSQL() string {
+	return `INSERT INTO ` + d.t.sequences + ` AS s (handler, aggregate_id, last_seq)
 SELECT $1, $2, $3::bigint WHERE $3::bigint = 1 OR $4::boolean
 ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq
 WHERE s.last_seq = excluded.last_seq - 1 OR ($4::boolean AND s.last_seq < excluded.last_seq)
-RETURNING last_seq`, p.Handler, p.AggregateID, p.Seq, p.AllowGap).Scan(&last)
+RETURNING last_seq`
+}
+
+// BeginSequenceAdvance implements driver.BeginSequenceAdvancer: BEGIN and
+// the one-statement advance go in one round trip; an out-of-order event
+// continues with SequenceAdvance's locked read in the same transaction.
+func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdvanceParams) (Tx, driver.SequenceAdvanceResult, error) {
+	c, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return nil, driver.SequenceAdvanceResult{}, err
+	}
+	tx := &connTx{c: c}
+	b := &pgx.Batch{}
+	b.Queue("begin")
+	b.Queue(d.advanceSQL(), p.Handler, p.AggregateID, p.Seq, p.AllowGap)
+	br := c.SendBatch(ctx, b)
+	_, err = br.Exec()
+	var last int64
+	if err == nil {
+		err = br.QueryRow().Scan(&last)
+	}
+	first := err // nil: advanced; pgx.ErrNoRows: out of order
+	if cerr := br.Close(); err == nil || errors.Is(err, pgx.ErrNoRows) {
+		err = cerr
+	}
+	if err != nil {
+		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
+		return nil, driver.SequenceAdvanceResult{}, err
+	}
+	res, err := d.advanceSlow(ctx, tx, p, first)
+	if err != nil {
+		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
+		return nil, driver.SequenceAdvanceResult{}, err
+	}
+	return tx, res, nil
+}
+
+// advanceSlow finishes SequenceAdvance after the one-statement attempt,
+// whose error is err: no error means it advanced.
+func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams, err error) (driver.SequenceAdvanceResult, error) {
+	var last int64
 	if err == nil {
 		return driver.SequenceAdvanceResult{Advanced: true}, nil
 	}

@@ -87,6 +87,7 @@ var (
 	_ driver.Driver[Tx]                  = (*Driver)(nil)
 	_ driver.BeginMarkerInserter[Tx]     = (*Driver)(nil)
 	_ driver.BeginMarkerManyInserter[Tx] = (*Driver)(nil)
+	_ driver.BeginSequenceAdvancer[Tx]   = (*Driver)(nil)
 )
 
 // New returns a driver over pool. It does not touch the database until

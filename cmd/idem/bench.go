@@ -32,6 +32,8 @@ Every event has a new message ID, so every event pays the marker insert.
 
 Cases:
   per-message  one event per transaction (Processor.Process)
+  version-only one event per transaction, deduped by the aggregate's
+               sequence alone (Ordering.VersionOnly: no marker row)
   batch-100    100 events per transaction (Processor.ProcessBatch)
   batch-1000   1,000 events per transaction
 
@@ -55,7 +57,7 @@ Examples:
 			)
 			fs.StringVar(&dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+", else a temporary SQLite file)")
 			fs.StringVar(&schema, "schema", "idem_bench", "PostgreSQL `schema` for the benchmark's tables")
-			fs.StringVar(&cases, "cases", "per-message,batch-100,batch-1000", "comma-separated `cases` to run")
+			fs.StringVar(&cases, "cases", "per-message,version-only,batch-100,batch-1000", "comma-separated `cases` to run")
 			fs.IntVar(&workers, "workers", 4, "concurrent `workers` (connections)")
 			fs.IntVar(&rounds, "rounds", 5, "plain/idem round `pairs` per case; the medians are reported")
 			fs.DurationVar(&round, "round", 500*time.Millisecond, "`duration` of each variant's run in a round")
@@ -92,13 +94,14 @@ type benchConfig struct {
 
 // benchCase is one workload shape: BatchSize 0 is the per-message API.
 type benchCase struct {
-	Name      string
-	BatchSize int
+	Name        string
+	BatchSize   int
+	VersionOnly bool
 }
 
 // allBenchCases lists the cases in the order they run.
 func allBenchCases() []benchCase {
-	return []benchCase{{"per-message", 0}, {"batch-100", 100}, {"batch-1000", 1000}}
+	return []benchCase{{"per-message", 0, false}, {"version-only", 0, true}, {"batch-100", 100, false}, {"batch-1000", 1000, false}}
 }
 
 // benchCases parses the --cases list.
@@ -117,7 +120,7 @@ func benchCases(list string) ([]benchCase, error) {
 			}
 		}
 		if !found {
-			return nil, usagef("unknown case %q (known: per-message, batch-100, batch-1000)", name)
+			return nil, usagef("unknown case %q (known: per-message, version-only, batch-100, batch-1000)", name)
 		}
 	}
 	if len(out) == 0 {
@@ -154,7 +157,13 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 				c.Name, target.Name(), cfg.workers, cfg.rounds, cfg.round)
 		}
 		w := bench.Workload{Workers: cfg.workers, BatchSize: c.BatchSize, Duration: cfg.round}
-		cmp, err := bench.Compare(ctx, target, bench.CompareOptions{Workload: w, Rounds: cfg.rounds, Warmup: cfg.round / 2})
+		t := target
+		if c.VersionOnly {
+			if t, err = bench.VersionOnly(target); err != nil {
+				return err
+			}
+		}
+		cmp, err := bench.Compare(ctx, t, bench.CompareOptions{Workload: w, Rounds: cfg.rounds, Warmup: cfg.round / 2})
 		if err != nil {
 			return fmt.Errorf("case %s: %w", c.Name, err)
 		}

@@ -27,6 +27,7 @@ type PostgresTarget struct {
 	createdSchema bool
 	proc          *idem.Processor[postgres.Tx]
 	h             *idem.Handler[postgres.Tx]
+	vh            *idem.Handler[postgres.Tx]
 	upsertOne     string
 	upsertMany    string
 }
@@ -88,6 +89,7 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 			return t.applyBatch(ctx, tx, msgs)
 		},
 	}
+	t.vh = versionOnlyHandler(t.h)
 	return nil
 }
 
@@ -194,4 +196,10 @@ WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND starts_with(ta
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// IdemOneVersionOnly implements VersionOnlyTarget.
+func (t *PostgresTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
+	out, err := t.proc.Process(ctx, t.vh, msg)
+	return checkApplied1(msg, out, err)
 }

@@ -29,6 +29,7 @@ type SQLiteTarget struct {
 	db     *sql.DB
 	proc   *idem.Processor[*sql.Tx]
 	h      *idem.Handler[*sql.Tx]
+	vh     *idem.Handler[*sql.Tx]
 	upsert *sql.Stmt
 }
 
@@ -79,6 +80,7 @@ ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`); err != 
 			return t.applyBatch(ctx, tx, msgs)
 		},
 	}
+	t.vh = versionOnlyHandler(t.h)
 	return nil
 }
 
@@ -192,4 +194,10 @@ func checkApplied(msgs []*idem.Message, outs []idem.Outcome) error {
 		}
 	}
 	return nil
+}
+
+// IdemOneVersionOnly implements VersionOnlyTarget.
+func (t *SQLiteTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
+	out, err := t.proc.Process(ctx, t.vh, msg)
+	return checkApplied1(msg, out, err)
 }

@@ -15,6 +15,7 @@ const maxAmount = 100
 // transaction to the next: no target retains a message after returning.
 type generator struct {
 	prefix   string
+	seqBase  int64    // added to a message's number to form its Seq
 	accounts []string // the accounts this worker owns
 	amounts  [][]byte // decimal payloads "1"…"100"
 	msgs     []idem.Message
@@ -24,9 +25,10 @@ type generator struct {
 
 // newGenerator returns the generator of worker w out of workers, which owns
 // every account whose index is w modulo workers.
-func newGenerator(prefix string, w, workers, accounts, unit int) *generator {
+func newGenerator(prefix string, seqBase int64, w, workers, accounts, unit int) *generator {
 	g := &generator{
 		prefix:  prefix,
+		seqBase: seqBase,
 		amounts: make([][]byte, maxAmount),
 		msgs:    make([]idem.Message, unit),
 		ptrs:    make([]*idem.Message, unit),
@@ -54,6 +56,7 @@ func (g *generator) messages(lo, hi int64) []*idem.Message {
 		g.msgs[k] = idem.Message{
 			ID:          string(g.id),
 			AggregateID: g.accounts[r%uint64(len(g.accounts))],
+			Seq:         g.seqBase + seq + 1,
 			Payload:     g.amounts[(r>>32)%maxAmount],
 		}
 		g.ptrs[k] = &g.msgs[k]

@@ -22,13 +22,18 @@ type Case struct {
 	Name string
 	// Workers and BatchSize are as in bench.Workload.
 	Workers, BatchSize int
+	// VersionOnly runs the idempotent variant in version-only mode (see
+	// bench.VersionOnly); BatchSize must then be 0.
+	VersionOnly bool
 }
 
 // Cases returns the standard cases: one event per transaction with 4
-// workers, and batches of 100 and of 1,000 events with 4 workers.
+// workers, in marker and in version-only mode, and batches of 100 and of
+// 1,000 events with 4 workers.
 func Cases() []Case {
 	return []Case{
 		{Name: "per-message", Workers: 4, BatchSize: 0},
+		{Name: "version-only", Workers: 4, BatchSize: 0, VersionOnly: true},
 		{Name: "batch-100", Workers: 4, BatchSize: 100},
 		{Name: "batch-1000", Workers: 4, BatchSize: 1000},
 	}
@@ -62,6 +67,13 @@ func Run(b *testing.B, t bench.Target, opts *Options) {
 	ctx := context.Background()
 	for _, c := range Cases() {
 		w := bench.Workload{Workers: c.Workers, BatchSize: c.BatchSize, Accounts: opts.Accounts}
+		t := t
+		if c.VersionOnly {
+			var err error
+			if t, err = bench.VersionOnly(t); err != nil {
+				b.Fatal(err)
+			}
+		}
 		b.Run(c.Name, func(b *testing.B) {
 			for _, v := range []bench.Variant{bench.Plain, bench.Idem} {
 				b.Run(v.String(), func(b *testing.B) {
