@@ -159,6 +159,17 @@ type LeaseHandler struct {
 	Call func(ctx context.Context, l *Lease, msg *Message) error
 	// OnConflict is the payload-conflict policy. Default OnConflictError.
 	OnConflict ConflictPolicy
+	// Ordering, when set, runs the per-aggregate sequence guard for
+	// messages with a Seq: before Call, an event at or below the
+	// aggregate's last applied sequence is Stale (marked done, not
+	// called) and a gap follows Ordering.Gap; a successful Call advances
+	// the sequence in the same write that marks the message done. The
+	// guard is checked before the call and advanced after it, so two
+	// events of one aggregate must not run at the same time: deliver an
+	// aggregate's events from one partition or subject, as brokers do.
+	// VersionOnly is not available in lease mode (the marker row is the
+	// lease). The driver must implement driver.LeaseSequencer.
+	Ordering *Ordering
 }
 
 // LeaseConfig configures a LeaseProcessor. The zero value is valid: every
@@ -338,6 +349,7 @@ type LeaseLostEvent struct {
 // It is safe for concurrent use.
 type LeaseProcessor struct {
 	drv       driver.LeaseDriver
+	seq       driver.LeaseSequencer // nil if the driver has no ordering guard
 	cfg       LeaseConfig
 	onOutcome []HookOutcome
 	onLost    []HookLeaseLost
@@ -358,6 +370,7 @@ func NewLeaseProcessor(drv driver.LeaseDriver, cfg *LeaseConfig) (*LeaseProcesso
 		return nil, err
 	}
 	p := &LeaseProcessor{drv: drv, cfg: rc}
+	p.seq, _ = drv.(driver.LeaseSequencer)
 	for i, h := range rc.Hooks {
 		o, isOutcome := h.(HookOutcome)
 		l, isLost := h.(HookLeaseLost)
@@ -425,6 +438,10 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	if err := msg.Validate(); err != nil {
 		return OutcomeNone, err
 	}
+	agg, guarded, err := p.guardKey(h, msg)
+	if err != nil {
+		return OutcomeNone, err
+	}
 	hash := msg.PayloadHash()
 	sent := time.Now()
 	res, err := p.drv.LeaseClaim(ctx, &driver.LeaseClaimParams{
@@ -439,13 +456,20 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	p.fault(FaultAfterClaim)
 
 	l := &Lease{Token: res.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: res.Attempt}
+	var advance *driver.LeaseAdvance
+	if guarded {
+		if out, done, err := p.guard(ctx, h, msg, l, agg); done {
+			return out, err
+		}
+		advance = &driver.LeaseAdvance{AggregateID: agg, Seq: msg.Seq}
+	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	k := p.keep(ctx, cancel, h.Name, msg.ID, l, sent)
 	herr := callLease(hctx, h, l, msg)
 	k.stop()
 	if herr == nil {
-		return p.complete(ctx, h, msg, l)
+		return p.complete(ctx, h, msg, l, advance)
 	}
 	return p.fail(ctx, h, msg, l, herr)
 }
@@ -483,12 +507,84 @@ func callLease(ctx context.Context, h *LeaseHandler, l *Lease, msg *Message) (er
 	return nil
 }
 
-// complete marks the row done.
-func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease) (Outcome, error) {
+// guardKey is the ordering guard's aggregate key for msg, and whether the
+// guard applies.
+func (p *LeaseProcessor) guardKey(h *LeaseHandler, msg *Message) (string, bool, error) {
+	if h.Ordering == nil {
+		return "", false, nil
+	}
+	if h.Ordering.VersionOnly {
+		return "", false, fmt.Errorf("%w: lease handler %q: Ordering.VersionOnly is for atomic mode (in lease mode the marker row is the lease)", ErrInvalidConfig, h.Name)
+	}
+	if p.seq == nil {
+		return "", false, fmt.Errorf("%w: lease handler %q has Ordering but the driver does not implement driver.LeaseSequencer", ErrInvalidConfig, h.Name)
+	}
+	return orderingKey(h.Name, h.Ordering, msg)
+}
+
+// guard runs the ordering guard for a claimed lease before the call. done
+// is true when the message is decided without calling the handler: Stale
+// (the lease is marked done), or a gap under GapFail or GapWait (the lease
+// is released for an immediate retry, like atomic mode's rollback, and a
+// *GapError returned), or an error reading the guard.
+func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, agg string) (out Outcome, done bool, err error) {
+	last, err := p.seq.SequenceLast(ctx, h.Name, agg)
+	if err != nil {
+		return OutcomeNone, true, p.release(ctx, h, msg, l, fmt.Errorf("idem: ordering guard: %w", err))
+	}
+	o := h.Ordering
+	switch {
+	case msg.Seq <= last:
+		if out, err := p.complete(ctx, h, msg, l, nil); err != nil {
+			return out, true, err
+		}
+		return Stale, true, nil
+	case msg.Seq == last+1 || o.Gap == GapAllow:
+		return OutcomeNone, false, nil
+	}
+	ge := &GapError{Handler: h.Name, AggregateID: agg, Last: last, Seq: msg.Seq, Policy: o.Gap, Final: o.Gap == GapFail}
+	if o.Gap == GapWait {
+		r, serr := p.seq.GapSighting(ctx, &driver.GapSightingParams{Handler: h.Name, AggregateID: agg, Seq: msg.Seq})
+		if serr != nil {
+			return OutcomeNone, true, p.release(ctx, h, msg, l, fmt.Errorf("idem: record gap sighting: %w (while handling: %w)", serr, ge))
+		}
+		wait := o.WaitFor
+		if wait <= 0 {
+			wait = DefaultGapWait
+		}
+		ge.FirstSeen, ge.Deadline = r.FirstSeen, r.FirstSeen.Add(wait)
+		ge.Final = !r.Now.Before(ge.Deadline)
+	}
+	return OutcomeNone, true, p.release(ctx, h, msg, l, ge)
+}
+
+// release gives a claimed lease up without a call, so the next delivery
+// may claim it at once, and returns cause (or cause joined with the write's
+// failure). The attempt still counts toward MaxAttempts.
+func (p *LeaseProcessor) release(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, cause error) error {
+	wctx, cancel := p.writeContext(ctx)
+	defer cancel()
+	res, err := p.drv.LeaseFail(wctx, &driver.LeaseFailParams{
+		Handler: h.Name, MessageID: msg.ID, Token: l.Token, LastError: lastErrorText(cause),
+	})
+	if err != nil {
+		return fmt.Errorf("%w (and releasing the lease: %w)", cause, err)
+	}
+	if !res.OK {
+		fe := fencedError("failed", h.Name, msg.ID, l.Token, res.Current)
+		p.fenced(ctx, l, fe)
+		return fmt.Errorf("%w (and releasing the lease: %w)", cause, fe)
+	}
+	return cause
+}
+
+// complete marks the row done, advancing the aggregate's sequence when
+// advance is set.
+func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, advance *driver.LeaseAdvance) (Outcome, error) {
 	p.fault(FaultBeforeDone)
 	wctx, cancel := p.writeContext(ctx)
 	defer cancel()
-	res, err := p.drv.LeaseComplete(wctx, &driver.LeaseCompleteParams{Handler: h.Name, MessageID: msg.ID, Token: l.Token})
+	res, err := p.drv.LeaseComplete(wctx, &driver.LeaseCompleteParams{Handler: h.Name, MessageID: msg.ID, Token: l.Token, Advance: advance})
 	if err != nil {
 		return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done: %w", h.Name, msg.ID, err)
 	}

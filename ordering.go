@@ -134,12 +134,18 @@ func (p *Processor[TTx]) guardKey(h *Handler[TTx], msg *Message) (string, bool, 
 	if p.seq == nil {
 		return "", false, fmt.Errorf("%w: handler %q has Ordering but the driver does not implement driver.SequenceGuard", ErrInvalidConfig, h.Name)
 	}
+	return orderingKey(h.Name, o, msg)
+}
+
+// orderingKey validates o for msg and returns the guard's aggregate key
+// and whether the guard applies. Atomic and lease mode share it.
+func orderingKey(handler string, o *Ordering, msg *Message) (string, bool, error) {
 	if o.Gap > GapAllow {
-		return "", false, fmt.Errorf("%w: handler %q: unknown gap policy %d", ErrInvalidConfig, h.Name, o.Gap)
+		return "", false, fmt.Errorf("%w: handler %q: unknown gap policy %d", ErrInvalidConfig, handler, o.Gap)
 	}
 	if msg.Seq == 0 {
 		if o.VersionOnly {
-			return "", false, &ValidationError{Field: "Seq", Reason: fmt.Sprintf("is required: handler %q dedupes by aggregate sequence alone (version-only mode)", h.Name), err: ErrInvalidMessage}
+			return "", false, &ValidationError{Field: "Seq", Reason: fmt.Sprintf("is required: handler %q dedupes by aggregate sequence alone (version-only mode)", handler), err: ErrInvalidMessage}
 		}
 		return "", false, nil
 	}

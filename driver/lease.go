@@ -120,6 +120,11 @@ type LeaseCompleteParams struct {
 	MessageID string
 	// Token is the caller's fencing token.
 	Token int64
+	// Advance, when set, moves the aggregate's last applied sequence (the
+	// ordering guard's row for Handler) up to Advance.Seq, never down, in
+	// the same transaction as the fenced update, and only if that update
+	// succeeds. Only drivers implementing LeaseSequencer are given it.
+	Advance *LeaseAdvance
 }
 
 // LeaseFailParams are the parameters of LeaseDriver.LeaseFail.
@@ -180,4 +185,22 @@ type LeaseRow struct {
 	// Now is the store's clock when the row was read, to compare with
 	// LeaseUntil and NextAttemptAt.
 	Now time.Time
+}
+
+// LeaseAdvance is the sequence a completed lease advances its aggregate to.
+type LeaseAdvance struct {
+	AggregateID string
+	Seq         int64
+}
+
+// LeaseSequencer lets lease mode run the ordering guard: it reads an
+// aggregate's last applied sequence before the handler runs, and
+// LeaseComplete honours LeaseCompleteParams.Advance.
+type LeaseSequencer interface {
+	// SequenceLast returns the last applied sequence of (handler,
+	// aggregate), 0 when none.
+	SequenceLast(ctx context.Context, handler, aggregateID string) (int64, error)
+	// GapSighting is SequenceGuard's: it records the first sighting of a
+	// gap durably and returns it with the store's clock.
+	GapSighting(ctx context.Context, p *GapSightingParams) (GapSightingResult, error)
 }

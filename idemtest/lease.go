@@ -63,6 +63,9 @@ func RunLease(t *testing.T, h *LeaseHarness) {
 		{"MaxAttemptsMakesFailurePermanent", testLeaseMaxAttempts},
 		{"PanicMarksFailed", testLeasePanic},
 		{"ShutdownHandsOverAtOnce", testLeaseShutdown},
+		{"OrderingGapFailHolds", testLeaseOrderingFail},
+		{"OrderingGapWaitRetriable", testLeaseOrderingWait},
+		{"OrderingAllowShuffled", testLeaseOrderingAllowShuffled},
 		// Half as long again: heartbeats must get through on a loaded machine.
 		{"HeartbeatKeepsLease", func(t *testing.T, drv driver.LeaseDriver) { testLeaseHeartbeat(t, drv, ttl*3/2) }},
 		{"ExpiredLeaseReclaimed", func(t *testing.T, drv driver.LeaseDriver) { testLeaseExpired(t, drv, ttl) }},

@@ -12,7 +12,10 @@ import (
 	"github.com/idemhq/idem/driver"
 )
 
-var _ driver.LeaseDriver = (*Driver)(nil)
+var (
+	_ driver.LeaseDriver    = (*Driver)(nil)
+	_ driver.LeaseSequencer = (*Driver)(nil)
+)
 
 // Lease mode on Postgres runs every operation as one auto-committed
 // statement on a pooled connection, never inside a transaction that stays
@@ -63,11 +66,44 @@ WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 
 // LeaseComplete implements driver.LeaseDriver.
 func (d *Driver) LeaseComplete(ctx context.Context, p *driver.LeaseCompleteParams) (driver.LeaseWriteResult, error) {
+	if p.Advance != nil {
+		return d.leaseCompleteAdvance(ctx, p)
+	}
 	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+`
 SET status = 'done', lease_until = NULL, next_attempt_at = NULL, last_error = NULL, processed_at = now()
 WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 		p.Handler, p.MessageID, p.Token)
 	return d.fencedWrite(ctx, "mark done", p.Handler, p.MessageID, tag, err)
+}
+
+// leaseCompleteAdvance marks the lease done and advances the aggregate's
+// sequence in one statement: the sequence moves only if the fenced update
+// matched.
+func (d *Driver) leaseCompleteAdvance(ctx context.Context, p *driver.LeaseCompleteParams) (driver.LeaseWriteResult, error) {
+	var n int64
+	err := d.pool.QueryRow(ctx, `WITH done AS (
+  UPDATE `+d.t.processed+`
+  SET status = 'done', lease_until = NULL, next_attempt_at = NULL, last_error = NULL, processed_at = now()
+  WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'
+  RETURNING handler
+), adv AS (
+  INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq)
+  SELECT handler, $4, $5::bigint FROM done
+  ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = GREATEST(s.last_seq, excluded.last_seq)
+)
+SELECT count(*) FROM done`, p.Handler, p.MessageID, p.Token, p.Advance.AggregateID, p.Advance.Seq).Scan(&n)
+	return d.fencedWrite(ctx, "mark done", p.Handler, p.MessageID, pgconn.NewCommandTag(fmt.Sprintf("UPDATE %d", n)), err)
+}
+
+// SequenceLast implements driver.LeaseSequencer.
+func (d *Driver) SequenceLast(ctx context.Context, handler, aggregateID string) (int64, error) {
+	var last int64
+	err := d.pool.QueryRow(ctx, `SELECT COALESCE(max(last_seq), 0) FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate_id = $2`,
+		handler, aggregateID).Scan(&last)
+	if err != nil {
+		return 0, fmt.Errorf("postgres: read last sequence: %w", err)
+	}
+	return last, nil
 }
 
 // LeaseFail implements driver.LeaseDriver.

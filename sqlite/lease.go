@@ -5,12 +5,16 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/idemhq/idem/driver"
 )
 
-var _ driver.LeaseDriver = (*Driver)(nil)
+var (
+	_ driver.LeaseDriver    = (*Driver)(nil)
+	_ driver.LeaseSequencer = (*Driver)(nil)
+)
 
 // Lease mode on SQLite runs every operation as one auto-committed statement
 // on the database's connection, never inside a transaction that stays open
@@ -62,11 +66,49 @@ WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`,
 
 // LeaseComplete implements driver.LeaseDriver.
 func (d *Driver) LeaseComplete(ctx context.Context, p *driver.LeaseCompleteParams) (driver.LeaseWriteResult, error) {
-	r, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.processed+`
+	const done = `UPDATE {{t}}
 SET status = 'done', lease_until = NULL, next_attempt_at = NULL, last_error = NULL, processed_at = ?
-WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`,
-		time.Now().UnixMicro(), p.Handler, p.MessageID, p.Token)
-	return d.fencedWrite(ctx, "mark done", p.Handler, p.MessageID, r, err)
+WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`
+	q := strings.Replace(done, "{{t}}", d.tables.processed, 1)
+	if p.Advance == nil {
+		r, err := d.db.ExecContext(ctx, q, time.Now().UnixMicro(), p.Handler, p.MessageID, p.Token)
+		return d.fencedWrite(ctx, "mark done", p.Handler, p.MessageID, r, err)
+	}
+	// Mark done and advance the aggregate's sequence in one transaction;
+	// the sequence moves only if the fenced update matched.
+	tx, err := d.db.BeginTx(ctx, nil)
+	if err != nil {
+		return driver.LeaseWriteResult{}, fmt.Errorf("sqlite: lease mark done: %w", err)
+	}
+	defer tx.Rollback()
+	r, err := tx.ExecContext(ctx, q, time.Now().UnixMicro(), p.Handler, p.MessageID, p.Token)
+	if err != nil {
+		return driver.LeaseWriteResult{}, fmt.Errorf("sqlite: lease mark done: %w", err)
+	}
+	if n, err := r.RowsAffected(); err != nil || n != 1 {
+		tx.Rollback()
+		return d.fencedWrite(ctx, "mark done", p.Handler, p.MessageID, r, err)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, ?)
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = max(last_seq, excluded.last_seq)`,
+		p.Handler, p.Advance.AggregateID, p.Advance.Seq); err != nil {
+		return driver.LeaseWriteResult{}, fmt.Errorf("sqlite: lease advance sequence: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return driver.LeaseWriteResult{}, fmt.Errorf("sqlite: lease mark done: %w", err)
+	}
+	return driver.LeaseWriteResult{OK: true}, nil
+}
+
+// SequenceLast implements driver.LeaseSequencer.
+func (d *Driver) SequenceLast(ctx context.Context, handler, aggregateID string) (int64, error) {
+	var last int64
+	err := d.db.QueryRowContext(ctx, `SELECT COALESCE(max(last_seq), 0) FROM `+d.tables.sequences+` WHERE handler = ? AND aggregate_id = ?`,
+		handler, aggregateID).Scan(&last)
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: read last sequence: %w", err)
+	}
+	return last, nil
 }
 
 // LeaseFail implements driver.LeaseDriver.
