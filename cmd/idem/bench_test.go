@@ -10,7 +10,7 @@ import (
 // SQLite file and checks the JSON figures are consistent.
 func TestBenchJSONReportsRatios(t *testing.T) {
 	t.Parallel()
-	code, out, errOut := runCLI(t, "bench", "--json", "--cases", "per-message,batch-100", "--rounds", "1", "--round", "50ms", "--workers", "2")
+	code, out, errOut := runCLI(t, "bench", "--json", "--cases", "per-message,batch-100", "--rounds", "1", "--round", "200ms", "--workers", "2")
 	if code != exitOK {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}

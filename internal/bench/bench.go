@@ -231,6 +231,12 @@ func Run(ctx context.Context, t Target, v Variant, w Workload) (Result, error) {
 		applied atomic.Int64
 		wg      sync.WaitGroup
 	)
+	// Build every worker's generator before the clock starts: under the
+	// race detector that alone can outlast a short run.
+	gens := make([]*generator, w.Workers)
+	for i := range gens {
+		gens[i] = newGenerator(prefix, seqBase, i, w.Workers, w.Accounts, unit)
+	}
 	start := time.Now()
 	var deadline time.Time
 	if w.Duration > 0 {
@@ -256,7 +262,7 @@ func Run(ctx context.Context, t Target, v Variant, w Workload) (Result, error) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			g := newGenerator(prefix, seqBase, i, w.Workers, w.Accounts, unit)
+			g := gens[i]
 			for {
 				lo, hi, ok := claim()
 				if !ok {
