@@ -14,7 +14,20 @@ import (
 
 func openStore(t testing.TB) *idemtest.Store[*sql.Tx] {
 	t.Helper()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "idem.db"), nil)
+	return openStoreWith(t, nil)
+}
+
+// openFastStore is openStore without fsync (synchronous=OFF): for the
+// ordering suite's long single-message streams, whose checks are about
+// logic, not durability (the conformance and crash tests keep FULL).
+func openFastStore(t testing.TB) *idemtest.Store[*sql.Tx] {
+	t.Helper()
+	return openStoreWith(t, &sqlite.OpenOptions{Synchronous: "OFF"})
+}
+
+func openStoreWith(t testing.TB, opts *sqlite.OpenOptions) *idemtest.Store[*sql.Tx] {
+	t.Helper()
+	db, err := sqlite.Open(filepath.Join(t.TempDir(), "idem.db"), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,7 +108,7 @@ func TestConformance(t *testing.T) {
 
 func TestOrdering(t *testing.T) {
 	t.Parallel()
-	idemtest.RunOrdering(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+	idemtest.RunOrdering(t, &idemtest.Harness[*sql.Tx]{Open: openFastStore})
 }
 
 func TestMigrateIsIdempotent(t *testing.T) {
