@@ -222,3 +222,7 @@ func TestProcessTxWithPgxTx(t *testing.T) {
 		t.Fatalf("balance %d, want %d", bal[e.Account], e.Amount)
 	}
 }
+
+func TestRetention(t *testing.T) {
+	idemtest.RunRetention(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
+}

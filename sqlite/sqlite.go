@@ -27,6 +27,7 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -54,6 +55,8 @@ type Driver struct {
 
 	insertMarker *sql.Stmt
 	selectHash   *sql.Stmt
+
+	maintenance sync.Mutex // one pruner at a time in this process
 }
 
 type tables struct {

@@ -164,3 +164,8 @@ func TestOpenRejectsBadSynchronous(t *testing.T) {
 		t.Fatalf("got %v, want ErrInvalidConfig", err)
 	}
 }
+
+func TestRetention(t *testing.T) {
+	t.Parallel()
+	idemtest.RunRetention(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}

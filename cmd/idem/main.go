@@ -10,6 +10,7 @@
 //	          stream on SQLite and verify every balance
 //	migrate   create or update idem's tables in a PostgreSQL or SQLite
 //	          database
+//	cleanup   delete markers older than the retention, in small batches
 //	bench     measure idem's throughput as a ratio of the same
 //	          transactions without it
 //	help      show help for idem or for one command
@@ -84,6 +85,7 @@ func commands() []*command {
 	return []*command{
 		demoCommand(),
 		migrateCommand(),
+		cleanupCommand(),
 		benchCommand(),
 	}
 }

@@ -1,0 +1,172 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"sort"
+	"text/tabwriter"
+	"time"
+
+	"github.com/idemhq/idem"
+)
+
+// cleanupCommand returns the "cleanup" subcommand: delete markers older
+// than the retention, in bounded batches.
+func cleanupCommand() *command {
+	return &command{
+		name:     "cleanup",
+		synopsis: "--dsn DSN [--retention D] [--horizon D] [--batch N] [--dry-run] [--json]",
+		summary:  "delete markers older than the retention, in small batches",
+		help: `Cleanup deletes the markers of messages processed longer ago than --retention,
+in batches of --batch rows, each its own short transaction, so processors
+keep running meanwhile. Leases still running are never deleted. Only one
+cleanup runs at a time per database (PostgreSQL: an advisory lock); a second
+one exits with code 1 and says so.
+
+A message redelivered after its marker is deleted is applied again. Set
+--horizon to the longest time your broker may still redeliver (Kafka topic
+retention, JetStream MaxAge, the longest replay you allow): a --retention
+below it is refused.
+
+--dry-run deletes nothing: it counts, per handler, the markers a cleanup
+would delete now, and shows the oldest marker.
+
+The DSN comes from --dsn, or from the IDEM_DSN environment variable.
+
+` + dsnHelp + `
+
+Examples:
+  idem cleanup --dsn postgres://app@db/app --schema idem --dry-run
+  idem cleanup --retention 336h --horizon 168h
+  idem cleanup --json`,
+		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			sf := addStoreFlags(fs)
+			var (
+				retention, horizon time.Duration
+				batch              int
+				dryRun, asJSON     bool
+			)
+			fs.DurationVar(&retention, "retention", idem.DefaultRetention, "keep markers this `long` after processing")
+			fs.DurationVar(&horizon, "horizon", 0, "longest `time` after processing at which a message may still be redelivered; a shorter --retention is refused")
+			fs.IntVar(&batch, "batch", idem.DefaultPruneBatch, "markers deleted per transaction (`rows`)")
+			fs.BoolVar(&dryRun, "dry-run", false, "count what would be deleted; delete nothing")
+			fs.BoolVar(&asJSON, "json", false, "print JSON instead of text")
+			return func(ctx context.Context, e *env, args []string) error {
+				if err := noArgs(args); err != nil {
+					return err
+				}
+				if retention <= 0 || horizon < 0 || batch < 1 {
+					return usagef("--retention and --batch must be positive, --horizon not negative")
+				}
+				cfg := &idem.RetentionConfig{Retention: retention, RedeliveryHorizon: horizon, BatchSize: batch,
+					Logger: slog.New(slog.NewTextHandler(e.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+				if _, err := idem.NewPruner(nil, cfg); err != nil {
+					var re *idem.RetentionError
+					if errors.As(err, &re) {
+						return &usageError{err: err}
+					}
+				}
+				s, err := sf.open(ctx, e)
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				return runCleanup(ctx, e, s, cfg, dryRun, asJSON)
+			}
+		},
+	}
+}
+
+// idemDriver returns the store's idem driver.
+func (s *store) idemDriver() any {
+	if s.kind == kindSQLite {
+		return s.sqliteDrv
+	}
+	return s.pgDrv
+}
+
+// cleanupReport is what cleanup prints with --json.
+type cleanupReport struct {
+	DryRun         bool             `json:"dry_run"`
+	Cutoff         time.Time        `json:"cutoff"`
+	Prunable       map[string]int64 `json:"prunable,omitempty"`
+	OldestMarker   *time.Time       `json:"oldest_marker,omitempty"`
+	Deleted        int              `json:"deleted"`
+	Batches        int              `json:"batches"`
+	DurationMS     int64            `json:"duration_ms"`
+	LongestBatchMS int64            `json:"longest_batch_ms"`
+}
+
+// runCleanup counts or deletes the markers past the retention.
+func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig, dryRun, asJSON bool) error {
+	if n, _, err := s.schemaVersion(ctx); err != nil {
+		return err
+	} else if n == 0 {
+		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+	}
+	pr, err := idem.NewPruner(s.idemDriver(), cfg)
+	if err != nil {
+		return err
+	}
+	rep := cleanupReport{DryRun: dryRun, Cutoff: pr.Cutoff().UTC().Truncate(time.Second)}
+	if dryRun {
+		counts, oldest, err := pr.Prunable(ctx)
+		if err != nil {
+			return err
+		}
+		rep.Prunable = counts
+		if !oldest.IsZero() {
+			o := oldest.UTC().Truncate(time.Second)
+			rep.OldestMarker = &o
+		}
+		for _, n := range counts {
+			rep.Deleted += int(n)
+		}
+	} else {
+		st, err := pr.Prune(ctx)
+		rep.Deleted, rep.Batches = st.Deleted, st.Batches
+		rep.DurationMS, rep.LongestBatchMS = st.Duration.Milliseconds(), st.LongestBatch.Milliseconds()
+		if errors.Is(err, idem.ErrMaintenanceBusy) {
+			return fmt.Errorf("another cleanup is running on %s; nothing deleted", s)
+		}
+		if err != nil {
+			return fmt.Errorf("%w (deleted %d markers before stopping)", err, st.Deleted)
+		}
+	}
+	if asJSON {
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+	if !dryRun {
+		fmt.Fprintf(e.stdout, "Deleted %d markers processed before %s in %d batches (%s, slowest batch %s).\n",
+			rep.Deleted, rep.Cutoff.Format(time.RFC3339), rep.Batches,
+			time.Duration(rep.DurationMS)*time.Millisecond, time.Duration(rep.LongestBatchMS)*time.Millisecond)
+		return nil
+	}
+	fmt.Fprintf(e.stdout, "Dry run on %s: markers processed before %s (retention %s)\n\n", s, rep.Cutoff.Format(time.RFC3339), cfg.Retention)
+	handlers := make([]string, 0, len(rep.Prunable))
+	for h := range rep.Prunable {
+		handlers = append(handlers, h)
+	}
+	sort.Strings(handlers)
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "HANDLER\tWOULD DELETE")
+	for _, h := range handlers {
+		fmt.Fprintf(tw, "%s\t%d\n", h, rep.Prunable[h])
+	}
+	fmt.Fprintf(tw, "total\t%d\n", rep.Deleted)
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if rep.OldestMarker != nil {
+		fmt.Fprintf(e.stdout, "\nOldest marker: %s\n", rep.OldestMarker.Format(time.RFC3339))
+	} else {
+		fmt.Fprintln(e.stdout, "\nNo markers stored.")
+	}
+	return nil
+}

@@ -1,0 +1,54 @@
+package driver
+
+import (
+	"context"
+	"time"
+)
+
+// MarkerPruner is implemented by drivers whose markers can be deleted by
+// age. idem.Pruner drives it: one bounded batch per call, each in its own
+// short transaction, walking the primary key with a cursor so that no batch
+// re-reads rows an earlier one deleted. Rows of running leases are never
+// deleted, whatever their age.
+type MarkerPruner interface {
+	// PruneMarkers deletes up to p.Limit markers processed before
+	// p.Before whose key sorts after p.After, in key order.
+	PruneMarkers(ctx context.Context, p *PruneParams) (PruneResult, error)
+	// CountPrunable counts, per handler, the markers PruneMarkers would
+	// delete for the cutoff before, and returns the oldest marker's time
+	// (zero when there are none).
+	CountPrunable(ctx context.Context, before time.Time) (counts map[string]int64, oldest time.Time, err error)
+	// TryMaintenanceLock takes the store-wide maintenance lock without
+	// waiting. ok is false when another instance holds it. unlock releases
+	// it; it must be called when ok is true.
+	TryMaintenanceLock(ctx context.Context) (unlock func(), ok bool, err error)
+}
+
+// MarkerKey is a marker's primary key: the pruning cursor.
+type MarkerKey struct {
+	Handler   string
+	MessageID string
+}
+
+// PruneParams are the parameters of MarkerPruner.PruneMarkers.
+type PruneParams struct {
+	// Before is the cutoff: markers processed at or after it stay.
+	Before time.Time
+	// After is the cursor: only keys sorting after it (byte order of
+	// handler, then message ID) are considered. The zero key starts at
+	// the beginning.
+	After MarkerKey
+	// Limit bounds the rows deleted, at least 1.
+	Limit int
+}
+
+// PruneResult is the result of one PruneMarkers batch.
+type PruneResult struct {
+	// Deleted is the number of markers deleted.
+	Deleted int
+	// Last is the greatest key the batch examined: the next batch's
+	// After. Meaningless when Done.
+	Last MarkerKey
+	// Done is true when no prunable marker sorts after the cursor.
+	Done bool
+}

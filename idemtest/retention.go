@@ -1,0 +1,131 @@
+package idemtest
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+)
+
+// RunRetention runs the conformance tests of marker retention. The store's
+// Driver must implement driver.MarkerPruner and driver.LeaseDriver (the
+// running-lease rows it must never delete are made through it).
+func RunRetention[TTx any](t *testing.T, h *Harness[TTx]) {
+	t.Run("PrunesOldMarkersInBatches", func(t *testing.T) {
+		t.Parallel()
+		testPrune(t, h.Open(t))
+	})
+	t.Run("ShortRetentionRefused", func(t *testing.T) {
+		t.Parallel()
+		s := h.Open(t)
+		_, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{Retention: time.Hour, RedeliveryHorizon: 24 * time.Hour})
+		var re *idem.RetentionError
+		if !errors.Is(err, idem.ErrRetentionTooShort) || !errors.As(err, &re) || re.Horizon != 24*time.Hour {
+			t.Fatalf("NewPruner with retention 1h < horizon 24h: %v, want a *RetentionError", err)
+		}
+		if _, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{BatchSize: -1}); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Fatalf("negative batch size: %v, want ErrInvalidConfig", err)
+		}
+	})
+	t.Run("OneInstanceAtATime", func(t *testing.T) {
+		t.Parallel()
+		s := h.Open(t)
+		mp, ok := s.Driver.(driver.MarkerPruner)
+		if !ok {
+			t.Fatalf("driver %T does not implement driver.MarkerPruner", s.Driver)
+		}
+		ctx := context.Background()
+		unlock, ok, err := mp.TryMaintenanceLock(ctx)
+		if err != nil || !ok {
+			t.Fatalf("first lock: %v, %v", ok, err)
+		}
+		p, err := idem.NewPruner(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Prune(ctx); !errors.Is(err, idem.ErrMaintenanceBusy) {
+			t.Fatalf("Prune while another holds the lock: %v, want ErrMaintenanceBusy", err)
+		}
+		unlock()
+		if _, err := p.Prune(ctx); err != nil {
+			t.Fatalf("Prune after unlock: %v", err)
+		}
+	})
+}
+
+// testPrune processes markers, claims a lease it leaves running, then
+// prunes with a clock 8 days ahead in batches of 1,000: every done marker
+// goes, the running lease stays, and a pruned message would apply again.
+func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	p := newProc(t, s)
+	var calls sync.Map
+	h := CreditHandler(s, "balances", &calls)
+	ev := Events(2345)
+	msgs := make([]*idem.Message, len(ev))
+	for i, e := range ev {
+		msgs[i] = e.Message()
+	}
+	for lo := 0; lo < len(msgs); lo += 500 {
+		if _, err := p.ProcessBatch(ctx, h, msgs[lo:min(lo+500, len(msgs))]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ld, ok := any(s.Driver).(driver.LeaseDriver)
+	if !ok {
+		t.Fatalf("driver %T does not implement driver.LeaseDriver", s.Driver)
+	}
+	if res, err := ld.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "mailer", MessageID: "still-running",
+		PayloadHash: (&idem.Message{ID: "still-running"}).PayloadHash(), Owner: "w1", TTL: 30 * 24 * time.Hour}); err != nil || !res.Claimed {
+		t.Fatalf("claim: %+v, %v", res, err)
+	}
+
+	future := func() time.Time { return time.Now().Add(8 * 24 * time.Hour) }
+	pr, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{BatchSize: 1000, Now: future})
+	if err != nil {
+		t.Fatal(err)
+	}
+	counts, oldest, err := pr.Prunable(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if counts["balances"] != int64(len(ev)) || counts["mailer"] != 0 || oldest.IsZero() || time.Since(oldest) > time.Hour {
+		t.Fatalf("dry run: counts %v, oldest %v; want %d balances markers, no running lease", counts, oldest, len(ev))
+	}
+	// Nothing is old yet with the real clock.
+	now, err := idem.NewPruner(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := now.Prune(ctx); err != nil || st.Deleted != 0 {
+		t.Fatalf("prune with a 7-day retention right away: %+v, %v; want nothing deleted", st, err)
+	}
+
+	st, err := pr.Prune(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Deleted != len(ev) || st.Batches != (len(ev)+999)/1000 {
+		t.Fatalf("prune: %+v, want %d deleted in %d batches", st, len(ev), (len(ev)+999)/1000)
+	}
+	if n, err := s.Markers(ctx, "balances"); err != nil || n != 0 {
+		t.Fatalf("balances markers left: %d, %v", n, err)
+	}
+	row, err := ld.LeaseGet(ctx, &driver.LeaseGetParams{Handler: "mailer", MessageID: "still-running"})
+	if err != nil || row == nil || row.Status != driver.LeaseRunning {
+		t.Fatalf("running lease after prune: %+v, %v; want it kept", row, err)
+	}
+	// The documented limit: a redelivery older than the retention applies again.
+	out, err := p.Process(ctx, h, msgs[0])
+	wantOutcome(t, "redelivery after its marker was pruned", out, err, idem.Applied)
+	want := Expected(ev)
+	want[ev[0].Account] += ev[0].Amount
+	wantBalances(t, s, want)
+	if st, err := pr.Prune(ctx); err != nil || st.Deleted != 1 {
+		t.Fatalf("second prune: %+v, %v; want the one new marker", st, err)
+	}
+}

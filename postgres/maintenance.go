@@ -1,0 +1,105 @@
+package postgres
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemhq/idem/driver"
+)
+
+var _ driver.MarkerPruner = (*Driver)(nil)
+
+// PruneMarkers implements driver.MarkerPruner. One statement picks the next
+// batch in primary-key order after the cursor and deletes it; rows of
+// running leases are skipped. Each call is its own short transaction, so
+// row locks last one batch.
+func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
+	if p.Limit < 1 {
+		return driver.PruneResult{}, fmt.Errorf("postgres: prune limit %d must be at least 1", p.Limit)
+	}
+	var (
+		res          driver.PruneResult
+		picked       int
+		lastH, lastM *string
+	)
+	err := d.pool.QueryRow(ctx, `WITH victims AS (
+  SELECT handler, message_id FROM `+d.t.processed+`
+  WHERE (handler, message_id) > ($2, $3) AND processed_at < $1 AND status <> 'running'
+  ORDER BY handler, message_id
+  LIMIT $4
+), gone AS (
+  DELETE FROM `+d.t.processed+` AS m USING victims AS v
+  WHERE m.handler = v.handler AND m.message_id = v.message_id AND m.status <> 'running'
+  RETURNING 1
+), last AS (
+  SELECT handler, message_id FROM victims ORDER BY handler DESC, message_id DESC LIMIT 1
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM victims),
+       (SELECT handler FROM last), (SELECT message_id FROM last)`,
+		p.Before, p.After.Handler, p.After.MessageID, p.Limit).Scan(&res.Deleted, &picked, &lastH, &lastM)
+	if err != nil {
+		return driver.PruneResult{}, fmt.Errorf("postgres: prune markers: %w", err)
+	}
+	if lastH != nil && lastM != nil {
+		res.Last = driver.MarkerKey{Handler: *lastH, MessageID: *lastM}
+	}
+	res.Done = picked < p.Limit
+	return res, nil
+}
+
+// CountPrunable implements driver.MarkerPruner.
+func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
+	rows, err := d.pool.Query(ctx, `SELECT handler, count(*) FROM `+d.t.processed+`
+WHERE processed_at < $1 AND status <> 'running' GROUP BY handler`, before)
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("postgres: count prunable markers: %w", err)
+	}
+	counts := map[string]int64{}
+	var (
+		h string
+		n int64
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&h, &n}, func() error { counts[h] = n; return nil }); err != nil {
+		return nil, time.Time{}, fmt.Errorf("postgres: count prunable markers: %w", err)
+	}
+	var oldest *time.Time
+	if err := d.pool.QueryRow(ctx, `SELECT min(processed_at) FROM `+d.t.processed).Scan(&oldest); err != nil {
+		return nil, time.Time{}, fmt.Errorf("postgres: oldest marker: %w", err)
+	}
+	if oldest == nil {
+		return counts, time.Time{}, nil
+	}
+	return counts, *oldest, nil
+}
+
+// TryMaintenanceLock implements driver.MarkerPruner with a session-level
+// advisory lock named after the schema and table prefix, held on one
+// pooled connection until unlock.
+func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
+	c, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return nil, false, err
+	}
+	key := "idem-maintenance:" + d.schema + "." + d.prefix
+	var ok bool
+	if err := c.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtext($1))`, key).Scan(&ok); err != nil {
+		c.Release()
+		return nil, false, fmt.Errorf("postgres: maintenance lock: %w", err)
+	}
+	if !ok {
+		c.Release()
+		return nil, false, nil
+	}
+	unlock := func() {
+		if _, err := c.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock(hashtext($1))`, key); err != nil {
+			// The lock is the session's: closing the connection frees it.
+			c.Hijack().Close(context.Background())
+			return
+		}
+		c.Release()
+	}
+	return unlock, true, nil
+}

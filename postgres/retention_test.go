@@ -1,0 +1,142 @@
+package postgres_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
+)
+
+// TestPruneMillionMarkersWhileProcessing fills the marker table with
+// 1,000,000 markers 30 days old, then prunes them in batches of 5,000 while
+// a processor keeps applying new messages: pruning finishes with no error,
+// every old marker is gone and every new one kept, the balances are exact,
+// and no message waited longer than the slowest batch (plus scheduling
+// slack): batches are short transactions on other rows.
+func TestPruneMillionMarkersWhileProcessing(t *testing.T) {
+	const old = 1_000_000
+	pool := testenv.PostgresPool(t, 8)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	markers := pgx.Identifier{schema, "idem_processed"}.Sanitize()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
+SELECT 'balances', 'old-' || lpad(i::text, 7, '0'), '\x00'::bytea, now() - interval '30 days'
+FROM generate_series(1, $1) AS i`, old); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `ANALYZE `+markers); err != nil {
+		t.Fatal(err)
+	}
+
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls sync.Map
+	h := idemtest.CreditHandler(s, "balances", &calls)
+	pr, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{BatchSize: 5000})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	var (
+		stop      atomic.Bool
+		processed []idemtest.Event
+		maxWait   time.Duration
+		procErr   error
+		wg        sync.WaitGroup
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; !stop.Load(); i++ {
+			e := idemtest.Event{ID: fmt.Sprintf("new-%06d", i), Account: fmt.Sprintf("acct-%02d", i%10), Amount: int64(i%7 + 1)}
+			t0 := time.Now()
+			out, err := p.Process(ctx, h, e.Message())
+			maxWait = max(maxWait, time.Since(t0))
+			if err != nil || out != idem.Applied {
+				procErr = fmt.Errorf("%s: %v, %v", e.ID, out, err)
+				return
+			}
+			processed = append(processed, e)
+		}
+	}()
+	st, err := pr.Prune(ctx)
+	stop.Store(true)
+	wg.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if procErr != nil {
+		t.Fatal(procErr)
+	}
+	t.Logf("pruned %d markers in %d batches, %s (slowest batch %s); %d messages processed meanwhile, longest wait %s",
+		st.Deleted, st.Batches, st.Duration, st.LongestBatch, len(processed), maxWait)
+	if st.Deleted != old {
+		t.Fatalf("deleted %d markers, want %d", st.Deleted, old)
+	}
+	if len(processed) == 0 {
+		t.Fatal("the processor applied nothing while pruning ran")
+	}
+	if n, err := s.Markers(ctx, "balances"); err != nil || n != len(processed) {
+		t.Fatalf("%d markers left (%v), want the %d new ones", n, err, len(processed))
+	}
+	balances, err := s.Balances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := idemtest.Expected(processed)
+	for acct, v := range want {
+		if balances[acct] != v {
+			t.Fatalf("%s = %d, want %d", acct, balances[acct], v)
+		}
+	}
+	if slack := time.Second; maxWait > st.LongestBatch+slack {
+		t.Fatalf("a message waited %s, longer than the slowest batch (%s) plus %s", maxWait, st.LongestBatch, slack)
+	}
+}
+
+// TestPruneDriverKeysetCursor checks the driver's cursor: batches walk the
+// key space without revisiting it and Done comes with a short batch.
+func TestPruneDriverKeysetCursor(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	markers := pgx.Identifier{schema, "idem_processed"}.Sanitize()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
+SELECT h, 'm-' || lpad(i::text, 3, '0'), '\x00'::bytea, now() - interval '30 days'
+FROM generate_series(1, 25) AS i, (VALUES ('a'), ('b')) AS hs(h)`); err != nil {
+		t.Fatal(err)
+	}
+	drv := s.Driver.(*postgres.Driver)
+	p := &driver.PruneParams{Before: time.Now().Add(-24 * time.Hour), Limit: 20}
+	var total int
+	var lasts []string
+	for range 10 {
+		res, err := drv.PruneMarkers(ctx, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		total += res.Deleted
+		if res.Done {
+			break
+		}
+		lasts = append(lasts, res.Last.Handler+"/"+res.Last.MessageID)
+		p.After = res.Last
+	}
+	if total != 50 || fmt.Sprint(lasts) != "[a/m-020 b/m-015]" {
+		t.Fatalf("deleted %d with cursors %v, want 50 with [a/m-020 b/m-015]", total, lasts)
+	}
+}

@@ -1,0 +1,202 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/idemhq/idem/driver"
+)
+
+// Defaults of RetentionConfig.
+const (
+	// DefaultRetention is how long markers are kept: a redelivery older
+	// than this would be applied again.
+	DefaultRetention = 7 * 24 * time.Hour
+	// DefaultPruneBatch is the number of markers one pruning transaction
+	// deletes.
+	DefaultPruneBatch = 5000
+)
+
+// ErrRetentionTooShort is matched (errors.Is) by a *RetentionError.
+var ErrRetentionTooShort = errors.New("idem: retention shorter than the redelivery horizon")
+
+// ErrMaintenanceBusy is returned by Pruner.Prune when another instance
+// holds the maintenance lock.
+var ErrMaintenanceBusy = errors.New("idem: another instance is running maintenance")
+
+// RetentionError reports a retention that would delete markers while the
+// broker may still redeliver their messages: those redeliveries would be
+// applied a second time.
+type RetentionError struct {
+	Retention, Horizon time.Duration
+}
+
+// Error implements error.
+func (e *RetentionError) Error() string {
+	return fmt.Sprintf("idem: retention %s is shorter than the redelivery horizon %s: a message redelivered after its marker is deleted would be applied again; keep markers at least as long as the broker may redeliver (Kafka topic retention, JetStream MaxAge, the longest dead-letter replay delay)",
+		e.Retention, e.Horizon)
+}
+
+// Is makes errors.Is(err, ErrRetentionTooShort) true.
+func (e *RetentionError) Is(target error) bool { return target == ErrRetentionTooShort }
+
+// RetentionConfig configures a Pruner. The zero value keeps markers for
+// DefaultRetention and deletes them in batches of DefaultPruneBatch.
+type RetentionConfig struct {
+	// Retention is how long a marker is kept after its message was
+	// processed. Default DefaultRetention (7 days).
+	Retention time.Duration
+	// RedeliveryHorizon is the longest time after processing at which the
+	// broker (or a replay) may still deliver a message again. A Retention
+	// below it is refused with a *RetentionError. Default 0: not checked.
+	RedeliveryHorizon time.Duration
+	// BatchSize bounds the markers deleted per transaction, so no lock is
+	// held for long. Default DefaultPruneBatch (5,000).
+	BatchSize int
+	// Pause is slept between batches to leave the store to the
+	// processors. Default 0.
+	Pause time.Duration
+	// Logger receives a line per prune run and per failure. Default
+	// slog.Default().
+	Logger *slog.Logger
+	// Now returns the current time. Default time.Now; tests set it.
+	Now func() time.Time
+}
+
+// Pruner deletes markers older than the retention, in bounded batches, one
+// instance at a time (a Postgres advisory lock; SQLite has a single writer
+// anyway). It is safe for concurrent use.
+type Pruner struct {
+	drv driver.MarkerPruner
+	cfg RetentionConfig
+}
+
+// PruneStats reports a prune run.
+type PruneStats struct {
+	// Cutoff is the processing time before which markers were deleted.
+	Cutoff time.Time
+	// Deleted is the number of markers deleted.
+	Deleted int
+	// Batches is the number of transactions used.
+	Batches int
+	// Duration is the run's wall time; LongestBatch its slowest batch.
+	Duration, LongestBatch time.Duration
+}
+
+// NewPruner returns a Pruner for drv, which must implement
+// driver.MarkerPruner. The configuration is checked first: a retention
+// shorter than the redelivery horizon is a *RetentionError, a negative
+// setting ErrInvalidConfig.
+func NewPruner(drv any, cfg *RetentionConfig) (*Pruner, error) {
+	c := RetentionConfig{}
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Retention < 0 || c.RedeliveryHorizon < 0 || c.BatchSize < 0 || c.Pause < 0 {
+		return nil, fmt.Errorf("%w: retention settings must not be negative", ErrInvalidConfig)
+	}
+	if c.Retention == 0 {
+		c.Retention = DefaultRetention
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultPruneBatch
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	if c.Retention < c.RedeliveryHorizon {
+		return nil, &RetentionError{Retention: c.Retention, Horizon: c.RedeliveryHorizon}
+	}
+	mp, ok := drv.(driver.MarkerPruner)
+	if !ok || mp == nil {
+		return nil, fmt.Errorf("%w: driver %T does not implement driver.MarkerPruner", ErrInvalidConfig, drv)
+	}
+	return &Pruner{drv: mp, cfg: c}, nil
+}
+
+// Cutoff returns the processing time before which markers are deleted now.
+func (p *Pruner) Cutoff() time.Time { return p.cfg.Now().Add(-p.cfg.Retention) }
+
+// Prunable counts, per handler, the markers a Prune now would delete, and
+// returns the oldest marker's processing time: a dry run.
+func (p *Pruner) Prunable(ctx context.Context) (map[string]int64, time.Time, error) {
+	counts, oldest, err := p.drv.CountPrunable(ctx, p.Cutoff())
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("idem: count prunable markers: %w", err)
+	}
+	return counts, oldest, nil
+}
+
+// Prune deletes every marker older than the retention, batch by batch. It
+// returns ErrMaintenanceBusy at once if another instance is pruning. On
+// cancellation it stops after the current batch; what was deleted stays
+// deleted.
+func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
+	unlock, ok, err := p.drv.TryMaintenanceLock(ctx)
+	if err != nil {
+		return PruneStats{}, fmt.Errorf("idem: maintenance lock: %w", err)
+	}
+	if !ok {
+		return PruneStats{}, ErrMaintenanceBusy
+	}
+	defer unlock()
+	st := PruneStats{Cutoff: p.Cutoff()}
+	start := time.Now()
+	params := &driver.PruneParams{Before: st.Cutoff, Limit: p.cfg.BatchSize}
+	for {
+		if err := ctx.Err(); err != nil {
+			st.Duration = time.Since(start)
+			return st, err
+		}
+		t0 := time.Now()
+		res, err := p.drv.PruneMarkers(ctx, params)
+		if err != nil {
+			st.Duration = time.Since(start)
+			return st, fmt.Errorf("idem: prune markers (batch %d): %w", st.Batches+1, err)
+		}
+		st.Batches++
+		st.Deleted += res.Deleted
+		st.LongestBatch = max(st.LongestBatch, time.Since(t0))
+		if res.Done {
+			break
+		}
+		params.After = res.Last
+		if p.cfg.Pause > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(p.cfg.Pause):
+			}
+		}
+	}
+	st.Duration = time.Since(start)
+	p.cfg.Logger.Info("idem: pruned markers", slog.Int("deleted", st.Deleted), slog.Int("batches", st.Batches),
+		slog.Time("cutoff", st.Cutoff), slog.Duration("duration", st.Duration), slog.Duration("longest_batch", st.LongestBatch))
+	return st, nil
+}
+
+// Run prunes at once and then every interval until ctx is done, logging
+// failures and going on; a run skipped because another instance holds the
+// lock is not a failure. It returns ctx's error.
+func (p *Pruner) Run(ctx context.Context, interval time.Duration) error {
+	if interval <= 0 {
+		return fmt.Errorf("%w: prune interval %s must be positive", ErrInvalidConfig, interval)
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		if _, err := p.Prune(ctx); err != nil && !errors.Is(err, ErrMaintenanceBusy) && ctx.Err() == nil {
+			p.cfg.Logger.Warn("idem: prune failed; retrying at the next interval", slog.Any("error", err))
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,90 @@
+package sqlite
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+
+	"github.com/idemhq/idem/driver"
+)
+
+var _ driver.MarkerPruner = (*Driver)(nil)
+
+// PruneMarkers implements driver.MarkerPruner: the next batch after the
+// cursor in primary-key order, deleted in one statement (its own short
+// write transaction); rows of running leases are skipped.
+func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
+	if p.Limit < 1 {
+		return driver.PruneResult{}, fmt.Errorf("sqlite: prune limit %d must be at least 1", p.Limit)
+	}
+	rows, err := d.db.QueryContext(ctx, `DELETE FROM `+d.tables.processed+` WHERE (handler, message_id) IN (
+  SELECT handler, message_id FROM `+d.tables.processed+`
+  WHERE (handler, message_id) > (?, ?) AND processed_at < ? AND status <> 'running'
+  ORDER BY handler, message_id
+  LIMIT ?
+) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Limit)
+	if err != nil {
+		return driver.PruneResult{}, fmt.Errorf("sqlite: prune markers: %w", err)
+	}
+	defer rows.Close()
+	var res driver.PruneResult
+	for rows.Next() {
+		var k driver.MarkerKey
+		if err := rows.Scan(&k.Handler, &k.MessageID); err != nil {
+			return driver.PruneResult{}, fmt.Errorf("sqlite: prune markers: %w", err)
+		}
+		res.Deleted++
+		if k.Handler > res.Last.Handler || (k.Handler == res.Last.Handler && k.MessageID > res.Last.MessageID) {
+			res.Last = k
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return driver.PruneResult{}, fmt.Errorf("sqlite: prune markers: %w", err)
+	}
+	res.Done = res.Deleted < p.Limit
+	return res, nil
+}
+
+// CountPrunable implements driver.MarkerPruner.
+func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
+	rows, err := d.db.QueryContext(ctx, `SELECT handler, count(*) FROM `+d.tables.processed+`
+WHERE processed_at < ? AND status <> 'running' GROUP BY handler`, before.UnixMicro())
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("sqlite: count prunable markers: %w", err)
+	}
+	defer rows.Close()
+	counts := map[string]int64{}
+	for rows.Next() {
+		var (
+			h string
+			n int64
+		)
+		if err := rows.Scan(&h, &n); err != nil {
+			return nil, time.Time{}, fmt.Errorf("sqlite: count prunable markers: %w", err)
+		}
+		counts[h] = n
+	}
+	if err := rows.Err(); err != nil {
+		return nil, time.Time{}, fmt.Errorf("sqlite: count prunable markers: %w", err)
+	}
+	rows.Close()
+	var oldest sql.NullInt64
+	if err := d.db.QueryRowContext(ctx, `SELECT min(processed_at) FROM `+d.tables.processed).Scan(&oldest); err != nil {
+		return nil, time.Time{}, fmt.Errorf("sqlite: oldest marker: %w", err)
+	}
+	if !oldest.Valid {
+		return counts, time.Time{}, nil
+	}
+	return counts, time.UnixMicro(oldest.Int64), nil
+}
+
+// TryMaintenanceLock implements driver.MarkerPruner. SQLite has one writer
+// at a time, so concurrent pruners in several processes only take turns
+// batch by batch; within a process the driver lets one run at a time.
+func (d *Driver) TryMaintenanceLock(context.Context) (func(), bool, error) {
+	if !d.maintenance.TryLock() {
+		return nil, false, nil
+	}
+	return d.maintenance.Unlock, true, nil
+}
