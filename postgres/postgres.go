@@ -74,6 +74,7 @@ type Driver struct {
 type tables struct {
 	processed, migrations     string
 	sequences, gaps, versions string
+	deadLetters               string
 }
 
 type statements struct {
@@ -111,11 +112,12 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 	}
 	d := &Driver{pool: pool, schema: cfg.Schema, prefix: prefix}
 	d.t = tables{
-		processed:  sqlident.Qualified(cfg.Schema, prefix+"processed"),
-		migrations: sqlident.Qualified(cfg.Schema, prefix+"migrations"),
-		sequences:  sqlident.Qualified(cfg.Schema, prefix+"sequences"),
-		gaps:       sqlident.Qualified(cfg.Schema, prefix+"gaps"),
-		versions:   sqlident.Qualified(cfg.Schema, prefix+"versions"),
+		processed:   sqlident.Qualified(cfg.Schema, prefix+"processed"),
+		migrations:  sqlident.Qualified(cfg.Schema, prefix+"migrations"),
+		sequences:   sqlident.Qualified(cfg.Schema, prefix+"sequences"),
+		gaps:        sqlident.Qualified(cfg.Schema, prefix+"gaps"),
+		versions:    sqlident.Qualified(cfg.Schema, prefix+"versions"),
+		deadLetters: sqlident.Qualified(cfg.Schema, prefix+"dead_letters"),
 	}
 	d.sql = statements{
 		insertMarker: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`,
@@ -143,6 +145,9 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{sequences}}", d.t.sequences,
 		"{{gaps}}", d.t.gaps,
 		"{{versions}}", d.t.versions,
+		"{{dead_letters}}", d.t.deadLetters,
+		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
+		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
 	))
 	if err != nil {
 		return fmt.Errorf("postgres: load migrations: %w", err)

@@ -226,3 +226,7 @@ func TestProcessTxWithPgxTx(t *testing.T) {
 func TestRetention(t *testing.T) {
 	idemtest.RunRetention(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
 }
+
+func TestDeadLetters(t *testing.T) {
+	idemtest.RunDeadLetters(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
+}

@@ -51,6 +51,7 @@ type Config struct {
 // Driver implements driver.Driver[*sql.Tx] for SQLite.
 type Driver struct {
 	db     *sql.DB
+	prefix string
 	tables tables
 
 	insertMarker *sql.Stmt
@@ -62,6 +63,7 @@ type Driver struct {
 type tables struct {
 	processed, migrations     string
 	sequences, gaps, versions string
+	deadLetters               string
 }
 
 var _ driver.Driver[*sql.Tx] = (*Driver)(nil)
@@ -136,12 +138,13 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 	if err := sqlident.Check("sqlite: TablePrefix", prefix, false); err != nil {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
-	return &Driver{db: db, tables: tables{
-		processed:  sqlident.Quote(prefix + "processed"),
-		migrations: sqlident.Quote(prefix + "migrations"),
-		sequences:  sqlident.Quote(prefix + "sequences"),
-		gaps:       sqlident.Quote(prefix + "gaps"),
-		versions:   sqlident.Quote(prefix + "versions"),
+	return &Driver{db: db, prefix: prefix, tables: tables{
+		processed:   sqlident.Quote(prefix + "processed"),
+		migrations:  sqlident.Quote(prefix + "migrations"),
+		sequences:   sqlident.Quote(prefix + "sequences"),
+		gaps:        sqlident.Quote(prefix + "gaps"),
+		versions:    sqlident.Quote(prefix + "versions"),
+		deadLetters: sqlident.Quote(prefix + "dead_letters"),
 	}}, nil
 }
 
@@ -156,6 +159,9 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{sequences}}", d.tables.sequences,
 		"{{gaps}}", d.tables.gaps,
 		"{{versions}}", d.tables.versions,
+		"{{dead_letters}}", d.tables.deadLetters,
+		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
+		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
 	))
 	if err != nil {
 		return fmt.Errorf("sqlite: load migrations: %w", err)

@@ -169,3 +169,8 @@ func TestRetention(t *testing.T) {
 	t.Parallel()
 	idemtest.RunRetention(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
 }
+
+func TestDeadLetters(t *testing.T) {
+	t.Parallel()
+	idemtest.RunDeadLetters(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}

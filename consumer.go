@@ -1,0 +1,326 @@
+package idem
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/idemhq/idem/driver"
+)
+
+// Class is how a failed delivery is treated.
+type Class uint8
+
+const (
+	// Retriable failures are delivered again after a backoff.
+	Retriable Class = iota
+	// PermanentClass failures cannot succeed by retrying: they are
+	// dead-lettered at once.
+	PermanentClass
+)
+
+// Dead-letter classes, stored with every dead letter.
+const (
+	DeadLetterPermanent = "permanent" // the error was permanent (Permanent, validation, final gap)
+	DeadLetterConflict  = "conflict"  // same ID, different payload
+	DeadLetterDecode    = "decode"    // the broker record did not map to a message
+	DeadLetterExhausted = "exhausted" // retriable, but out of attempts
+)
+
+// ConsumerConfig configures a Consumer. The zero value is valid.
+type ConsumerConfig struct {
+	// Classify decides whether a handler error is worth retrying. It is
+	// asked only about errors idem does not already know to be permanent
+	// (Permanent, validation errors, payload conflicts and final gaps
+	// always are). Default: every other error is Retriable.
+	Classify func(err error) Class
+	// Backoff shapes the delay before a retriable failure is delivered
+	// again: exponential with full jitter. Default: 50 ms doubling up to
+	// 1 s; set Max higher for slow dependencies.
+	Backoff Backoff
+	// MaxAttempts dead-letters a retriable failure once the broker has
+	// delivered the message this many times. 0, the default, retries
+	// without limit: where losing an event is worse than waiting, a stuck
+	// message should page someone (alert on the age of the oldest
+	// unacknowledged message or on repeated "will retry" logs), not
+	// silently turn into a dead letter. A broker's own delivery limit
+	// (JetStream MaxDeliver) still ends in a dead letter: see
+	// Delivery.LastAttempt.
+	MaxAttempts int
+	// Logger receives a line per retry and per dead letter. Default
+	// slog.Default().
+	Logger *slog.Logger
+}
+
+// Consumer decides the fate of broker deliveries for one handler: it
+// processes each through a Processor, asks for a retry with a backoff when
+// the failure may pass, and dead-letters it otherwise, acknowledging only
+// once the outcome or the dead letter is committed. It implements
+// DeliveryHandler, which the Kafka and JetStream adapters drive. It is safe
+// for concurrent use.
+type Consumer[TTx any] struct {
+	proc *Processor[TTx]
+	h    *Handler[TTx]
+	dl   driver.DeadLetterStore
+	cfg  ConsumerConfig
+}
+
+// NewConsumer returns a Consumer applying h through p, with dead letters in
+// dl, normally the same driver as p's.
+func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLetterStore, cfg *ConsumerConfig) (*Consumer[TTx], error) {
+	if p == nil || dl == nil {
+		return nil, fmt.Errorf("%w: NewConsumer needs a processor and a dead-letter store", ErrInvalidConfig)
+	}
+	if err := checkHandler(h); err != nil {
+		return nil, err
+	}
+	c := &Consumer[TTx]{proc: p, h: h, dl: dl}
+	if cfg != nil {
+		c.cfg = *cfg
+	}
+	if c.cfg.MaxAttempts < 0 {
+		return nil, fmt.Errorf("%w: MaxAttempts %d is negative", ErrInvalidConfig, c.cfg.MaxAttempts)
+	}
+	if c.cfg.Logger == nil {
+		c.cfg.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// HandleDelivery implements DeliveryHandler.
+func (c *Consumer[TTx]) HandleDelivery(ctx context.Context, d *Delivery) Verdict {
+	if d == nil {
+		return Verdict{Err: fmt.Errorf("%w: nil delivery", ErrInvalidConfig), RetryAfter: c.cfg.Backoff.Delay(0)}
+	}
+	if d.Msg == nil || d.DecodeErr != nil {
+		err := d.DecodeErr
+		if err == nil {
+			err = errors.New("idem: delivery carries no message")
+		}
+		return c.deadLetter(ctx, d, DeadLetterDecode, err, OutcomeNone)
+	}
+	out, err := c.proc.Process(ctx, c.h, d.Msg)
+	if err == nil {
+		return Verdict{Ack: true, Outcome: out}
+	}
+	switch {
+	case out == Conflict:
+		return c.deadLetter(ctx, d, DeadLetterConflict, err, out)
+	case c.classify(err) == PermanentClass:
+		return c.deadLetter(ctx, d, DeadLetterPermanent, err, out)
+	case d.LastAttempt || (c.cfg.MaxAttempts > 0 && d.Attempt >= c.cfg.MaxAttempts):
+		return c.deadLetter(ctx, d, DeadLetterExhausted, err, out)
+	}
+	delay := c.cfg.Backoff.Delay(max(d.Attempt-1, 0))
+	var ge *GapError
+	if errors.As(err, &ge) && !ge.Deadline.IsZero() {
+		// Waiting for a missing event: try again soon, not later than
+		// the deadline.
+		delay = min(delay, max(time.Until(ge.Deadline), 0))
+	}
+	c.cfg.Logger.Warn("idem: delivery failed; will retry", slog.String("handler", c.h.Name),
+		slog.String("message_id", d.Msg.ID), slog.Int("attempt", d.Attempt), slog.Duration("retry_after", delay), slog.Any("error", err))
+	return Verdict{RetryAfter: delay, Outcome: out, Err: err}
+}
+
+// classify applies idem's own rules, then the user's.
+func (c *Consumer[TTx]) classify(err error) Class {
+	if IsPermanent(err) {
+		return PermanentClass
+	}
+	if c.cfg.Classify != nil {
+		return c.cfg.Classify(err)
+	}
+	return Retriable
+}
+
+// deadLetter records d and acknowledges it once the dead letter is
+// committed; if that fails the delivery is retried instead, never dropped.
+func (c *Consumer[TTx]) deadLetter(ctx context.Context, d *Delivery, class string, cause error, out Outcome) Verdict {
+	dl := &driver.DeadLetter{
+		Handler: c.h.Name, Raw: d.Raw, Source: storableText(d.Source), Error: storableText(cause.Error()),
+		Class: class, Fingerprint: Fingerprint(cause), Attempts: max(d.Attempt, 1),
+	}
+	if d.Msg != nil {
+		if d.Raw == nil {
+			dl.Raw = d.Msg.Payload
+		}
+		if d.Msg.Validate() == nil { // invalid IDs are not storable as keys
+			dl.MessageID = d.Msg.ID
+			if env, err := json.Marshal(d.Msg); err == nil && !strings.Contains(string(env), `\u0000`) {
+				dl.Envelope = env
+			}
+		}
+	}
+	// The write must outlive a cancelled delivery context: the broker is
+	// acknowledged on its success.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	id, err := c.dl.DeadLetterPut(wctx, dl)
+	if err != nil {
+		err = fmt.Errorf("idem: dead-letter %s: %w (while handling: %w)", dl.MessageID, err, cause)
+		c.cfg.Logger.Error("idem: dead letter not stored; will retry the delivery", slog.String("handler", c.h.Name), slog.Any("error", err))
+		return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), Outcome: out, Err: err}
+	}
+	c.cfg.Logger.Warn("idem: dead-lettered", slog.String("handler", c.h.Name), slog.String("message_id", dl.MessageID),
+		slog.Int64("dead_letter", id), slog.String("class", class), slog.String("fingerprint", dl.Fingerprint), slog.Any("error", cause))
+	return Verdict{Ack: true, DeadLettered: true, Outcome: out, Err: cause}
+}
+
+// ReplayResult counts a Replay run.
+type ReplayResult struct {
+	// Replayed dead letters ran again: Applied, Duplicate or Stale.
+	Replayed int
+	// Outcomes counts the outcomes of the replayed ones.
+	Outcomes map[Outcome]int
+	// Parked dead letters failed again and were parked with the new error.
+	Parked int
+}
+
+// Replay runs this handler's dead letters in state replay_requested through
+// the same path as a delivery (dedup, ordering guard): an already-applied
+// message is a Duplicate, never a second effect. A success marks the dead
+// letter replayed; a failure parks it again with the new error. Call it on
+// an interval (see Run) or after RequestReplay.
+func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) {
+	res := ReplayResult{Outcomes: map[Outcome]int{}}
+	dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: c.h.Name, State: driver.DeadLetterReplayRequested})
+	if err != nil {
+		return res, fmt.Errorf("idem: list dead letters to replay: %w", err)
+	}
+	for _, dl := range dls {
+		if err := ctx.Err(); err != nil {
+			return res, err
+		}
+		var msg Message
+		if dl.Envelope == nil || json.Unmarshal(dl.Envelope, &msg) != nil {
+			// Nothing to run: park it again, it needs a person.
+			if _, err := c.dl.DeadLetterSetState(ctx, []int64{dl.ID}, []string{driver.DeadLetterReplayRequested}, driver.DeadLetterParked); err != nil {
+				return res, err
+			}
+			res.Parked++
+			continue
+		}
+		v := c.HandleDelivery(ctx, &Delivery{Msg: &msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true})
+		if v.DeadLettered || !v.Ack {
+			// Parked again by deadLetter (the upsert resets the state),
+			// or not even that: leave it requested for the next run.
+			res.Parked++
+			continue
+		}
+		if _, err := c.dl.DeadLetterSetState(ctx, []int64{dl.ID}, []string{driver.DeadLetterReplayRequested}, driver.DeadLetterReplayed); err != nil {
+			return res, err
+		}
+		res.Replayed++
+		res.Outcomes[v.Outcome]++
+	}
+	return res, nil
+}
+
+// Run replays requested dead letters every interval until ctx is done,
+// logging failures, and returns ctx's error.
+func (c *Consumer[TTx]) Run(ctx context.Context, interval time.Duration) error {
+	if interval <= 0 {
+		return fmt.Errorf("%w: replay interval %s must be positive", ErrInvalidConfig, interval)
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		if r, err := c.Replay(ctx); err != nil && ctx.Err() == nil {
+			c.cfg.Logger.Warn("idem: replay failed; retrying at the next interval", slog.Any("error", err))
+		} else if r.Replayed+r.Parked > 0 {
+			c.cfg.Logger.Info("idem: replayed dead letters", slog.String("handler", c.h.Name), slog.Int("replayed", r.Replayed), slog.Int("parked", r.Parked))
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// RequestReplay marks the parked dead letters matching f for replay by the
+// consumers of their handlers, and returns how many it marked.
+func RequestReplay(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) (int, error) {
+	return moveDeadLetters(ctx, dl, f, driver.DeadLetterReplayRequested)
+}
+
+// Discard marks the parked dead letters matching f discarded: an operator's
+// decision that they need no processing. They are kept for the record.
+func Discard(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) (int, error) {
+	return moveDeadLetters(ctx, dl, f, driver.DeadLetterDiscarded)
+}
+
+func moveDeadLetters(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, state string) (int, error) {
+	sel := driver.DeadLetterFilter{}
+	if f != nil {
+		sel = *f
+	}
+	sel.State = driver.DeadLetterParked
+	dls, err := dl.DeadLetterList(ctx, &sel)
+	if err != nil {
+		return 0, fmt.Errorf("idem: list dead letters: %w", err)
+	}
+	if len(dls) == 0 {
+		return 0, nil
+	}
+	ids := make([]int64, len(dls))
+	for i, d := range dls {
+		ids[i] = d.ID
+	}
+	n, err := dl.DeadLetterSetState(ctx, ids, []string{driver.DeadLetterParked}, state)
+	if err != nil {
+		return n, fmt.Errorf("idem: mark dead letters %s: %w", state, err)
+	}
+	return n, nil
+}
+
+// Fingerprint groups alike failures: the error's type and its message with
+// numbers, hex strings and quoted values replaced, so "order 17 not found"
+// and "order 18 not found" share one.
+func Fingerprint(err error) string {
+	if err == nil {
+		return ""
+	}
+	typ := fmt.Sprintf("%T", err)
+	for u := errors.Unwrap(err); u != nil; u = errors.Unwrap(u) {
+		typ = fmt.Sprintf("%T", u) // the innermost error names the cause best
+	}
+	var b strings.Builder
+	msg := storableText(err.Error())
+	inQuote := false
+	for i := 0; i < len(msg); i++ {
+		ch := msg[i]
+		switch {
+		case ch == '"':
+			if !inQuote {
+				b.WriteString(`"…"`)
+			}
+			inQuote = !inQuote
+		case inQuote:
+		case ch >= '0' && ch <= '9':
+			for i+1 < len(msg) && isHexOrDigit(msg[i+1]) {
+				i++
+			}
+			b.WriteByte('#')
+		default:
+			b.WriteByte(ch)
+		}
+		if b.Len() > 200 {
+			break
+		}
+	}
+	return typ + ": " + b.String()
+}
+
+func isHexOrDigit(c byte) bool {
+	return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')
+}
+
+// storableText is s as valid UTF-8 without NUL, bounded: storable in any
+// text column.
+func storableText(s string) string { return lastErrorText(errors.New(s)) }

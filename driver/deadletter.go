@@ -1,0 +1,60 @@
+package driver
+
+import (
+	"context"
+	"time"
+)
+
+// DeadLetterStore is implemented by drivers that keep dead letters in the
+// same database as the markers.
+type DeadLetterStore interface {
+	// DeadLetterPut records a dead letter and returns its ID once it is
+	// committed. A second dead letter for the same (handler, message ID)
+	// updates the row: error, class, fingerprint, attempts and last
+	// failure time, and parks it again; first_failed_at is kept.
+	DeadLetterPut(ctx context.Context, dl *DeadLetter) (int64, error)
+	// DeadLetterList returns the dead letters matching f, oldest first.
+	DeadLetterList(ctx context.Context, f *DeadLetterFilter) ([]DeadLetter, error)
+	// DeadLetterSetState moves the dead letters with the given IDs from
+	// one of the states in from to state, and returns how many moved.
+	DeadLetterSetState(ctx context.Context, ids []int64, from []string, state string) (int, error)
+}
+
+// DeadLetter states.
+const (
+	DeadLetterParked          = "parked"
+	DeadLetterReplayRequested = "replay_requested"
+	DeadLetterReplayed        = "replayed"
+	DeadLetterDiscarded       = "discarded"
+)
+
+// DeadLetter is one stored dead letter.
+type DeadLetter struct {
+	ID        int64
+	Handler   string
+	MessageID string // "" when the delivery did not decode
+	// Envelope is the message as JSON; nil when the delivery did not
+	// decode.
+	Envelope []byte
+	// Raw is the broker payload as received.
+	Raw         []byte
+	Source      string
+	Error       string
+	Class       string
+	Fingerprint string
+	Attempts    int
+	FirstFailed time.Time
+	LastFailed  time.Time
+	State       string
+}
+
+// DeadLetterFilter selects dead letters. Zero fields match everything.
+type DeadLetterFilter struct {
+	Handler     string
+	Fingerprint string
+	State       string
+	IDs         []int64
+	Since       time.Time // last failure at or after
+	Until       time.Time // last failure before
+	Limit       int       // 0: no limit
+}

@@ -1,0 +1,260 @@
+package idemtest
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+)
+
+// RunDeadLetters runs the conformance tests of idem.Consumer: retries,
+// dead letters and replay. The store's Driver must implement
+// driver.DeadLetterStore.
+func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
+	tests := []struct {
+		name string
+		fn   func(t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
+	}{
+		{"PoisonDeadLetteredOthersFlow", testPoison[TTx]},
+		{"RetriedUntilApplied", testRetriedUntilApplied[TTx]},
+		{"AttemptsExhausted", testExhausted[TTx]},
+		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
+		{"DeadLetterWriteFailureIsNotAcked", testDeadLetterWriteFails[TTx]},
+		{"ReplayAppliesOnceAndDuplicates", testReplay[TTx]},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			s := h.Open(t)
+			dl, ok := any(s.Driver).(driver.DeadLetterStore)
+			if !ok {
+				t.Fatalf("driver %T does not implement driver.DeadLetterStore", s.Driver)
+			}
+			tc.fn(t, s, dl)
+		})
+	}
+}
+
+func newConsumer[TTx any](t *testing.T, s *Store[TTx], h *idem.Handler[TTx], dl driver.DeadLetterStore, cfg *idem.ConsumerConfig) *idem.Consumer[TTx] {
+	t.Helper()
+	c, err := idem.NewConsumer(newProc(t, s), h, dl, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func deliverTo[TTx any](c *idem.Consumer[TTx], m *idem.Message, attempt int) idem.Verdict {
+	return c.HandleDelivery(context.Background(), &idem.Delivery{Msg: m, Source: "test", Attempt: attempt})
+}
+
+func deadLetters(t *testing.T, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) []driver.DeadLetter {
+	t.Helper()
+	got, err := dl.DeadLetterList(context.Background(), f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// testPoison: a message whose payload cannot be decoded is dead-lettered
+// after one attempt with its reason, and the messages after it apply.
+func testPoison[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	var calls sync.Map
+	c := newConsumer(t, s, CreditHandler(s, "balances", &calls), dl, nil)
+	ev := Events(10)
+	poison := &idem.Message{ID: "poison-1", Payload: []byte("not a credit")}
+	stream := []*idem.Message{ev[0].Message(), poison}
+	for _, e := range ev[1:] {
+		stream = append(stream, e.Message())
+	}
+	for _, m := range stream {
+		v := deliverTo(c, m, 1)
+		if !v.Ack {
+			t.Fatalf("%s: not acknowledged: %+v", m.ID, v)
+		}
+		if (m == poison) != v.DeadLettered {
+			t.Fatalf("%s: dead-lettered %v", m.ID, v.DeadLettered)
+		}
+	}
+	if n := callsOf(&calls, poison.ID); n != 1 {
+		t.Fatalf("poison handled %d times, want 1", n)
+	}
+	got := deadLetters(t, dl, nil)
+	if len(got) != 1 || got[0].MessageID != poison.ID || got[0].Class != idem.DeadLetterPermanent || got[0].Attempts != 1 ||
+		got[0].State != driver.DeadLetterParked || !strings.Contains(got[0].Error, "not a credit") || got[0].Fingerprint == "" || string(got[0].Raw) != "not a credit" {
+		t.Fatalf("dead letters %+v, want the poison message, permanent, parked, with its reason", got)
+	}
+	wantBalances(t, s, Expected(ev))
+}
+
+// testRetriedUntilApplied: a handler failing its first three calls is
+// retried with a backoff and applied exactly once.
+func testRetriedUntilApplied[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	h := CreditHandler(s, "balances", nil)
+	var calls atomic.Int64
+	apply := h.Apply
+	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
+		if calls.Add(1) <= 3 {
+			return errors.New("downstream timeout")
+		}
+		return apply(ctx, tx, m)
+	}
+	c := newConsumer(t, s, h, dl, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: time.Millisecond, Max: 10 * time.Millisecond}})
+	ev := Events(1)
+	for attempt := 1; ; attempt++ {
+		v := deliverTo(c, ev[0].Message(), attempt)
+		if v.Ack {
+			if attempt != 4 || v.Outcome != idem.Applied || v.DeadLettered {
+				t.Fatalf("attempt %d: %+v, want applied at attempt 4", attempt, v)
+			}
+			break
+		}
+		if v.Err == nil || v.RetryAfter < 0 || v.RetryAfter > 10*time.Millisecond || attempt > 3 {
+			t.Fatalf("attempt %d: %+v, want a retry within the backoff's max", attempt, v)
+		}
+	}
+	if v := deliverTo(c, ev[0].Message(), 5); !v.Ack || v.Outcome != idem.Duplicate {
+		t.Fatalf("redelivery: %+v, want a duplicate", v)
+	}
+	wantBalances(t, s, Expected(ev))
+	if got := deadLetters(t, dl, nil); len(got) != 0 {
+		t.Fatalf("dead letters %+v, want none", got)
+	}
+}
+
+// testExhausted: with MaxAttempts, or on the broker's last attempt, a
+// retriable failure becomes a dead letter instead of being dropped.
+func testExhausted[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	h := CreditHandler(s, "balances", nil)
+	h.Apply = func(context.Context, TTx, *idem.Message) error { return errors.New("service unavailable") }
+	c := newConsumer(t, s, h, dl, &idem.ConsumerConfig{MaxAttempts: 2, Backoff: idem.Backoff{Base: time.Millisecond}})
+	m := Events(1)[0].Message()
+	if v := deliverTo(c, m, 1); v.Ack {
+		t.Fatalf("attempt 1: %+v, want a retry", v)
+	}
+	if v := deliverTo(c, m, 2); !v.Ack || !v.DeadLettered {
+		t.Fatalf("attempt 2 of 2: %+v, want a dead letter", v)
+	}
+	unlimited := newConsumer(t, s, h, dl, nil)
+	m2 := Events(2)[1].Message()
+	if v := deliverTo(unlimited, m2, 1000); v.Ack {
+		t.Fatalf("attempt 1000 with no limit: %+v, want a retry", v)
+	}
+	if v := unlimited.HandleDelivery(context.Background(), &idem.Delivery{Msg: m2, Attempt: 5, LastAttempt: true}); !v.Ack || !v.DeadLettered {
+		t.Fatalf("broker's last attempt: %+v, want a dead letter", v)
+	}
+	got := deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "balances"})
+	if len(got) != 2 || got[0].Class != idem.DeadLetterExhausted || got[0].Attempts != 2 || got[1].Attempts != 5 {
+		t.Fatalf("dead letters %+v, want two exhausted", got)
+	}
+	if got[0].Fingerprint != got[1].Fingerprint {
+		t.Fatalf("fingerprints %q and %q differ for the same failure", got[0].Fingerprint, got[1].Fingerprint)
+	}
+}
+
+// testDecodeFailure: a record that did not map to a message is kept with
+// its raw bytes and reason.
+func testDecodeFailure[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	c := newConsumer(t, s, CreditHandler(s, "balances", nil), dl, nil)
+	for range 2 {
+		v := c.HandleDelivery(context.Background(), &idem.Delivery{DecodeErr: errors.New("no idem-id header"), Raw: []byte{0xff, 0x00, 'x'}, Source: "kafka:t/0@7", Attempt: 1})
+		if !v.Ack || !v.DeadLettered {
+			t.Fatalf("undecodable delivery: %+v, want a dead letter", v)
+		}
+	}
+	bad := &idem.Message{ID: "bad\x00id", Payload: []byte("p")}
+	if v := deliverTo(c, bad, 1); !v.Ack || !v.DeadLettered {
+		t.Fatalf("invalid message: %+v, want a dead letter", v)
+	}
+	got := deadLetters(t, dl, nil)
+	if len(got) != 3 || got[0].Class != idem.DeadLetterDecode || got[0].MessageID != "" || string(got[0].Raw) != "\xff\x00x" ||
+		got[0].Source != "kafka:t/0@7" || !strings.Contains(got[0].Error, "no idem-id header") || got[2].Class != idem.DeadLetterPermanent {
+		t.Fatalf("dead letters %+v", got)
+	}
+}
+
+// failingDeadLetters injects a failure into the dead-letter write.
+type failingDeadLetters struct{ driver.DeadLetterStore }
+
+func (failingDeadLetters) DeadLetterPut(context.Context, *driver.DeadLetter) (int64, error) {
+	return 0, errors.New("disk full")
+}
+
+// testDeadLetterWriteFails: when the dead letter cannot be stored, the
+// delivery is not acknowledged, so the broker keeps it.
+func testDeadLetterWriteFails[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	c := newConsumer(t, s, CreditHandler(s, "balances", nil), failingDeadLetters{dl}, nil)
+	v := deliverTo(c, &idem.Message{ID: "poison", Payload: []byte("junk")}, 1)
+	if v.Ack || v.DeadLettered || v.Err == nil || !strings.Contains(v.Err.Error(), "disk full") {
+		t.Fatalf("%+v, want no acknowledgement and the write error", v)
+	}
+}
+
+// testReplay: a dead letter replayed after the cause is fixed applies once;
+// replaying a message that was already applied is a Duplicate.
+func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	h := CreditHandler(s, "balances", nil)
+	var broken atomic.Bool
+	broken.Store(true)
+	apply := h.Apply
+	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
+		if broken.Load() {
+			return idem.Permanent(errors.New("account frozen"))
+		}
+		return apply(ctx, tx, m)
+	}
+	c := newConsumer(t, s, h, dl, nil)
+	ev := Events(3)
+	for _, e := range ev {
+		if v := deliverTo(c, e.Message(), 1); !v.DeadLettered {
+			t.Fatalf("%s: %+v, want a dead letter", e.ID, v)
+		}
+	}
+	broken.Store(false)
+	// ev[0] also arrives again from the broker and applies.
+	if v := deliverTo(c, ev[0].Message(), 2); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("redelivery after the fix: %+v", v)
+	}
+	n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"})
+	if err != nil || n != 3 {
+		t.Fatalf("RequestReplay: %d, %v; want 3", n, err)
+	}
+	res, err := c.Replay(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Replayed != 3 || res.Outcomes[idem.Applied] != 2 || res.Outcomes[idem.Duplicate] != 1 {
+		t.Fatalf("replay: %+v, want 2 applied and 1 duplicate", res)
+	}
+	wantBalances(t, s, Expected(ev))
+	if got := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterReplayed}); len(got) != 3 {
+		t.Fatalf("%d replayed dead letters, want 3", len(got))
+	}
+	if n, err := idem.RequestReplay(ctx, dl, nil); err != nil || n != 0 {
+		t.Fatalf("second RequestReplay: %d, %v; want nothing left to replay", n, err)
+	}
+	if res, err := c.Replay(ctx); err != nil || res.Replayed != 0 {
+		t.Fatalf("second Replay: %+v, %v", res, err)
+	}
+	wantBalances(t, s, Expected(ev))
+
+	// Discard parks nothing for replay.
+	broken.Store(true)
+	if v := deliverTo(c, Events(4)[3].Message(), 1); !v.DeadLettered {
+		t.Fatalf("%+v, want a dead letter", v)
+	}
+	if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}); err != nil || n != 1 {
+		t.Fatalf("Discard: %d, %v", n, err)
+	}
+	if n, err := idem.RequestReplay(ctx, dl, nil); err != nil || n != 0 {
+		t.Fatalf("RequestReplay after discard: %d, %v", n, err)
+	}
+}

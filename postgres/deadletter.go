@@ -1,0 +1,100 @@
+package postgres
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemhq/idem/driver"
+)
+
+var _ driver.DeadLetterStore = (*Driver)(nil)
+
+// DeadLetterPut implements driver.DeadLetterStore.
+func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
+	var env any
+	if dl.Envelope != nil {
+		env = string(dl.Envelope)
+	}
+	var id int64
+	err := d.pool.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
+(handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
+VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
+  envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
+  class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
+  last_failed_at = now(), state = 'parked'
+RETURNING id`, dl.Handler, dl.MessageID, env, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+	if err != nil {
+		return 0, fmt.Errorf("postgres: store dead letter: %w", err)
+	}
+	return id, nil
+}
+
+// DeadLetterList implements driver.DeadLetterStore.
+func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter) ([]driver.DeadLetter, error) {
+	where, args := []string{"true"}, []any{}
+	add := func(cond string, v any) {
+		args = append(args, v)
+		where = append(where, strings.ReplaceAll(cond, "$?", fmt.Sprintf("$%d", len(args))))
+	}
+	if f != nil {
+		if f.Handler != "" {
+			add("handler = $?", f.Handler)
+		}
+		if f.Fingerprint != "" {
+			add("fingerprint = $?", f.Fingerprint)
+		}
+		if f.State != "" {
+			add("state = $?", f.State)
+		}
+		if len(f.IDs) > 0 {
+			add("id = ANY($?)", f.IDs)
+		}
+		if !f.Since.IsZero() {
+			add("last_failed_at >= $?", f.Since)
+		}
+		if !f.Until.IsZero() {
+			add("last_failed_at < $?", f.Until)
+		}
+	}
+	q := `SELECT id, handler, message_id, envelope::text, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state
+FROM ` + d.t.deadLetters + ` WHERE ` + strings.Join(where, " AND ") + ` ORDER BY id`
+	if f != nil && f.Limit > 0 {
+		q += fmt.Sprintf(" LIMIT %d", f.Limit)
+	}
+	rows, err := d.pool.Query(ctx, q, args...)
+	if err != nil {
+		return nil, fmt.Errorf("postgres: list dead letters: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (driver.DeadLetter, error) {
+		var (
+			dl  driver.DeadLetter
+			env *string
+		)
+		err := r.Scan(&dl.ID, &dl.Handler, &dl.MessageID, &env, &dl.Raw, &dl.Source, &dl.Error, &dl.Class,
+			&dl.Fingerprint, &dl.Attempts, &dl.FirstFailed, &dl.LastFailed, &dl.State)
+		if env != nil {
+			dl.Envelope = []byte(*env)
+		}
+		return dl, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("postgres: list dead letters: %w", err)
+	}
+	return out, nil
+}
+
+// DeadLetterSetState implements driver.DeadLetterStore.
+func (d *Driver) DeadLetterSetState(ctx context.Context, ids []int64, from []string, state string) (int, error) {
+	if len(ids) == 0 || len(from) == 0 {
+		return 0, nil
+	}
+	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.deadLetters+` SET state = $1 WHERE state = ANY($2) AND id = ANY($3)`, state, from, ids)
+	if err != nil {
+		return 0, fmt.Errorf("postgres: set dead-letter state: %w", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
