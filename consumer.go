@@ -293,7 +293,7 @@ func Fingerprint(err error) string {
 	var b strings.Builder
 	msg := storableText(err.Error())
 	inQuote := false
-	for i := 0; i < len(msg); i++ {
+	for i := 0; i < len(msg) && b.Len() <= 200; i++ {
 		ch := msg[i]
 		switch {
 		case ch == '"':
@@ -302,23 +302,28 @@ func Fingerprint(err error) string {
 			}
 			inQuote = !inQuote
 		case inQuote:
-		case ch >= '0' && ch <= '9':
-			for i+1 < len(msg) && isHexOrDigit(msg[i+1]) {
-				i++
+		case isWordByte(ch):
+			// A word with a digit in it (a number, an ID, a hash) varies
+			// from one failure to the next: blank it.
+			j, digit := i, false
+			for ; j < len(msg) && isWordByte(msg[j]); j++ {
+				digit = digit || (msg[j] >= '0' && msg[j] <= '9')
 			}
-			b.WriteByte('#')
+			if digit {
+				b.WriteByte('#')
+			} else {
+				b.WriteString(msg[i:j])
+			}
+			i = j - 1
 		default:
 			b.WriteByte(ch)
-		}
-		if b.Len() > 200 {
-			break
 		}
 	}
 	return typ + ": " + b.String()
 }
 
-func isHexOrDigit(c byte) bool {
-	return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')
+func isWordByte(c byte) bool {
+	return c == '_' || c == '-' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
 }
 
 // storableText is s as valid UTF-8 without NUL, bounded: storable in any

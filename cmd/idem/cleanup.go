@@ -143,8 +143,8 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 		return enc.Encode(rep)
 	}
 	if !dryRun {
-		fmt.Fprintf(e.stdout, "Deleted %d markers processed before %s in %d batches (%s, slowest batch %s).\n",
-			rep.Deleted, rep.Cutoff.Format(time.RFC3339), rep.Batches,
+		fmt.Fprintf(e.stdout, "Deleted %s processed before %s in %d batch(es) (%s, slowest batch %s).\n",
+			plural(rep.Deleted, "marker"), rep.Cutoff.Format(time.RFC3339), rep.Batches,
 			time.Duration(rep.DurationMS)*time.Millisecond, time.Duration(rep.LongestBatchMS)*time.Millisecond)
 		return nil
 	}

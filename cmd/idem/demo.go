@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -317,6 +318,7 @@ func buildDemoStream(cfg *demoConfig, names demoNames, events []demoEvent) *demo
 // demoCounts accumulates the outcomes the workers see.
 type demoCounts struct {
 	applied, duplicates, conflicts, retries atomic.Int64
+	deadLetters                             atomic.Int64
 
 	mu          sync.Mutex
 	conflictIDs map[string]int
@@ -420,7 +422,7 @@ func runDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 
 	counts := &demoCounts{conflictIDs: map[string]int{}}
 	start := time.Now()
-	if err := processDemoStream(ctx, e.stdout, proc, cfg.workers, stream, counts); err != nil {
+	if err := processDemoStream(ctx, e.stdout, proc, drv, cfg.workers, stream, counts); err != nil {
 		return err
 	}
 	elapsed := time.Since(start)
@@ -441,10 +443,16 @@ func runDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 
 // processDemoStream hands the stream's batches to workers and waits until
 // every batch has been processed, or returns the first error.
-func processDemoStream(ctx context.Context, out io.Writer, proc *idem.Processor[*sql.Tx], workers int, stream *demoStream, counts *demoCounts) error {
+func processDemoStream(ctx context.Context, out io.Writer, proc *idem.Processor[*sql.Tx], dl driver.DeadLetterStore, workers int, stream *demoStream, counts *demoCounts) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	h := demoBalanceHandler()
+	// Conflicts go through a Consumer, as a broker delivery would: it
+	// dead-letters them, so 'idem dlq list' shows them afterwards.
+	consumer, err := idem.NewConsumer(proc, h, dl, &idem.ConsumerConfig{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		return err
+	}
 	prog := newProgress(out, int64(stream.deliveries), "deliveries")
 
 	jobs := make(chan demoJob)
@@ -483,6 +491,16 @@ func processDemoStream(ctx context.Context, out io.Writer, proc *idem.Processor[
 				outs, err := processDemoBatch(ctx, proc, h, b.msgs, counts)
 				if err == nil {
 					err = counts.add(b.msgs, outs)
+				}
+				for i, o := range outs {
+					if o != idem.Conflict || err != nil {
+						continue
+					}
+					if v := consumer.HandleDelivery(ctx, &idem.Delivery{Msg: b.msgs[i], Source: "demo", Attempt: 1}); v.DeadLettered {
+						counts.deadLetters.Add(1)
+					} else {
+						err = fmt.Errorf("conflict %q was not dead-lettered: %v", b.msgs[i].ID, v.Err)
+					}
 				}
 				if err != nil {
 					cancel(err)
@@ -648,6 +666,7 @@ func printDemoReport(w io.Writer, cfg *demoConfig, s *demoStream, c *demoCounts,
 	row("applied", applied)
 	row("duplicates skipped", dups)
 	row("conflicts", conflicts)
+	row("dead-lettered", c.deadLetters.Load())
 	row("batch retries", c.retries.Load())
 	row("markers stored", v.markers)
 	row("accounts checked", v.accountsChecked)
@@ -671,6 +690,9 @@ func printDemoReport(w io.Writer, cfg *demoConfig, s *demoStream, c *demoCounts,
 	}
 	if v.markers != int64(cfg.events) {
 		problems = append(problems, fmt.Sprintf("%d markers stored, want %d", v.markers, cfg.events))
+	}
+	if n := c.deadLetters.Load(); n != conflicts {
+		problems = append(problems, fmt.Sprintf("%d conflicts dead-lettered, want all %d", n, conflicts))
 	}
 	if conflicts != int64(s.conflicts) {
 		problems = append(problems, fmt.Sprintf("%d conflicts reported, want the %d injected", conflicts, s.conflicts))

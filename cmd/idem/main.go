@@ -10,6 +10,9 @@
 //	          stream on SQLite and verify every balance
 //	migrate   create or update idem's tables in a PostgreSQL or SQLite
 //	          database
+//	stats     per-handler counts: applied, in flight, failed, dead
+//	          letters, conflicts, oldest marker
+//	dlq       list, show, replay or discard dead letters
 //	cleanup   delete markers older than the retention, in small batches
 //	bench     measure idem's throughput as a ratio of the same
 //	          transactions without it
@@ -85,6 +88,8 @@ func commands() []*command {
 	return []*command{
 		demoCommand(),
 		migrateCommand(),
+		statsCommand(),
+		dlqCommand(),
 		cleanupCommand(),
 		benchCommand(),
 	}

@@ -1,0 +1,292 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+)
+
+// dlqCommand returns the "dlq" subcommand: inspect, replay and discard dead
+// letters.
+func dlqCommand() *command {
+	return &command{
+		name:     "dlq",
+		synopsis: "list|show|replay|discard [flags] [ID...]",
+		summary:  "list, show, replay or discard dead letters",
+		help: `Dlq works on the dead letters idem.Consumer stored next to the markers:
+deliveries that could not succeed by retrying (permanent errors, payload
+conflicts, records that did not decode, retries out of attempts).
+
+  idem dlq list    [--handler H] [--group G] [--state S] [--since T] [--until T] [--limit N] [--json]
+  idem dlq show    ID [--json]
+  idem dlq replay  (ID... | --group G | --all) [--handler H] [--since T] [--until T]
+  idem dlq discard (ID... | --group G | --all) [--handler H] [--since T] [--until T]
+
+list shows parked dead letters by default (--state all for every state).
+--group is a fingerprint from list: the error's type and its message with
+numbers and quoted values blanked, so alike failures share one. Times are
+RFC 3339 (2026-11-22T10:00:00Z) or a duration back from now (24h).
+
+replay marks parked dead letters "replay requested"; a running consumer of
+their handler (Consumer.Run, or Consumer.Replay) runs them through the same
+deduplication and ordering guard as a delivery, so replaying a message that
+was already applied is a Duplicate, never a second effect. discard marks
+them discarded: kept for the record, never processed.
+
+Every subcommand takes --dsn (default $IDEM_DSN), --schema and --prefix.
+
+` + dsnHelp,
+		setup: func(*flag.FlagSet) func(context.Context, *env, []string) error {
+			return func(ctx context.Context, e *env, args []string) error {
+				if len(args) == 0 {
+					return usagef("missing subcommand: list, show, replay or discard")
+				}
+				return runDLQ(ctx, e, args[0], args[1:])
+			}
+		},
+	}
+}
+
+// dlqFlags are the flags of the dlq subcommands.
+type dlqFlags struct {
+	store                 *storeFlags
+	handler, group, state string
+	since, until          string
+	limit                 int
+	all, json             bool
+}
+
+// runDLQ parses a dlq subcommand's flags and runs it.
+func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
+	switch sub {
+	case "list", "show", "replay", "discard":
+	default:
+		return usagef("unknown subcommand %q: want list, show, replay or discard", sub)
+	}
+	fs := flag.NewFlagSet("idem dlq "+sub, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	f := &dlqFlags{store: addStoreFlags(fs)}
+	fs.StringVar(&f.handler, "handler", "", "only dead letters of this `handler`")
+	fs.StringVar(&f.group, "group", "", "only dead letters with this `fingerprint`")
+	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replayed, discarded or all (list only)")
+	fs.StringVar(&f.since, "since", "", "only dead letters that last failed at or after `T`")
+	fs.StringVar(&f.until, "until", "", "only dead letters that last failed before `T`")
+	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all)")
+	fs.BoolVar(&f.all, "all", false, "replay/discard every parked dead letter the other filters select")
+	fs.BoolVar(&f.json, "json", false, "print JSON")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return usagef("see 'idem dlq --help'")
+		}
+		return &usageError{err: err}
+	}
+	filter, err := f.filter(fs.Args(), sub)
+	if err != nil {
+		return err
+	}
+	s, err := f.store.open(ctx, e)
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	dl, ok := s.idemDriver().(driver.DeadLetterStore)
+	if !ok {
+		return fmt.Errorf("%s has no dead-letter store", s)
+	}
+	if n, _, err := s.schemaVersion(ctx); err != nil {
+		return err
+	} else if n == 0 {
+		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+	}
+	switch sub {
+	case "list":
+		return dlqList(ctx, e, dl, filter, f.json)
+	case "show":
+		return dlqShow(ctx, e, dl, filter, f.json)
+	case "replay":
+		n, err := idem.RequestReplay(ctx, dl, filter)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(e.stdout, "%s marked for replay; a running consumer of their handler replays them.\n", plural(n, "dead letter"))
+	case "discard":
+		n, err := idem.Discard(ctx, dl, filter)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(e.stdout, "%s discarded.\n", plural(n, "dead letter"))
+	}
+	return nil
+}
+
+// filter builds the selection from the flags and the IDs in args.
+func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, error) {
+	flt := &driver.DeadLetterFilter{Handler: f.handler, Fingerprint: f.group}
+	for _, a := range args {
+		id, err := strconv.ParseInt(a, 10, 64)
+		if err != nil || id <= 0 {
+			return nil, usagef("dead-letter ID %q is not a positive number", a)
+		}
+		flt.IDs = append(flt.IDs, id)
+	}
+	var err error
+	if flt.Since, err = parseWhen(f.since); err != nil {
+		return nil, err
+	}
+	if flt.Until, err = parseWhen(f.until); err != nil {
+		return nil, err
+	}
+	switch sub {
+	case "list":
+		if f.state != "all" {
+			switch f.state {
+			case driver.DeadLetterParked, driver.DeadLetterReplayRequested, driver.DeadLetterReplayed, driver.DeadLetterDiscarded:
+			default:
+				return nil, usagef("--state %q: want parked, replay_requested, replayed, discarded or all", f.state)
+			}
+			flt.State = f.state
+		}
+		flt.Limit = f.limit
+	case "show":
+		if len(flt.IDs) != 1 {
+			return nil, usagef("show takes exactly one dead-letter ID")
+		}
+	default:
+		if len(flt.IDs) == 0 && flt.Fingerprint == "" && !f.all {
+			return nil, usagef("%s needs IDs, --group or --all: it never acts on everything by accident", sub)
+		}
+	}
+	return flt, nil
+}
+
+// parseWhen reads an RFC 3339 time or a duration back from now.
+func parseWhen(s string) (time.Time, error) {
+	if s == "" {
+		return time.Time{}, nil
+	}
+	if d, err := time.ParseDuration(s); err == nil {
+		return time.Now().Add(-d), nil
+	}
+	t, err := time.Parse(time.RFC3339, s)
+	if err != nil {
+		return time.Time{}, usagef("time %q: want RFC 3339 (2026-11-22T10:00:00Z) or a duration (24h)", s)
+	}
+	return t, nil
+}
+
+// dlqJSON is a dead letter as printed with --json.
+type dlqJSON struct {
+	ID          int64           `json:"id"`
+	Handler     string          `json:"handler"`
+	MessageID   string          `json:"message_id"`
+	State       string          `json:"state"`
+	Class       string          `json:"class"`
+	Fingerprint string          `json:"fingerprint"`
+	Error       string          `json:"error"`
+	Attempts    int             `json:"attempts"`
+	FirstFailed time.Time       `json:"first_failed_at"`
+	LastFailed  time.Time       `json:"last_failed_at"`
+	Source      string          `json:"source,omitempty"`
+	Envelope    json.RawMessage `json:"envelope,omitempty"`
+	Raw         []byte          `json:"raw,omitempty"`
+}
+
+func toJSON(d driver.DeadLetter, full bool) dlqJSON {
+	j := dlqJSON{ID: d.ID, Handler: d.Handler, MessageID: d.MessageID, State: d.State, Class: d.Class, Fingerprint: d.Fingerprint,
+		Error: d.Error, Attempts: d.Attempts, FirstFailed: d.FirstFailed.UTC(), LastFailed: d.LastFailed.UTC(), Source: d.Source}
+	if full {
+		j.Envelope, j.Raw = d.Envelope, d.Raw
+	}
+	return j
+}
+
+func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, asJSON bool) error {
+	dls, err := dl.DeadLetterList(ctx, f)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		out := make([]dlqJSON, len(dls))
+		for i, d := range dls {
+			out[i] = toJSON(d, false)
+		}
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(out)
+	}
+	if len(dls) == 0 {
+		fmt.Fprintln(e.stdout, "No dead letters match.")
+		return nil
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tHANDLER\tMESSAGE\tCLASS\tATTEMPTS\tLAST FAILED\tSTATE\tERROR")
+	for _, d := range dls {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.Handler, orDash(d.MessageID), d.Class, d.Attempts,
+			d.LastFailed.UTC().Format(time.RFC3339), d.State, clip(d.Error, 60))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	groups := map[string]int{}
+	for _, d := range dls {
+		groups[d.Fingerprint]++
+	}
+	fmt.Fprintf(e.stdout, "\n%s in %s (select one with --group '<fingerprint>'; --json shows the fingerprints).\n", plural(len(dls), "dead letter"), plural(len(groups), "group"))
+	return nil
+}
+
+func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, asJSON bool) error {
+	dls, err := dl.DeadLetterList(ctx, f)
+	if err != nil {
+		return err
+	}
+	if len(dls) == 0 {
+		return fmt.Errorf("no dead letter %d", f.IDs[0])
+	}
+	d := dls[0]
+	if asJSON {
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(toJSON(d, true))
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+	for _, kv := range [][2]string{
+		{"ID", strconv.FormatInt(d.ID, 10)}, {"Handler", d.Handler}, {"Message ID", orDash(d.MessageID)},
+		{"State", d.State}, {"Class", d.Class}, {"Attempts", strconv.Itoa(d.Attempts)},
+		{"First failed", d.FirstFailed.UTC().Format(time.RFC3339)}, {"Last failed", d.LastFailed.UTC().Format(time.RFC3339)},
+		{"Source", orDash(d.Source)}, {"Group", d.Fingerprint}, {"Error", d.Error},
+		{"Envelope", orDash(string(d.Envelope))}, {"Raw", strconv.Quote(clip(string(d.Raw), 400))},
+	} {
+		fmt.Fprintf(tw, "%s:\t%s\n", kv[0], kv[1])
+	}
+	return tw.Flush()
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// clip shortens s to n bytes on a rune boundary, on one line.
+func clip(s string, n int) string {
+	s = strings.ReplaceAll(s, "\n", " ")
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && (s[n]&0xC0) == 0x80 {
+		n--
+	}
+	return s[:n] + "…"
+}

@@ -1,0 +1,66 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
+)
+
+// TestOperatorCommandsPostgres runs stats and dlq against a Postgres
+// schema holding one applied message and one dead letter.
+func TestOperatorCommandsPostgres(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	ctx := context.Background()
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[postgres.Tx]{Name: "mailer", Apply: func(_ context.Context, _ postgres.Tx, m *idem.Message) error {
+		if string(m.Payload) == "bad" {
+			return idem.Permanent(errFake("template 42 missing"))
+		}
+		return nil
+	}}
+	c, err := idem.NewConsumer(proc, h, drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "m1"}, Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("m1: %+v", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "m2", Payload: []byte("bad")}, Attempt: 1}); !v.DeadLettered {
+		t.Fatalf("m2: %+v", v)
+	}
+	vars := map[string]string{dsnEnv: testenv.PostgresDSN()}
+	code, out, errOut := runCLIEnv(t, vars, "stats", "--schema", schema, "--json")
+	var stats []handlerStats
+	if code != exitOK || json.Unmarshal([]byte(out), &stats) != nil || len(stats) != 1 || stats[0].Applied != 1 ||
+		stats[0].DeadParked != 1 || stats[0].OldestMarker == nil {
+		t.Fatalf("stats: exit %d\n%s%s", code, out, errOut)
+	}
+	code, out, errOut = runCLIEnv(t, vars, "dlq", "list", "--schema", schema, "--json")
+	var dls []dlqJSON
+	if code != exitOK || json.Unmarshal([]byte(out), &dls) != nil || len(dls) != 1 || dls[0].MessageID != "m2" || dls[0].Class != "permanent" {
+		t.Fatalf("dlq list: exit %d\n%s%s", code, out, errOut)
+	}
+	code, out, errOut = runCLIEnv(t, vars, "dlq", "replay", "--schema", schema, "--group", dls[0].Fingerprint)
+	if code != exitOK || out != "1 dead letter marked for replay; a running consumer of their handler replays them.\n" {
+		t.Fatalf("dlq replay --group: exit %d\n%s%s", code, out, errOut)
+	}
+}
+
+type errFake string
+
+func (e errFake) Error() string { return string(e) }

@@ -1,0 +1,172 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"sort"
+	"text/tabwriter"
+	"time"
+)
+
+// statsCommand returns the "stats" subcommand: per-handler figures from
+// the markers and the dead letters.
+func statsCommand() *command {
+	return &command{
+		name:     "stats",
+		synopsis: "--dsn DSN [--schema S] [--prefix P] [--json]",
+		summary:  "per-handler counts: applied, in flight, failed, dead letters, conflicts, oldest marker",
+		help: `Stats reads idem's tables and prints, per handler:
+
+  APPLIED        markers stored (messages applied, or done in lease mode),
+                 since the last cleanup
+  IN FLIGHT      lease-mode messages whose handler is running now
+  FAILED         lease-mode messages waiting for a retry or failed for good
+  DEAD LETTERS   parked (waiting for an operator) / all
+  CONFLICTS      dead letters whose ID arrived with a different payload
+  OLDEST MARKER  the oldest marker: about the retention when cleanup runs
+
+Duplicates and stale deliveries leave no row, so they are not here: count
+them with a Hook (every outcome is reported) or your metrics.
+
+` + dsnHelp,
+		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			sf := addStoreFlags(fs)
+			asJSON := fs.Bool("json", false, "print JSON")
+			return func(ctx context.Context, e *env, args []string) error {
+				if err := noArgs(args); err != nil {
+					return err
+				}
+				s, err := sf.open(ctx, e)
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				return runStats(ctx, e, s, *asJSON)
+			}
+		},
+	}
+}
+
+// handlerStats is one handler's line.
+type handlerStats struct {
+	Handler      string     `json:"handler"`
+	Applied      int64      `json:"applied"`
+	InFlight     int64      `json:"in_flight"`
+	Failed       int64      `json:"failed"`
+	DeadParked   int64      `json:"dead_letters_parked"`
+	DeadTotal    int64      `json:"dead_letters"`
+	Conflicts    int64      `json:"conflicts"`
+	OldestMarker *time.Time `json:"oldest_marker,omitempty"`
+}
+
+func runStats(ctx context.Context, e *env, s *store, asJSON bool) error {
+	if n, _, err := s.schemaVersion(ctx); err != nil {
+		return err
+	} else if n == 0 {
+		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+	}
+	oldest := `min(processed_at)`
+	if s.kind == kindPostgres {
+		oldest = `(extract(epoch FROM min(processed_at)) * 1000000)::bigint`
+	}
+	byHandler := map[string]*handlerStats{}
+	get := func(h string) *handlerStats {
+		if byHandler[h] == nil {
+			byHandler[h] = &handlerStats{Handler: h}
+		}
+		return byHandler[h]
+	}
+	err := s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'running'),
+count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed")+` GROUP BY handler`,
+		func(scan func(...any) error) error {
+			var (
+				h     string
+				a     handlerStats
+				micro *int64
+			)
+			if err := scan(&h, &a.Applied, &a.InFlight, &a.Failed, &micro); err != nil {
+				return err
+			}
+			st := get(h)
+			st.Applied, st.InFlight, st.Failed = a.Applied, a.InFlight, a.Failed
+			if micro != nil {
+				t := time.UnixMicro(*micro).UTC()
+				st.OldestMarker = &t
+			}
+			return nil
+		})
+	if err != nil {
+		return fmt.Errorf("read markers: %w", err)
+	}
+	err = s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE state = 'parked'), count(*), count(*) FILTER (WHERE class = 'conflict')
+FROM `+s.table("dead_letters")+` GROUP BY handler`,
+		func(scan func(...any) error) error {
+			var (
+				h             string
+				p, all, confl int64
+			)
+			if err := scan(&h, &p, &all, &confl); err != nil {
+				return err
+			}
+			st := get(h)
+			st.DeadParked, st.DeadTotal, st.Conflicts = p, all, confl
+			return nil
+		})
+	if err != nil {
+		return fmt.Errorf("read dead letters (is the schema migrated? run 'idem migrate'): %w", err)
+	}
+	list := make([]*handlerStats, 0, len(byHandler))
+	for _, st := range byHandler {
+		list = append(list, st)
+	}
+	sort.Slice(list, func(i, j int) bool { return list[i].Handler < list[j].Handler })
+	if asJSON {
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(list)
+	}
+	if len(list) == 0 {
+		fmt.Fprintln(e.stdout, "No markers or dead letters stored yet.")
+		return nil
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "HANDLER\tAPPLIED\tIN FLIGHT\tFAILED\tDEAD LETTERS\tCONFLICTS\tOLDEST MARKER")
+	for _, st := range list {
+		old := "-"
+		if st.OldestMarker != nil {
+			old = st.OldestMarker.Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", st.Handler, st.Applied, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
+	}
+	return tw.Flush()
+}
+
+// queryRows runs q (no parameters) on the store and calls fn per row.
+func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...any) error) error) error {
+	if s.kind == kindSQLite {
+		rows, err := s.sqliteDB.QueryContext(ctx, q)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			if err := fn(rows.Scan); err != nil {
+				return err
+			}
+		}
+		return rows.Err()
+	}
+	rows, err := s.pgPool.Query(ctx, q)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := fn(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
