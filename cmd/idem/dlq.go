@@ -46,8 +46,14 @@ them discarded: kept for the record, never processed.
 Every subcommand takes --dsn (default $IDEM_DSN), --schema and --prefix.
 
 ` + dsnHelp,
-		setup: func(*flag.FlagSet) func(context.Context, *env, []string) error {
+		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			// The flags belong to the subcommands; defining them here too
+			// lists them in the help.
+			defineDLQFlags(fs)
 			return func(ctx context.Context, e *env, args []string) error {
+				if fs.NFlag() > 0 {
+					return usagef("flags go after the subcommand: idem dlq list --handler H")
+				}
 				if len(args) == 0 {
 					return usagef("missing subcommand: list, show, replay or discard")
 				}
@@ -75,15 +81,7 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 	}
 	fs := flag.NewFlagSet("idem dlq "+sub, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	f := &dlqFlags{store: addStoreFlags(fs)}
-	fs.StringVar(&f.handler, "handler", "", "only dead letters of this `handler`")
-	fs.StringVar(&f.group, "group", "", "only dead letters with this `fingerprint`")
-	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replayed, discarded or all (list only)")
-	fs.StringVar(&f.since, "since", "", "only dead letters that last failed at or after `T`")
-	fs.StringVar(&f.until, "until", "", "only dead letters that last failed before `T`")
-	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all)")
-	fs.BoolVar(&f.all, "all", false, "replay/discard every parked dead letter the other filters select")
-	fs.BoolVar(&f.json, "json", false, "print JSON")
+	f := defineDLQFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return usagef("see 'idem dlq --help'")
@@ -94,6 +92,25 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 	if err != nil {
 		return err
 	}
+	return runDLQParsed(ctx, e, sub, f, filter)
+}
+
+// defineDLQFlags defines the dlq subcommands' flags on fs.
+func defineDLQFlags(fs *flag.FlagSet) *dlqFlags {
+	f := &dlqFlags{store: addStoreFlags(fs)}
+	fs.StringVar(&f.handler, "handler", "", "only dead letters of this `handler`")
+	fs.StringVar(&f.group, "group", "", "only dead letters with this `fingerprint`")
+	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replayed, discarded or all (list only)")
+	fs.StringVar(&f.since, "since", "", "only dead letters that last failed at or after `T`")
+	fs.StringVar(&f.until, "until", "", "only dead letters that last failed before `T`")
+	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all)")
+	fs.BoolVar(&f.all, "all", false, "replay/discard every parked dead letter the other filters select")
+	fs.BoolVar(&f.json, "json", false, "print JSON")
+	return f
+}
+
+// runDLQParsed runs a dlq subcommand with its parsed flags.
+func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *driver.DeadLetterFilter) error {
 	s, err := f.store.open(ctx, e)
 	if err != nil {
 		return err
