@@ -1,0 +1,180 @@
+package jetstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemhq/idem"
+)
+
+// Headers the default mapping reads. A producer (or idem's outbox) sets
+// them; Nats-Msg-Id is JetStream's own.
+const (
+	HeaderMsgID     = "Nats-Msg-Id"
+	HeaderID        = "idem-id"
+	HeaderAggregate = "idem-aggregate"
+	HeaderSeq       = "idem-seq"
+	HeaderType      = "idem-type"
+)
+
+// Config configures a Consumer.
+type Config struct {
+	// Stream is the JetStream stream to consume. Required.
+	Stream string
+	// Durable names the durable pull consumer; consumers with the same
+	// name share its messages. Required.
+	Durable string
+	// FilterSubject limits the consumer to matching subjects. Default: all.
+	FilterSubject string
+	// Handler decides every delivery. Required.
+	Handler idem.DeliveryHandler
+	// Map turns a JetStream message into an idem message; an error makes
+	// the delivery a decode failure (dead-lettered with the reason, never
+	// dropped). Default: DefaultMap.
+	Map func(m jetstream.Msg) (*idem.Message, error)
+	// MaxDeliver is the consumer's delivery limit; the last delivery is
+	// marked LastAttempt so it is dead-lettered rather than dropped.
+	// Default 20.
+	MaxDeliver int
+	// AckWait is how long JetStream waits for an ack before redelivering.
+	// Default 30 s.
+	AckWait time.Duration
+	// Logger receives failures to ack. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// Consumer runs one pull subscription on a durable consumer. Run several,
+// in one process or many, to share a durable's messages; each processes its
+// messages one at a time, in the order JetStream hands them out.
+type Consumer struct {
+	js  jetstream.JetStream
+	cfg Config
+}
+
+// New returns a Consumer on js. It creates or updates the durable consumer
+// when Run starts.
+func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
+	if js == nil || cfg == nil || cfg.Stream == "" || cfg.Durable == "" || cfg.Handler == nil {
+		return nil, fmt.Errorf("%w: jetstream: JetStream, Stream, Durable and Handler are required", idem.ErrInvalidConfig)
+	}
+	c := &Consumer{js: js, cfg: *cfg}
+	if c.cfg.Map == nil {
+		c.cfg.Map = DefaultMap
+	}
+	if c.cfg.MaxDeliver == 0 {
+		c.cfg.MaxDeliver = 20
+	}
+	if c.cfg.MaxDeliver < 1 {
+		return nil, fmt.Errorf("%w: jetstream: MaxDeliver %d must be positive", idem.ErrInvalidConfig, c.cfg.MaxDeliver)
+	}
+	if c.cfg.AckWait <= 0 {
+		c.cfg.AckWait = 30 * time.Second
+	}
+	if c.cfg.Logger == nil {
+		c.cfg.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// Run consumes until ctx is done or the subscription fails, and returns
+// ctx's error or the failure. The delivery being handled when ctx ends is
+// finished and acknowledged first; anything unacknowledged is redelivered
+// by JetStream after AckWait.
+func (c *Consumer) Run(ctx context.Context) error {
+	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, jetstream.ConsumerConfig{
+		Durable:       c.cfg.Durable,
+		FilterSubject: c.cfg.FilterSubject,
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       c.cfg.AckWait,
+		MaxDeliver:    c.cfg.MaxDeliver,
+	})
+	if err != nil {
+		return fmt.Errorf("jetstream: consumer %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
+	}
+	it, err := cons.Messages(jetstream.PullMaxMessages(64))
+	if err != nil {
+		return fmt.Errorf("jetstream: subscribe %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
+	}
+	var once sync.Once
+	stop := func() { once.Do(it.Stop) }
+	defer stop()
+	go func() {
+		<-ctx.Done()
+		stop()
+	}()
+	for {
+		m, err := it.Next()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, jetstream.ErrMsgIteratorClosed) {
+				return ctx.Err()
+			}
+			return fmt.Errorf("jetstream: next message: %w", err)
+		}
+		c.handle(context.WithoutCancel(ctx), m)
+	}
+}
+
+// handle maps, decides and settles one message.
+func (c *Consumer) handle(ctx context.Context, m jetstream.Msg) {
+	d := &idem.Delivery{Raw: m.Data(), Source: "jetstream:" + c.cfg.Stream + "/" + m.Subject()}
+	if md, err := m.Metadata(); err == nil {
+		d.Attempt = int(md.NumDelivered)
+		d.LastAttempt = d.Attempt >= c.cfg.MaxDeliver
+		d.Source += "@" + strconv.FormatUint(md.Sequence.Stream, 10)
+	}
+	d.Msg, d.DecodeErr = c.cfg.Map(m)
+	if d.DecodeErr != nil {
+		d.Msg = nil
+	}
+	v := c.cfg.Handler.HandleDelivery(ctx, d)
+	var err error
+	switch {
+	case v.DeadLettered:
+		err = m.Term()
+	case v.Ack:
+		err = m.Ack()
+	default:
+		err = m.NakWithDelay(v.RetryAfter)
+	}
+	if err != nil {
+		// The message is redelivered after AckWait; the outcome is
+		// already durable, so that redelivery is a Duplicate.
+		c.cfg.Logger.Warn("jetstream: settling a message failed; it will be redelivered", slog.String("source", d.Source), slog.Any("error", err))
+	}
+}
+
+// DefaultMap reads the message ID from Nats-Msg-Id, else idem-id; the
+// aggregate from idem-aggregate, the sequence from idem-seq and the type
+// from idem-type; the payload is the message data and Stream the subject.
+// A message with neither ID header is a decode failure: JetStream's own
+// stream sequence would differ between a message and its republished copy,
+// so it cannot stand in for a producer's ID.
+func DefaultMap(m jetstream.Msg) (*idem.Message, error) {
+	h := m.Headers()
+	id := h.Get(HeaderMsgID)
+	if id == "" {
+		id = h.Get(HeaderID)
+	}
+	if id == "" {
+		return nil, fmt.Errorf("jetstream: message on %q has no %s or %s header", m.Subject(), HeaderMsgID, HeaderID)
+	}
+	msg := &idem.Message{ID: id, Stream: m.Subject(), Type: h.Get(HeaderType), AggregateID: h.Get(HeaderAggregate), Payload: m.Data()}
+	if s := h.Get(HeaderSeq); s != "" {
+		seq, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || seq < 1 {
+			return nil, fmt.Errorf("jetstream: message %q: %s header %q is not a positive integer", id, HeaderSeq, s)
+		}
+		msg.Seq = seq
+	}
+	if err := msg.Validate(); err != nil {
+		return nil, err
+	}
+	return msg, nil
+}
