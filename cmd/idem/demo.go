@@ -57,9 +57,10 @@ type demoConfig struct {
 	batch     int
 	db        string
 	seed      uint64
-	shuffle   bool // per-account sequences, reordered delivery, ordering guard
-	window    int  // reordering window of --shuffle
-	noGuard   bool // tests only: run --shuffle without the ordering guard
+	broker    string // "nats" (embedded JetStream) or "none" (direct batches)
+	shuffle   bool   // per-account sequences, reordered delivery, ordering guard
+	window    int    // reordering window of --shuffle
+	noGuard   bool   // tests only: run --shuffle without the ordering guard
 }
 
 // demoCommand returns the "demo" subcommand.
@@ -73,13 +74,21 @@ receives every intended event at least once, many of them several times, and
 still applies each exactly once.
 
 It generates --events unique credits and debits over --accounts accounts from
---seed, then delivers them with --dup-rate of them redelivered later in the
-stream, some batches handed to 2–3 workers at the same time (concurrent
-duplicate deliveries), and --conflicts deliveries that reuse an existing ID
-with a different payload (reported as conflicts, never applied). --workers
-goroutines process batches of --batch messages with Processor.ProcessBatch;
-each batch is one transaction holding the markers and the balance upserts.
-A failed batch is retried, never dropped.
+--seed, with --dup-rate of them delivered again later and --conflicts
+deliveries that reuse an existing ID with a different payload (dead-lettered
+as conflicts, never applied).
+
+By default (--broker nats) the deliveries are published to an embedded NATS
+JetStream server, nothing to install, and consumed by three consumers sharing
+one durable through idem.Consumer; two consumers are killed mid-stream by
+closing their connections, and JetStream redelivers what they had not
+acknowledged to the others and to their replacements. Each message is its own
+transaction (synchronous=FULL, so expect a few thousand per second).
+
+With --broker none, --workers goroutines process batches of --batch messages
+with Processor.ProcessBatch, some batches handed to 2–3 workers at once
+(concurrent duplicate deliveries); a failed batch is retried, never dropped.
+--shuffle adds per-account sequences and reorders deliveries (see its flag).
 
 At the end every balance is compared with the one computed from the unique
 intended events (not from the delivered stream), and the counts of applied
@@ -90,7 +99,8 @@ unless --db names a (new) file to keep. SQLite runs with synchronous=FULL:
 every commit is durable, which is why the demo batches.`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			cfg := &demoConfig{}
-			fs.IntVar(&cfg.events, "events", 100000, "number of unique intended `events`")
+			fs.IntVar(&cfg.events, "events", -1, "number of unique intended `events` (default 10,000 over NATS, 100,000 with --broker none)")
+			fs.StringVar(&cfg.broker, "broker", "nats", "`broker`: nats (an embedded NATS JetStream server; consumers are killed mid-stream) or none (batches handed to workers directly)")
 			fs.Float64Var(&cfg.dupRate, "dup-rate", 0.10, "fraction of events redelivered later in the stream, 0 to 1")
 			fs.IntVar(&cfg.conflicts, "conflicts", 5, "deliveries that reuse an existing ID with a different payload")
 			fs.IntVar(&cfg.accounts, "accounts", 1000, "number of `accounts`")
@@ -104,11 +114,20 @@ every commit is durable, which is why the demo batches.`,
 				if err := noArgs(args); err != nil {
 					return err
 				}
+				if cfg.events == -1 {
+					cfg.events = 10000
+					if cfg.broker == "none" || cfg.shuffle {
+						cfg.events = 100000
+					}
+				}
 				if err := cfg.check(); err != nil {
 					return err
 				}
-				if cfg.shuffle {
+				switch {
+				case cfg.shuffle:
 					return runShuffleDemo(ctx, e, cfg)
+				case cfg.broker == "nats":
+					return runNATSDemo(ctx, e, cfg)
 				}
 				return runDemo(ctx, e, cfg)
 			}
@@ -119,6 +138,8 @@ every commit is durable, which is why the demo batches.`,
 // check validates the flags; problems are usage errors.
 func (c *demoConfig) check() error {
 	switch {
+	case c.broker != "nats" && c.broker != "none":
+		return usagef("--broker must be nats or none, got %q", c.broker)
 	case c.events < 1:
 		return usagef("--events must be at least 1, got %d", c.events)
 	case c.accounts < 1:

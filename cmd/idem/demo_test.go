@@ -330,3 +330,19 @@ func TestDemoShuffleDetectsMisorder(t *testing.T) {
 		t.Fatalf("without the guard the verification must fail; err=%v\n%s", err, out.String())
 	}
 }
+
+// TestDemoOverNATSKillsConsumers runs the default demo: an embedded
+// JetStream server, three consumers, two killed mid-stream; the balances
+// must still verify exactly.
+func TestDemoOverNATSKillsConsumers(t *testing.T) {
+	t.Parallel()
+	code, out, errOut := runCLI(t, "demo", "--events", "2000", "--accounts", "20", "--conflicts", "2")
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s%s", code, out, errOut)
+	}
+	for _, want := range []string{"embedded NATS JetStream server", "consumers killed                2", "dead-lettered                   2", "verification: OK"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}

@@ -42,7 +42,7 @@ func golden(t *testing.T, name, db, got string) {
 // output, human and JSON, with its golden file.
 func TestOperatorCommandsGolden(t *testing.T) {
 	db := filepath.Join(t.TempDir(), "ops.db")
-	if code, _, errOut := runCLI(t, "demo", "--events", "2000", "--accounts", "20", "--conflicts", "3", "--seed", "42", "--workers", "1", "--db", db); code != exitOK {
+	if code, _, errOut := runCLI(t, "demo", "--events", "2000", "--accounts", "20", "--conflicts", "3", "--seed", "42", "--workers", "1", "--broker", "none", "--db", db); code != exitOK {
 		t.Fatalf("demo: exit %d: %s", code, errOut)
 	}
 	steps := []struct {

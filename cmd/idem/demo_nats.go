@@ -1,0 +1,289 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	natsjs "github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/jetstream"
+	"github.com/idemhq/idem/sqlite"
+)
+
+const (
+	// natsDemoStream is the demo's JetStream stream and subject prefix.
+	natsDemoStream = "IDEMDEMO"
+	// natsDemoConsumers is the number of consumers sharing the durable.
+	natsDemoConsumers = 3
+	// natsDemoAckWait is how soon JetStream redelivers what a killed
+	// consumer left unacknowledged.
+	natsDemoAckWait = time.Second
+)
+
+// natsDemo is the running broker side of the demo.
+type natsDemo struct {
+	url   string
+	h     idem.DeliveryHandler
+	mu    sync.Mutex
+	kills []func()
+}
+
+// runNATSDemo publishes the demo stream (redeliveries and conflicts
+// included) to an embedded JetStream server, consumes it with three
+// consumers on one durable, kills two of them mid-stream (their
+// unacknowledged messages are redelivered to the others and to their
+// replacements), and verifies every balance.
+func runNATSDemo(ctx context.Context, e *env, cfg *demoConfig) error {
+	dir, err := os.MkdirTemp("", "idem-demo-")
+	if err != nil {
+		return fmt.Errorf("create temporary directory: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	path := cfg.db
+	if path == "" {
+		path = filepath.Join(dir, "demo.db")
+	}
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true,
+		StoreDir: filepath.Join(dir, "jetstream"), NoLog: true, NoSigs: true})
+	if err != nil {
+		return fmt.Errorf("embedded NATS: %w", err)
+	}
+	go ns.Start()
+	defer ns.Shutdown()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		return errors.New("embedded NATS did not start")
+	}
+
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		return fmt.Errorf("open demo database: %w", err)
+	}
+	defer db.Close()
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		return fmt.Errorf("demo driver: %w", err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		return fmt.Errorf("migrate demo database: %w", err)
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE demo_balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL) WITHOUT ROWID`); err != nil {
+		return fmt.Errorf("create demo_balances: %w", err)
+	}
+	quiet := slog.New(slog.DiscardHandler)
+	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: quiet})
+	if err != nil {
+		return err
+	}
+	consumer, err := idem.NewConsumer(proc, demoBalanceHandler(), drv, &idem.ConsumerConfig{Logger: quiet})
+	if err != nil {
+		return err
+	}
+
+	names := newDemoNames(cfg)
+	events := demoEvents(cfg, names)
+	stream := buildDemoStream(cfg, names, events)
+	// A conflicting payload must arrive after its original to lose to it,
+	// and three consumers do not keep publish order: the conflicts are
+	// published once everything else is applied.
+	var deliveries, conflicting []*idem.Message
+	first := map[string][]byte{}
+	for _, b := range stream.batches {
+		for _, m := range b.msgs { // bursts are the broker's job here
+			if p, seen := first[m.ID]; seen && string(p) != string(m.Payload) {
+				conflicting = append(conflicting, m)
+				continue
+			}
+			first[m.ID] = m.Payload
+			deliveries = append(deliveries, m)
+		}
+	}
+	fmt.Fprintf(e.stdout, "idem demo: account balances on SQLite (synchronous=FULL) at %s,\n", path)
+	fmt.Fprintf(e.stdout, "  fed by an embedded NATS JetStream server (%s)\n", ns.ClientURL())
+	fmt.Fprintf(e.stdout, "  %d intended events over %d accounts (seed %d)\n", len(events), cfg.accounts, cfg.seed)
+	fmt.Fprintf(e.stdout, "  published: %d first deliveries + %d republished + %d conflicting payloads = %d messages\n",
+		stream.firstDelivery, stream.redeliveries, len(conflicting), len(deliveries)+len(conflicting))
+	fmt.Fprintf(e.stdout, "  %d consumers on one durable; two are killed mid-stream and replaced\n", natsDemoConsumers)
+
+	counts := &demoCounts{conflictIDs: map[string]int{}}
+	d := &natsDemo{url: ns.ClientURL(), h: &countingHandler{next: consumer, counts: counts}}
+	start := time.Now()
+	if err := d.publish(ctx, deliveries); err != nil {
+		return err
+	}
+	for range natsDemoConsumers {
+		if err := d.start(ctx); err != nil {
+			return err
+		}
+	}
+	defer d.stopAll()
+	prog := newProgress(e.stdout, int64(len(events)), "events applied")
+	killedAt := []int64{int64(len(events)) * 3 / 10, int64(len(events)) * 6 / 10}
+	var shown int64
+	killed := 0
+	for {
+		n := counts.applied.Load()
+		prog.Add(int(n - shown))
+		shown = n
+		if len(killedAt) > 0 && n >= killedAt[0] {
+			killedAt = killedAt[1:]
+			d.killOne()
+			killed++
+			if err := d.start(ctx); err != nil {
+				return err
+			}
+		}
+		if n >= int64(len(events)) && conflicting != nil {
+			if err := d.publish(ctx, conflicting); err != nil {
+				return err
+			}
+			conflicting = nil
+		}
+		if n >= int64(len(events)) && conflicting == nil && len(killedAt) == 0 && counts.conflicts.Load() >= int64(stream.conflicts) {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if time.Since(start) > 2*time.Minute {
+			return fmt.Errorf("stalled: %d of %d events applied after 2 minutes", n, len(events))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	prog.Finish()
+	// Let the killed consumers' leftovers come back: they are duplicates.
+	time.Sleep(natsDemoAckWait + 200*time.Millisecond)
+	d.stopAll()
+	elapsed := time.Since(start)
+	stream.deliveries = int(counts.applied.Load() + counts.duplicates.Load() + counts.conflicts.Load())
+
+	rep, err := verifyDemo(ctx, db, cfg, names, events)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(e.stdout, "\n  consumers killed %16d  (closed mid-stream; JetStream redelivered what they had not acknowledged)\n", killed)
+	ok := printDemoReport(e.stdout, cfg, stream, counts, rep, elapsed)
+	if cfg.db != "" {
+		fmt.Fprintf(e.stdout, "database kept at %s (table demo_balances; markers in idem_processed, handler %q)\n", cfg.db, demoHandler)
+	}
+	if !ok {
+		return errors.New("verification failed: see the report above")
+	}
+	return nil
+}
+
+// publish sends every delivery, waiting for JetStream's acknowledgements.
+// The ID travels in the idem-id header: a republished copy is a new
+// JetStream message with the same ID, as a producer's retry would be.
+func (d *natsDemo) publish(ctx context.Context, msgs []*idem.Message) error {
+	nc, err := nats.Connect(d.url)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := natsjs.New(nc)
+	if err != nil {
+		return err
+	}
+	if _, err := js.CreateOrUpdateStream(ctx, natsjs.StreamConfig{Name: natsDemoStream, Subjects: []string{natsDemoStream + ".>"}}); err != nil {
+		return fmt.Errorf("create stream: %w", err)
+	}
+	for _, m := range msgs {
+		nm := &nats.Msg{Subject: natsDemoStream + ".credits", Data: m.Payload, Header: nats.Header{}}
+		nm.Header.Set(jetstream.HeaderID, m.ID)
+		nm.Header.Set(jetstream.HeaderType, m.Type)
+		if _, err := js.PublishMsgAsync(nm); err != nil {
+			return fmt.Errorf("publish: %w", err)
+		}
+	}
+	select {
+	case <-js.PublishAsyncComplete():
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(time.Minute):
+		return errors.New("publish: JetStream did not acknowledge every message within a minute")
+	}
+	return nil
+}
+
+// start runs one more consumer on the durable, with its own connection.
+func (d *natsDemo) start(ctx context.Context) error {
+	nc, err := nats.Connect(d.url)
+	if err != nil {
+		return err
+	}
+	js, err := natsjs.New(nc)
+	if err != nil {
+		nc.Close()
+		return err
+	}
+	c, err := jetstream.New(js, &jetstream.Config{Stream: natsDemoStream, Durable: "demo", Handler: d.h,
+		AckWait: natsDemoAckWait, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		nc.Close()
+		return err
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = c.Run(cctx) }()
+	var once sync.Once
+	d.mu.Lock()
+	d.kills = append(d.kills, func() { once.Do(func() { nc.Close(); cancel(); <-done }) })
+	d.mu.Unlock()
+	return nil
+}
+
+// killOne closes the oldest running consumer's connection at once, as a
+// crash would: what it fetched and did not acknowledge is redelivered.
+func (d *natsDemo) killOne() {
+	d.mu.Lock()
+	kill := d.kills[0]
+	d.kills = d.kills[1:]
+	d.mu.Unlock()
+	kill()
+}
+
+func (d *natsDemo) stopAll() {
+	d.mu.Lock()
+	kills := d.kills
+	d.kills = nil
+	d.mu.Unlock()
+	for _, k := range kills {
+		k()
+	}
+}
+
+// countingHandler counts the verdicts of the consumer it wraps.
+type countingHandler struct {
+	next   idem.DeliveryHandler
+	counts *demoCounts
+}
+
+func (c *countingHandler) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
+	v := c.next.HandleDelivery(ctx, d)
+	switch {
+	case v.DeadLettered:
+		c.counts.conflicts.Add(1)
+		c.counts.deadLetters.Add(1)
+		if d.Msg != nil {
+			c.counts.mu.Lock()
+			c.counts.conflictIDs[d.Msg.ID]++
+			c.counts.mu.Unlock()
+		}
+	case v.Outcome == idem.Applied:
+		c.counts.applied.Add(1)
+	case v.Outcome == idem.Duplicate:
+		c.counts.duplicates.Add(1)
+	case !v.Ack:
+		c.counts.retries.Add(1)
+	}
+	return v
+}
