@@ -271,12 +271,20 @@ func (c *countingHandler) HandleDelivery(ctx context.Context, d *idem.Delivery) 
 	v := c.next.HandleDelivery(ctx, d)
 	switch {
 	case v.DeadLettered:
-		c.counts.conflicts.Add(1)
-		c.counts.deadLetters.Add(1)
+		// A killed consumer's lost Term brings a dead letter back; it is
+		// stored once (an upsert), so count each ID once.
+		first := true
 		if d.Msg != nil {
 			c.counts.mu.Lock()
-			c.counts.conflictIDs[d.Msg.ID]++
+			first = c.counts.conflictIDs[d.Msg.ID] == 0
+			if first {
+				c.counts.conflictIDs[d.Msg.ID]++
+			}
 			c.counts.mu.Unlock()
+		}
+		if first {
+			c.counts.conflicts.Add(1)
+			c.counts.deadLetters.Add(1)
 		}
 	case v.Outcome == idem.Applied:
 		c.counts.applied.Add(1)

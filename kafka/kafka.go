@@ -1,0 +1,195 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemhq/idem"
+)
+
+// Headers the default mapping reads.
+const (
+	HeaderID   = "idem-id"
+	HeaderSeq  = "idem-seq"
+	HeaderType = "idem-type"
+)
+
+// Config configures a Consumer.
+type Config struct {
+	// Brokers are the seed brokers. Required.
+	Brokers []string
+	// Group is the consumer group; consumers in one group share the
+	// topics' partitions. Required.
+	Group string
+	// Topics to consume. Required.
+	Topics []string
+	// Handler decides every record. Required.
+	Handler idem.DeliveryHandler
+	// Map turns a record into an idem message; an error makes the record
+	// a decode failure (dead-lettered with the reason, never dropped).
+	// Default: DefaultMap.
+	Map func(r *kgo.Record) (*idem.Message, error)
+	// MaxPoll bounds the records handled between two commits. Default 500.
+	MaxPoll int
+	// Logger receives commit failures. Default slog.Default().
+	Logger *slog.Logger
+	// Options are extra franz-go client options (TLS, SASL, ...).
+	Options []kgo.Opt
+	// FaultHook, when set, is called at FaultBeforeCommit. Crash tests
+	// stop the consumer's goroutine there (runtime.Goexit), so that
+	// records are processed but never committed.
+	FaultHook func(point string)
+}
+
+// FaultBeforeCommit is the FaultHook point after a poll's records were
+// handled and before their offsets are committed.
+const FaultBeforeCommit = "before-commit"
+
+// Consumer is one member of a consumer group. Run several, in one process
+// or many, to share the partitions.
+type Consumer struct {
+	cfg Config
+}
+
+// New returns a Consumer; it connects when Run starts.
+func New(cfg *Config) (*Consumer, error) {
+	if cfg == nil || len(cfg.Brokers) == 0 || cfg.Group == "" || len(cfg.Topics) == 0 || cfg.Handler == nil {
+		return nil, fmt.Errorf("%w: kafka: Brokers, Group, Topics and Handler are required", idem.ErrInvalidConfig)
+	}
+	c := &Consumer{cfg: *cfg}
+	if c.cfg.Map == nil {
+		c.cfg.Map = DefaultMap
+	}
+	if c.cfg.MaxPoll <= 0 {
+		c.cfg.MaxPoll = 500
+	}
+	if c.cfg.Logger == nil {
+		c.cfg.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// Run consumes until ctx is done or the client fails. On return every
+// record whose outcome was durable has been committed (unless the commit
+// itself failed, in which case those records are redelivered and are
+// Duplicates) and no other.
+func (c *Consumer) Run(ctx context.Context) error {
+	opts := append([]kgo.Opt{
+		kgo.SeedBrokers(c.cfg.Brokers...),
+		kgo.ConsumerGroup(c.cfg.Group),
+		kgo.ConsumeTopics(c.cfg.Topics...),
+		kgo.DisableAutoCommit(),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+	}, c.cfg.Options...)
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return fmt.Errorf("kafka: client: %w", err)
+	}
+	defer func() {
+		cl.AllowRebalance() // Close waits for a blocked rebalance otherwise
+		cl.Close()
+	}()
+	return c.loop(ctx, cl)
+}
+
+func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
+	for {
+		fetches := cl.PollRecords(ctx, c.cfg.MaxPoll)
+		if ctx.Err() != nil {
+			cl.AllowRebalance()
+			return ctx.Err()
+		}
+		if fetches.IsClientClosed() {
+			return errors.New("kafka: client closed")
+		}
+		for _, fe := range fetches.Errors() {
+			if !errors.Is(fe.Err, context.Canceled) {
+				c.cfg.Logger.Warn("kafka: fetch error", slog.String("topic", fe.Topic), slog.Int("partition", int(fe.Partition)), slog.Any("error", fe.Err))
+			}
+		}
+		var done []*kgo.Record
+		stopped := false
+		fetches.EachRecord(func(r *kgo.Record) {
+			if stopped || ctx.Err() != nil {
+				stopped = true // stop after the current record
+				return
+			}
+			if !c.handle(ctx, r) {
+				stopped = true // ctx ended while the record was retrying
+				return
+			}
+			done = append(done, r)
+		})
+		if c.cfg.FaultHook != nil {
+			c.cfg.FaultHook(FaultBeforeCommit)
+		}
+		if len(done) > 0 {
+			if err := cl.CommitRecords(context.WithoutCancel(ctx), done...); err != nil {
+				c.cfg.Logger.Warn("kafka: commit failed; the records will be redelivered as duplicates", slog.Any("error", err))
+			}
+		}
+		cl.AllowRebalance()
+		if stopped {
+			return ctx.Err()
+		}
+	}
+}
+
+// handle decides r, retrying after each "retry" verdict; it returns false
+// when ctx ends before the outcome is durable.
+func (c *Consumer) handle(ctx context.Context, r *kgo.Record) bool {
+	d := &idem.Delivery{Raw: r.Value, Source: fmt.Sprintf("kafka:%s/%d@%d", r.Topic, r.Partition, r.Offset)}
+	d.Msg, d.DecodeErr = c.cfg.Map(r)
+	if d.DecodeErr != nil {
+		d.Msg = nil
+	}
+	for attempt := 1; ; attempt++ {
+		d.Attempt = attempt
+		v := c.cfg.Handler.HandleDelivery(context.WithoutCancel(ctx), d)
+		if v.Ack {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(v.RetryAfter):
+		}
+	}
+}
+
+// DefaultMap reads the message ID from the idem-id header, the aggregate
+// from the record key, the sequence from idem-seq and the type from
+// idem-type; Stream is the topic and Payload the value. A record without
+// idem-id is a decode failure: a topic/partition/offset fallback would give
+// a producer's retry, a new record, a new ID, hiding the duplicate.
+func DefaultMap(r *kgo.Record) (*idem.Message, error) {
+	msg := &idem.Message{Stream: r.Topic, AggregateID: string(r.Key), Payload: r.Value}
+	for _, h := range r.Headers {
+		switch h.Key {
+		case HeaderID:
+			msg.ID = string(h.Value)
+		case HeaderType:
+			msg.Type = string(h.Value)
+		case HeaderSeq:
+			seq, err := strconv.ParseInt(string(h.Value), 10, 64)
+			if err != nil || seq < 1 {
+				return nil, fmt.Errorf("kafka: record %s/%d@%d: %s header %q is not a positive integer", r.Topic, r.Partition, r.Offset, HeaderSeq, h.Value)
+			}
+			msg.Seq = seq
+		}
+	}
+	if msg.ID == "" {
+		return nil, fmt.Errorf("kafka: record %s/%d@%d has no %s header", r.Topic, r.Partition, r.Offset, HeaderID)
+	}
+	if err := msg.Validate(); err != nil {
+		return nil, err
+	}
+	return msg, nil
+}
