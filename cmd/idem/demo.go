@@ -82,7 +82,9 @@ By default (--broker nats) the deliveries are published to an embedded NATS
 JetStream server, nothing to install, and consumed by three consumers sharing
 one durable through idem.Consumer; two consumers are killed mid-stream by
 closing their connections, and JetStream redelivers what they had not
-acknowledged to the others and to their replacements. Each message is its own
+acknowledged to the others and to their replacements. --broker kafka does the
+same over an in-process Kafka-protocol cluster, where the killed group
+members crash after processing and before committing. Each message is its own
 transaction (synchronous=FULL, so expect a few thousand per second).
 
 With --broker none, --workers goroutines process batches of --batch messages
@@ -100,7 +102,7 @@ every commit is durable, which is why the demo batches.`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			cfg := &demoConfig{}
 			fs.IntVar(&cfg.events, "events", -1, "number of unique intended `events` (default 10,000 over NATS, 100,000 with --broker none)")
-			fs.StringVar(&cfg.broker, "broker", "nats", "`broker`: nats (an embedded NATS JetStream server; consumers are killed mid-stream) or none (batches handed to workers directly)")
+			fs.StringVar(&cfg.broker, "broker", "nats", "`broker`: nats (an embedded NATS JetStream server), kafka (an in-process Kafka-protocol cluster), or none (batches handed to workers directly); with a broker, consumers are killed mid-stream")
 			fs.Float64Var(&cfg.dupRate, "dup-rate", 0.10, "fraction of events redelivered later in the stream, 0 to 1")
 			fs.IntVar(&cfg.conflicts, "conflicts", 5, "deliveries that reuse an existing ID with a different payload")
 			fs.IntVar(&cfg.accounts, "accounts", 1000, "number of `accounts`")
@@ -126,8 +128,8 @@ every commit is durable, which is why the demo batches.`,
 				switch {
 				case cfg.shuffle:
 					return runShuffleDemo(ctx, e, cfg)
-				case cfg.broker == "nats":
-					return runNATSDemo(ctx, e, cfg)
+				case cfg.broker == "nats", cfg.broker == "kafka":
+					return runBrokerDemo(ctx, e, cfg)
 				}
 				return runDemo(ctx, e, cfg)
 			}
@@ -138,8 +140,8 @@ every commit is durable, which is why the demo batches.`,
 // check validates the flags; problems are usage errors.
 func (c *demoConfig) check() error {
 	switch {
-	case c.broker != "nats" && c.broker != "none":
-		return usagef("--broker must be nats or none, got %q", c.broker)
+	case c.broker != "nats" && c.broker != "kafka" && c.broker != "none":
+		return usagef("--broker must be nats, kafka or none, got %q", c.broker)
 	case c.events < 1:
 		return usagef("--events must be at least 1, got %d", c.events)
 	case c.accounts < 1:

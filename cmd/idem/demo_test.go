@@ -346,3 +346,19 @@ func TestDemoOverNATSKillsConsumers(t *testing.T) {
 		}
 	}
 }
+
+// TestDemoOverKafkaCrashesMembers runs the demo over the in-process Kafka
+// cluster: two group members crash before committing, and the balances
+// still verify exactly.
+func TestDemoOverKafkaCrashesMembers(t *testing.T) {
+	t.Parallel()
+	code, out, errOut := runCLI(t, "demo", "--broker", "kafka", "--events", "2000", "--accounts", "20", "--conflicts", "2")
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s%s", code, out, errOut)
+	}
+	for _, want := range []string{"in-process Kafka-protocol cluster", "consumers killed                2", "dead-lettered                   2", "verification: OK"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}

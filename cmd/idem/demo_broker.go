@@ -29,20 +29,89 @@ const (
 	natsDemoAckWait = time.Second
 )
 
-// natsDemo is the running broker side of the demo.
-type natsDemo struct {
-	url   string
+// demoBroker is the broker side of the demo: an embedded JetStream server
+// or an in-process Kafka cluster.
+type demoBroker interface {
+	describe() string
+	killNote() string
+	setHandler(h idem.DeliveryHandler)
+	publish(ctx context.Context, msgs []*idem.Message) error
+	start(ctx context.Context) error
+	killOne()
+	stopAll()
+	close()
+}
+
+// consumerSet tracks running consumers and how to kill each.
+type consumerSet struct {
 	h     idem.DeliveryHandler
 	mu    sync.Mutex
 	kills []func()
 }
 
-// runNATSDemo publishes the demo stream (redeliveries and conflicts
-// included) to an embedded JetStream server, consumes it with three
-// consumers on one durable, kills two of them mid-stream (their
-// unacknowledged messages are redelivered to the others and to their
-// replacements), and verifies every balance.
-func runNATSDemo(ctx context.Context, e *env, cfg *demoConfig) error {
+func (s *consumerSet) setHandler(h idem.DeliveryHandler) { s.h = h }
+
+func (s *consumerSet) add(kill func()) {
+	s.mu.Lock()
+	s.kills = append(s.kills, kill)
+	s.mu.Unlock()
+}
+
+// killOne kills the oldest running consumer.
+func (s *consumerSet) killOne() {
+	s.mu.Lock()
+	kill := s.kills[0]
+	s.kills = s.kills[1:]
+	s.mu.Unlock()
+	kill()
+}
+
+func (s *consumerSet) stopAll() {
+	s.mu.Lock()
+	kills := s.kills
+	s.kills = nil
+	s.mu.Unlock()
+	for _, k := range kills {
+		k()
+	}
+}
+
+// natsDemo runs the demo over an embedded NATS JetStream server.
+type natsDemo struct {
+	consumerSet
+	ns  *server.Server
+	url string
+}
+
+func newNATSDemo(storeDir string) (*natsDemo, error) {
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: storeDir, NoLog: true, NoSigs: true})
+	if err != nil {
+		return nil, fmt.Errorf("embedded NATS: %w", err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		ns.Shutdown()
+		return nil, errors.New("embedded NATS did not start")
+	}
+	return &natsDemo{ns: ns, url: ns.ClientURL()}, nil
+}
+
+func (d *natsDemo) describe() string {
+	return "an embedded NATS JetStream server (" + d.url + "), 3 consumers on one durable"
+}
+
+func (d *natsDemo) killNote() string {
+	return "connections closed mid-stream; JetStream redelivered what they had not acknowledged"
+}
+
+func (d *natsDemo) close() { d.ns.Shutdown() }
+
+// runBrokerDemo publishes the demo stream (redeliveries and conflicts
+// included) to an embedded broker (JetStream, or Kafka with --broker
+// kafka), consumes it with three consumers sharing it, kills two of them
+// mid-stream (what they had not acknowledged or committed comes back to the
+// others and to their replacements), and verifies every balance.
+func runBrokerDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	dir, err := os.MkdirTemp("", "idem-demo-")
 	if err != nil {
 		return fmt.Errorf("create temporary directory: %w", err)
@@ -52,16 +121,16 @@ func runNATSDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	if path == "" {
 		path = filepath.Join(dir, "demo.db")
 	}
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true,
-		StoreDir: filepath.Join(dir, "jetstream"), NoLog: true, NoSigs: true})
+	var b demoBroker
+	if cfg.broker == "kafka" {
+		b, err = newKafkaDemo()
+	} else {
+		b, err = newNATSDemo(filepath.Join(dir, "jetstream"))
+	}
 	if err != nil {
-		return fmt.Errorf("embedded NATS: %w", err)
+		return err
 	}
-	go ns.Start()
-	defer ns.Shutdown()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		return errors.New("embedded NATS did not start")
-	}
+	defer b.close()
 
 	db, err := sqlite.Open(path, nil)
 	if err != nil {
@@ -107,14 +176,15 @@ func runNATSDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 		}
 	}
 	fmt.Fprintf(e.stdout, "idem demo: account balances on SQLite (synchronous=FULL) at %s,\n", path)
-	fmt.Fprintf(e.stdout, "  fed by an embedded NATS JetStream server (%s)\n", ns.ClientURL())
+	fmt.Fprintf(e.stdout, "  fed by %s\n", b.describe())
 	fmt.Fprintf(e.stdout, "  %d intended events over %d accounts (seed %d)\n", len(events), cfg.accounts, cfg.seed)
 	fmt.Fprintf(e.stdout, "  published: %d first deliveries + %d republished + %d conflicting payloads = %d messages\n",
 		stream.firstDelivery, stream.redeliveries, len(conflicting), len(deliveries)+len(conflicting))
-	fmt.Fprintf(e.stdout, "  %d consumers on one durable; two are killed mid-stream and replaced\n", natsDemoConsumers)
+	fmt.Fprintf(e.stdout, "  %d consumers sharing the stream; two are killed mid-stream and replaced\n", natsDemoConsumers)
 
 	counts := &demoCounts{conflictIDs: map[string]int{}}
-	d := &natsDemo{url: ns.ClientURL(), h: &countingHandler{next: consumer, counts: counts}}
+	d := b
+	b.setHandler(&countingHandler{next: consumer, counts: counts})
 	start := time.Now()
 	if err := d.publish(ctx, deliveries); err != nil {
 		return err
@@ -169,7 +239,7 @@ func runNATSDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(e.stdout, "\n  consumers killed %16d  (closed mid-stream; JetStream redelivered what they had not acknowledged)\n", killed)
+	fmt.Fprintf(e.stdout, "\n  consumers killed %16d  (%s)\n", killed, b.killNote())
 	ok := printDemoReport(e.stdout, cfg, stream, counts, rep, elapsed)
 	if cfg.db != "" {
 		fmt.Fprintf(e.stdout, "database kept at %s (table demo_balances; markers in idem_processed, handler %q)\n", cfg.db, demoHandler)
@@ -235,30 +305,8 @@ func (d *natsDemo) start(ctx context.Context) error {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = c.Run(cctx) }()
 	var once sync.Once
-	d.mu.Lock()
-	d.kills = append(d.kills, func() { once.Do(func() { nc.Close(); cancel(); <-done }) })
-	d.mu.Unlock()
+	d.add(func() { once.Do(func() { nc.Close(); cancel(); <-done }) })
 	return nil
-}
-
-// killOne closes the oldest running consumer's connection at once, as a
-// crash would: what it fetched and did not acknowledge is redelivered.
-func (d *natsDemo) killOne() {
-	d.mu.Lock()
-	kill := d.kills[0]
-	d.kills = d.kills[1:]
-	d.mu.Unlock()
-	kill()
-}
-
-func (d *natsDemo) stopAll() {
-	d.mu.Lock()
-	kills := d.kills
-	d.kills = nil
-	d.mu.Unlock()
-	for _, k := range kills {
-		k()
-	}
 }
 
 // countingHandler counts the verdicts of the consumer it wraps.
