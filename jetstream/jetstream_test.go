@@ -24,7 +24,7 @@ import (
 )
 
 // embedded starts an in-process NATS server with JetStream.
-func embedded(t *testing.T) string {
+func embedded(t testing.TB) string {
 	t.Helper()
 	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
 	if err != nil {
@@ -50,7 +50,7 @@ func brokers(t *testing.T, fn func(t *testing.T, url string)) {
 
 // env is one test's broker stream and SQLite store.
 type env struct {
-	t       *testing.T
+	t       testing.TB
 	url     string
 	stream  string
 	db      *sql.DB
@@ -60,7 +60,7 @@ type env struct {
 	dups    atomic.Int64
 }
 
-func newEnv(t *testing.T, url string) *env {
+func newEnv(t testing.TB, url string) *env {
 	t.Helper()
 	e := &env{t: t, url: url, stream: fmt.Sprintf("IDEMT%d", time.Now().UnixNano())}
 	nc, js := e.connect()

@@ -1,0 +1,70 @@
+package jetstream_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+)
+
+// BenchmarkEndToEnd publishes messages to an embedded JetStream server and
+// consumes them into SQLite (synchronous=NORMAL) once with a plain handler
+// (a transaction with the balance upsert, then Ack) and once through
+// idem.Consumer, and reports both rates and idem/plain as the ratio.
+//
+//	go test ./jetstream -run '^$' -bench EndToEnd -benchtime 3000x
+func BenchmarkEndToEnd(b *testing.B) {
+	n := max(b.N, 500)
+	url := embedded(b)
+	rate := func(idemMode bool) float64 {
+		e := newEnv(b, url)
+		events := idemtest.Events(n)
+		e.publish(messages(events), 0)
+		var handled atomic.Int64
+		var h idem.DeliveryHandler
+		if idemMode {
+			c := e.consumer(false)
+			h = idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+				v := c.HandleDelivery(ctx, d)
+				handled.Add(1)
+				return v
+			})
+		} else {
+			h = idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+				defer handled.Add(1)
+				acct, amt, err := idemtest.DecodeCredit(d.Msg.Payload)
+				if err != nil {
+					return idem.Verdict{Ack: true}
+				}
+				tx, err := e.db.BeginTx(ctx, nil)
+				if err != nil {
+					return idem.Verdict{RetryAfter: time.Millisecond, Err: err}
+				}
+				if _, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt); err != nil {
+					tx.Rollback()
+					return idem.Verdict{RetryAfter: time.Millisecond, Err: err}
+				}
+				if err := tx.Commit(); err != nil {
+					return idem.Verdict{RetryAfter: time.Millisecond, Err: err}
+				}
+				return idem.Verdict{Ack: true, Outcome: idem.Applied}
+			})
+		}
+		start := time.Now()
+		e.run(h)
+		for handled.Load() < int64(n) {
+			time.Sleep(time.Millisecond)
+		}
+		return float64(n) / time.Since(start).Seconds()
+	}
+	b.ResetTimer()
+	plain := rate(false)
+	withIdem := rate(true)
+	b.ReportMetric(0, "ns/op")
+	b.ReportMetric(plain, "plain-msgs/s")
+	b.ReportMetric(withIdem, "idem-msgs/s")
+	b.ReportMetric(withIdem/plain, "ratio")
+}
