@@ -8,6 +8,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/adaptertest"
 )
 
 // BenchmarkEndToEnd publishes messages to an embedded JetStream server and
@@ -19,42 +20,30 @@ import (
 func BenchmarkEndToEnd(b *testing.B) {
 	n := max(b.N, 500)
 	url := embedded(b)
-	rate := func(idemMode bool) float64 {
-		e := newEnv(b, url)
+	rate := func(withIdem bool) float64 {
+		br, e := newBroker(b, url), adaptertest.NewEnv(b)
 		events := idemtest.Events(n)
-		e.publish(messages(events), 0)
+		br.Publish(b, adaptertest.Messages(events), 0)
 		var handled atomic.Int64
-		var h idem.DeliveryHandler
-		if idemMode {
-			c := e.consumer(false)
+		h := e.Consumer(false)
+		if !withIdem {
 			h = idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
-				v := c.HandleDelivery(ctx, d)
-				handled.Add(1)
-				return v
-			})
-		} else {
-			h = idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
-				defer handled.Add(1)
 				acct, amt, err := idemtest.DecodeCredit(d.Msg.Payload)
 				if err != nil {
 					return idem.Verdict{Ack: true}
 				}
-				tx, err := e.db.BeginTx(ctx, nil)
-				if err != nil {
-					return idem.Verdict{RetryAfter: time.Millisecond, Err: err}
-				}
-				if _, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt); err != nil {
-					tx.Rollback()
-					return idem.Verdict{RetryAfter: time.Millisecond, Err: err}
-				}
-				if err := tx.Commit(); err != nil {
+				if _, err := e.DB.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt); err != nil {
 					return idem.Verdict{RetryAfter: time.Millisecond, Err: err}
 				}
 				return idem.Verdict{Ack: true, Outcome: idem.Applied}
 			})
 		}
+		counted := idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+			defer handled.Add(1)
+			return h.HandleDelivery(ctx, d)
+		})
 		start := time.Now()
-		e.run(h)
+		br.Start(b, counted)
 		for handled.Load() < int64(n) {
 			time.Sleep(time.Millisecond)
 		}

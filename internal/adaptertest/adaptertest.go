@@ -1,0 +1,259 @@
+// Package adaptertest is the test suite every broker adapter passes: a
+// consumer crashed between the outcome and the ack or commit, three
+// consumers with one killed, poison and undecodable records, and
+// per-aggregate order with the ordering guard. The final state is always
+// checked against the unique intended events, never a fold of the
+// delivered stream.
+package adaptertest
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// Broker is one adapter on one broker, fresh for each test.
+type Broker interface {
+	// Publish sends the messages with the adapter's ID, aggregate and
+	// sequence conventions; every dupEvery-th (when > 0) is sent twice,
+	// as a producer's retry would.
+	Publish(t testing.TB, msgs []*idem.Message, dupEvery int)
+	// PublishRaw sends a record without an ID.
+	PublishRaw(t testing.TB, value []byte)
+	// Start runs one consumer (all share one group or durable); kill
+	// stops it at once.
+	Start(t testing.TB, h idem.DeliveryHandler) (kill func())
+	// StartCrashing runs a consumer that crashes after its handler
+	// decided at least one delivery and before that delivery is
+	// acknowledged or committed. crashed is closed when it has.
+	StartCrashing(t testing.TB, h idem.DeliveryHandler) (crashed <-chan struct{})
+}
+
+// Env is a test's SQLite store and idem consumer.
+type Env struct {
+	t       testing.TB
+	DB      *sql.DB
+	Drv     *sqlite.Driver
+	Proc    *idem.Processor[*sql.Tx]
+	Dups    atomic.Int64
+	applied sync.Map // aggregate → *[]int64 of applied Seq, in order
+}
+
+// NewEnv opens a migrated SQLite store with a balances table.
+func NewEnv(t testing.TB) *Env {
+	t.Helper()
+	db, err := sqlite.Open(filepath.Join(t.TempDir(), "idem.db"), &sqlite.OpenOptions{Synchronous: "NORMAL"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	e := &Env{t: t, DB: db}
+	ctx := context.Background()
+	if e.Drv, err = sqlite.New(db, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	if e.Proc, err = idem.NewProcessor(e.Drv, nil); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// Consumer returns an idem.Consumer crediting balances (with the ordering
+// guard when ordering), counting Duplicate verdicts in Dups.
+func (e *Env) Consumer(ordering bool) idem.DeliveryHandler {
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		acct, amt, err := idemtest.DecodeCredit(m.Payload)
+		if err != nil {
+			return idem.Permanent(err)
+		}
+		if m.Seq > 0 {
+			v, _ := e.applied.LoadOrStore(m.AggregateID, &[]int64{})
+			*v.(*[]int64) = append(*v.(*[]int64), m.Seq)
+		}
+		_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt)
+		return err
+	}}
+	if ordering {
+		h.Ordering = &idem.Ordering{Gap: idem.GapWait, WaitFor: time.Minute}
+	}
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+		v := c.HandleDelivery(ctx, d)
+		if v.Outcome == idem.Duplicate {
+			e.Dups.Add(1)
+		}
+		return v
+	})
+}
+
+// WaitMarkers waits until n messages are applied.
+func (e *Env) WaitMarkers(n int) {
+	e.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var got int
+		if err := e.DB.QueryRow(`SELECT count(*) FROM idem_processed WHERE handler = 'balances'`).Scan(&got); err != nil {
+			e.t.Fatal(err)
+		}
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("%d of %d messages applied after 60 s", got, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// CheckBalances compares the balances with the unique intended events.
+func (e *Env) CheckBalances(events []idemtest.Event) {
+	e.t.Helper()
+	rows, err := e.DB.Query(`SELECT account, amount FROM balances`)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer rows.Close()
+	got := map[string]int64{}
+	for rows.Next() {
+		var a string
+		var n int64
+		if err := rows.Scan(&a, &n); err != nil {
+			e.t.Fatal(err)
+		}
+		got[a] = n
+	}
+	want := idemtest.Expected(events)
+	if len(got) != len(want) {
+		e.t.Fatalf("%d accounts, want %d", len(got), len(want))
+	}
+	for a, w := range want {
+		if got[a] != w {
+			e.t.Fatalf("%s = %d, want %d", a, got[a], w)
+		}
+	}
+}
+
+// Messages turns events into messages keyed by account (one account, one
+// partition or subject).
+func Messages(events []idemtest.Event) []*idem.Message {
+	out := make([]*idem.Message, len(events))
+	for i, ev := range events {
+		out[i] = ev.Message()
+		out[i].AggregateID = ev.Account
+	}
+	return out
+}
+
+// Run runs the suite; newBroker returns a fresh broker for each test.
+func Run(t *testing.T, newBroker func(t testing.TB) Broker) {
+	t.Run("CrashBeforeAckIsDuplicate", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t), NewEnv(t)
+		events := idemtest.Events(600)
+		b.Publish(t, Messages(events), 0)
+		<-b.StartCrashing(t, e.Consumer(false))
+		b.Start(t, e.Consumer(false))
+		e.WaitMarkers(len(events))
+		for deadline := time.Now().Add(15 * time.Second); e.Dups.Load() == 0; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("no delivery came back as a Duplicate: the crash left nothing unacknowledged")
+			}
+		}
+		e.CheckBalances(events)
+	})
+	t.Run("ThreeConsumersOneKilled", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t), NewEnv(t)
+		events := idemtest.Events(1500)
+		kills := make([]func(), 3)
+		for i := range kills {
+			kills[i] = b.Start(t, e.Consumer(false))
+		}
+		b.Publish(t, Messages(events), 10)
+		time.Sleep(100 * time.Millisecond)
+		kills[1]()
+		e.WaitMarkers(len(events))
+		if e.Dups.Load() < int64(len(events)/10) {
+			t.Fatalf("%d duplicates, want at least the %d published twice", e.Dups.Load(), len(events)/10)
+		}
+		e.CheckBalances(events)
+	})
+	t.Run("PoisonDeadLetteredOthersFlow", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t), NewEnv(t)
+		events := idemtest.Events(100)
+		poison := &idem.Message{ID: "poison", AggregateID: events[0].Account, Payload: []byte("not a credit")}
+		b.Publish(t, append([]*idem.Message{poison}, Messages(events)...), 0)
+		b.PublishRaw(t, []byte("no id"))
+		b.Start(t, e.Consumer(false))
+		e.WaitMarkers(len(events))
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(dls) == 2 {
+				if dls[0].MessageID != "poison" && dls[1].MessageID != "poison" {
+					t.Fatalf("dead letters %+v, want the poison message among them", dls)
+				}
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d dead letters, want 2", len(dls))
+			}
+		}
+		e.CheckBalances(events)
+	})
+	t.Run("OrderKeptWithGuard", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t), NewEnv(t)
+		var msgs []*idem.Message
+		var events []idemtest.Event
+		for s := int64(1); s <= 20; s++ {
+			for a := range 10 {
+				ev := idemtest.Event{ID: fmt.Sprintf("agg%d-%d", a, s), Account: fmt.Sprintf("acct-%d", a), Amount: s}
+				events = append(events, ev)
+				m := ev.Message()
+				m.AggregateID, m.Seq = fmt.Sprintf("agg%d", a), s
+				msgs = append(msgs, m)
+			}
+		}
+		b.Publish(t, msgs, 7)
+		kill := b.Start(t, e.Consumer(true))
+		b.Start(t, e.Consumer(true))
+		time.Sleep(100 * time.Millisecond)
+		kill()
+		e.WaitMarkers(len(msgs))
+		for a := range 10 {
+			v, ok := e.applied.Load(fmt.Sprintf("agg%d", a))
+			if !ok {
+				t.Fatalf("agg%d: nothing applied", a)
+			}
+			got := *v.(*[]int64)
+			for i, s := range got {
+				if s != int64(i+1) || len(got) != 20 {
+					t.Fatalf("agg%d applied %v, want 1..20 in order, once each", a, got)
+				}
+			}
+		}
+		e.CheckBalances(events)
+	})
+}
