@@ -400,6 +400,30 @@ type demoJob struct {
 	barrier *burstBarrier // nil unless the batch is a burst
 }
 
+// demoBalancesDDL creates the demo's projection.
+const demoBalancesDDL = `CREATE TABLE demo_balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL) WITHOUT ROWID`
+
+// openDemoDB opens the demo's SQLite database at path with idem's settings,
+// migrates idem's tables and creates the demo's own table with ddl.
+func openDemoDB(ctx context.Context, path, ddl string) (*sql.DB, *sqlite.Driver, error) {
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("open demo database: %w", err)
+	}
+	drv, err := sqlite.New(db, nil)
+	if err == nil {
+		err = drv.Migrate(ctx)
+	}
+	if err == nil {
+		_, err = db.ExecContext(ctx, ddl)
+	}
+	if err != nil {
+		db.Close()
+		return nil, nil, fmt.Errorf("set up demo database: %w", err)
+	}
+	return db, drv, nil
+}
+
 // runDemo runs the demo and prints its report.
 func runDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	path := cfg.db
@@ -411,21 +435,11 @@ func runDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 		defer os.RemoveAll(dir)
 		path = filepath.Join(dir, "demo.db")
 	}
-	db, err := sqlite.Open(path, nil)
+	db, drv, err := openDemoDB(ctx, path, demoBalancesDDL)
 	if err != nil {
-		return fmt.Errorf("open demo database: %w", err)
+		return err
 	}
 	defer db.Close()
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		return fmt.Errorf("demo driver: %w", err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		return fmt.Errorf("migrate demo database: %w", err)
-	}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE demo_balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL) WITHOUT ROWID`); err != nil {
-		return fmt.Errorf("create demo_balances: %w", err)
-	}
 	logger := slog.New(slog.NewTextHandler(e.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
 	if err != nil {

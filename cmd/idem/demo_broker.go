@@ -16,7 +16,6 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/jetstream"
-	"github.com/idemhq/idem/sqlite"
 )
 
 const (
@@ -132,21 +131,11 @@ func runBrokerDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	}
 	defer b.close()
 
-	db, err := sqlite.Open(path, nil)
+	db, drv, err := openDemoDB(ctx, path, demoBalancesDDL)
 	if err != nil {
-		return fmt.Errorf("open demo database: %w", err)
+		return err
 	}
 	defer db.Close()
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		return fmt.Errorf("demo driver: %w", err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		return fmt.Errorf("migrate demo database: %w", err)
-	}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE demo_balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL) WITHOUT ROWID`); err != nil {
-		return fmt.Errorf("create demo_balances: %w", err)
-	}
 	quiet := slog.New(slog.DiscardHandler)
 	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: quiet})
 	if err != nil {

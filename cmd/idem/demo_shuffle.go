@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
-	"github.com/idemhq/idem/sqlite"
 )
 
 // orderedHandler names the handler of the --shuffle demo.
@@ -48,22 +47,12 @@ func runShuffleDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 		defer os.RemoveAll(dir)
 		path = filepath.Join(dir, "demo.db")
 	}
-	db, err := sqlite.Open(path, nil)
+	db, drv, err := openDemoDB(ctx, path, `CREATE TABLE demo_ordered (account TEXT PRIMARY KEY, amount INTEGER NOT NULL,
+last_seq INTEGER NOT NULL, chain INTEGER NOT NULL) WITHOUT ROWID`)
 	if err != nil {
-		return fmt.Errorf("open demo database: %w", err)
+		return err
 	}
 	defer db.Close()
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		return fmt.Errorf("demo driver: %w", err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		return fmt.Errorf("migrate demo database: %w", err)
-	}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE demo_ordered (account TEXT PRIMARY KEY, amount INTEGER NOT NULL,
-last_seq INTEGER NOT NULL, chain INTEGER NOT NULL) WITHOUT ROWID`); err != nil {
-		return fmt.Errorf("create demo_ordered: %w", err)
-	}
 	logger := slog.New(slog.NewTextHandler(e.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
 	if err != nil {
