@@ -199,20 +199,29 @@ func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) {
 		var msg Message
 		if dl.Envelope == nil || json.Unmarshal(dl.Envelope, &msg) != nil {
 			// Nothing to run: park it again, it needs a person.
-			if _, err := c.dl.DeadLetterSetState(ctx, []int64{dl.ID}, []string{driver.DeadLetterReplayRequested}, driver.DeadLetterParked); err != nil {
+			if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
+				To: driver.DeadLetterParked, Actor: c.actor(), Outcome: "no envelope to replay"}); err != nil {
 				return res, err
 			}
 			res.Parked++
 			continue
 		}
 		v := c.HandleDelivery(ctx, &Delivery{Msg: &msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true})
-		if v.DeadLettered || !v.Ack {
-			// Parked again by deadLetter (the upsert resets the state),
-			// or not even that: leave it requested for the next run.
+		if v.DeadLettered {
+			// Parked again by deadLetter (the upsert resets the state):
+			// log the attempt.
+			if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterParked},
+				To: driver.DeadLetterParked, Actor: c.actor(), Outcome: "replay failed: " + storableText(fmt.Sprint(v.Err))}); err != nil {
+				return res, err
+			}
+		}
+		if !v.Ack || v.DeadLettered {
+			// Not even stored: leave it requested for the next run.
 			res.Parked++
 			continue
 		}
-		if _, err := c.dl.DeadLetterSetState(ctx, []int64{dl.ID}, []string{driver.DeadLetterReplayRequested}, driver.DeadLetterReplayed); err != nil {
+		if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
+			To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String()}); err != nil {
 			return res, err
 		}
 		res.Replayed++
@@ -243,19 +252,24 @@ func (c *Consumer[TTx]) Run(ctx context.Context, interval time.Duration) error {
 	}
 }
 
+// actor names this consumer in the dead-letter log.
+func (c *Consumer[TTx]) actor() string { return "consumer " + c.h.Name }
+
 // RequestReplay marks the parked dead letters matching f for replay by the
-// consumers of their handlers, and returns how many it marked.
-func RequestReplay(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) (int, error) {
-	return moveDeadLetters(ctx, dl, f, driver.DeadLetterReplayRequested)
+// consumers of their handlers, logs the request with actor (who asked),
+// and returns how many it marked.
+func RequestReplay(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, actor string) (int, error) {
+	return moveDeadLetters(ctx, dl, f, driver.DeadLetterReplayRequested, actor)
 }
 
 // Discard marks the parked dead letters matching f discarded: an operator's
-// decision that they need no processing. They are kept for the record.
-func Discard(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) (int, error) {
-	return moveDeadLetters(ctx, dl, f, driver.DeadLetterDiscarded)
+// decision that they need no processing, logged with actor. They are kept
+// for the record.
+func Discard(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, actor string) (int, error) {
+	return moveDeadLetters(ctx, dl, f, driver.DeadLetterDiscarded, actor)
 }
 
-func moveDeadLetters(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, state string) (int, error) {
+func moveDeadLetters(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, state, actor string) (int, error) {
 	sel := driver.DeadLetterFilter{}
 	if f != nil {
 		sel = *f
@@ -272,7 +286,7 @@ func moveDeadLetters(ctx context.Context, dl driver.DeadLetterStore, f *driver.D
 	for i, d := range dls {
 		ids[i] = d.ID
 	}
-	n, err := dl.DeadLetterSetState(ctx, ids, []string{driver.DeadLetterParked}, state)
+	n, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: ids, From: []string{driver.DeadLetterParked}, To: state, Actor: actor})
 	if err != nil {
 		return n, fmt.Errorf("idem: mark dead letters %s: %w", state, err)
 	}

@@ -15,9 +15,32 @@ type DeadLetterStore interface {
 	DeadLetterPut(ctx context.Context, dl *DeadLetter) (int64, error)
 	// DeadLetterList returns the dead letters matching f, oldest first.
 	DeadLetterList(ctx context.Context, f *DeadLetterFilter) ([]DeadLetter, error)
-	// DeadLetterSetState moves the dead letters with the given IDs from
-	// one of the states in from to state, and returns how many moved.
-	DeadLetterSetState(ctx context.Context, ids []int64, from []string, state string) (int, error)
+	// DeadLetterSetState moves the dead letters in c.IDs whose state is
+	// one of c.From to c.To, records each move in the dead-letter log in
+	// the same transaction, and returns how many moved.
+	DeadLetterSetState(ctx context.Context, c *DeadLetterStateChange) (int, error)
+	// DeadLetterHistory returns the log of a dead letter, oldest first.
+	DeadLetterHistory(ctx context.Context, id int64) ([]DeadLetterEvent, error)
+}
+
+// DeadLetterStateChange is the parameter of DeadLetterSetState.
+type DeadLetterStateChange struct {
+	IDs  []int64
+	From []string
+	To   string
+	// Actor is who asked: an operator ("alice@host") or a consumer.
+	Actor string
+	// Outcome is the result, for replays ("applied", "duplicate", the
+	// new error); empty for a request.
+	Outcome string
+}
+
+// DeadLetterEvent is one entry of a dead letter's log.
+type DeadLetterEvent struct {
+	At      time.Time
+	State   string
+	Actor   string
+	Outcome string
 }
 
 // DeadLetter states.

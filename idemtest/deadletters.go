@@ -223,7 +223,7 @@ func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 	if v := deliverTo(c, ev[0].Message(), 2); !v.Ack || v.Outcome != idem.Applied {
 		t.Fatalf("redelivery after the fix: %+v", v)
 	}
-	n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"})
+	n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}, "alice@ops")
 	if err != nil || n != 3 {
 		t.Fatalf("RequestReplay: %d, %v; want 3", n, err)
 	}
@@ -235,10 +235,20 @@ func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 		t.Fatalf("replay: %+v, want 2 applied and 1 duplicate", res)
 	}
 	wantBalances(t, s, Expected(ev))
-	if got := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterReplayed}); len(got) != 3 {
-		t.Fatalf("%d replayed dead letters, want 3", len(got))
+	replayed := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterReplayed})
+	if len(replayed) != 3 {
+		t.Fatalf("%d replayed dead letters, want 3", len(replayed))
 	}
-	if n, err := idem.RequestReplay(ctx, dl, nil); err != nil || n != 0 {
+	// Who asked, when, and what came of it are in the log.
+	hist, err := dl.DeadLetterHistory(ctx, replayed[0].ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(hist) != 2 || hist[0].State != driver.DeadLetterReplayRequested || hist[0].Actor != "alice@ops" || hist[0].At.IsZero() ||
+		hist[1].State != driver.DeadLetterReplayed || hist[1].Actor != "consumer balances" || hist[1].Outcome != idem.Duplicate.String() {
+		t.Fatalf("history of %s: %+v, want the request by alice@ops, then replayed as a duplicate", replayed[0].MessageID, hist)
+	}
+	if n, err := idem.RequestReplay(ctx, dl, nil, "alice@ops"); err != nil || n != 0 {
 		t.Fatalf("second RequestReplay: %d, %v; want nothing left to replay", n, err)
 	}
 	if res, err := c.Replay(ctx); err != nil || res.Replayed != 0 {
@@ -251,10 +261,10 @@ func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 	if v := deliverTo(c, Events(4)[3].Message(), 1); !v.DeadLettered {
 		t.Fatalf("%+v, want a dead letter", v)
 	}
-	if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}); err != nil || n != 1 {
+	if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}, "bob@ops"); err != nil || n != 1 {
 		t.Fatalf("Discard: %d, %v", n, err)
 	}
-	if n, err := idem.RequestReplay(ctx, dl, nil); err != nil || n != 0 {
+	if n, err := idem.RequestReplay(ctx, dl, nil, "alice@ops"); err != nil || n != 0 {
 		t.Fatalf("RequestReplay after discard: %d, %v", n, err)
 	}
 }

@@ -87,14 +87,38 @@ FROM ` + d.t.deadLetters + ` WHERE ` + strings.Join(where, " AND ") + ` ORDER BY
 	return out, nil
 }
 
-// DeadLetterSetState implements driver.DeadLetterStore.
-func (d *Driver) DeadLetterSetState(ctx context.Context, ids []int64, from []string, state string) (int, error) {
-	if len(ids) == 0 || len(from) == 0 {
+// DeadLetterSetState implements driver.DeadLetterStore: the update and its
+// log rows are one statement.
+func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterStateChange) (int, error) {
+	if len(c.IDs) == 0 || len(c.From) == 0 {
 		return 0, nil
 	}
-	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.deadLetters+` SET state = $1 WHERE state = ANY($2) AND id = ANY($3)`, state, from, ids)
+	var n int
+	err := d.pool.QueryRow(ctx, `WITH moved AS (
+  UPDATE `+d.t.deadLetters+` SET state = $1 WHERE state = ANY($2) AND id = ANY($3) RETURNING id
+), logged AS (
+  INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome) SELECT id, $1, $4, $5 FROM moved
+)
+SELECT count(*) FROM moved`, c.To, c.From, c.IDs, c.Actor, c.Outcome).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("postgres: set dead-letter state: %w", err)
 	}
-	return int(tag.RowsAffected()), nil
+	return n, nil
+}
+
+// DeadLetterHistory implements driver.DeadLetterStore.
+func (d *Driver) DeadLetterHistory(ctx context.Context, id int64) ([]driver.DeadLetterEvent, error) {
+	rows, err := d.pool.Query(ctx, `SELECT at, state, actor, outcome FROM `+d.t.deadLetterLog+` WHERE dead_letter_id = $1 ORDER BY id`, id)
+	if err != nil {
+		return nil, fmt.Errorf("postgres: dead-letter history: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (driver.DeadLetterEvent, error) {
+		var ev driver.DeadLetterEvent
+		err := r.Scan(&ev.At, &ev.State, &ev.Actor, &ev.Outcome)
+		return ev, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("postgres: dead-letter history: %w", err)
+	}
+	return out, nil
 }

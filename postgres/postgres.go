@@ -72,9 +72,9 @@ type Driver struct {
 }
 
 type tables struct {
-	processed, migrations     string
-	sequences, gaps, versions string
-	deadLetters               string
+	processed, migrations      string
+	sequences, gaps, versions  string
+	deadLetters, deadLetterLog string
 }
 
 type statements struct {
@@ -112,12 +112,13 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 	}
 	d := &Driver{pool: pool, schema: cfg.Schema, prefix: prefix}
 	d.t = tables{
-		processed:   sqlident.Qualified(cfg.Schema, prefix+"processed"),
-		migrations:  sqlident.Qualified(cfg.Schema, prefix+"migrations"),
-		sequences:   sqlident.Qualified(cfg.Schema, prefix+"sequences"),
-		gaps:        sqlident.Qualified(cfg.Schema, prefix+"gaps"),
-		versions:    sqlident.Qualified(cfg.Schema, prefix+"versions"),
-		deadLetters: sqlident.Qualified(cfg.Schema, prefix+"dead_letters"),
+		processed:     sqlident.Qualified(cfg.Schema, prefix+"processed"),
+		migrations:    sqlident.Qualified(cfg.Schema, prefix+"migrations"),
+		sequences:     sqlident.Qualified(cfg.Schema, prefix+"sequences"),
+		gaps:          sqlident.Qualified(cfg.Schema, prefix+"gaps"),
+		versions:      sqlident.Qualified(cfg.Schema, prefix+"versions"),
+		deadLetters:   sqlident.Qualified(cfg.Schema, prefix+"dead_letters"),
+		deadLetterLog: sqlident.Qualified(cfg.Schema, prefix+"dead_letter_log"),
 	}
 	d.sql = statements{
 		insertMarker: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`,
@@ -148,6 +149,8 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{dead_letters}}", d.t.deadLetters,
 		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
 		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
+		"{{dead_letter_log}}", d.t.deadLetterLog,
+		"{{dead_letter_log_dl}}", sqlident.Quote(d.prefix+"dead_letter_log_dl"),
 	))
 	if err != nil {
 		return fmt.Errorf("postgres: load migrations: %w", err)

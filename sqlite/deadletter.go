@@ -2,7 +2,6 @@ package sqlite
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"strings"
 	"time"
@@ -88,23 +87,71 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 }
 
 // DeadLetterSetState implements driver.DeadLetterStore.
-func (d *Driver) DeadLetterSetState(ctx context.Context, ids []int64, from []string, state string) (int, error) {
-	if len(ids) == 0 || len(from) == 0 {
+func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterStateChange) (int, error) {
+	if len(c.IDs) == 0 || len(c.From) == 0 {
 		return 0, nil
 	}
-	args := []any{state}
-	for _, s := range from {
+	args := []any{c.To}
+	for _, s := range c.From {
 		args = append(args, s)
 	}
-	for _, id := range ids {
+	for _, id := range c.IDs {
 		args = append(args, id)
 	}
-	var r sql.Result
-	r, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.deadLetters+` SET state = ? WHERE state IN (?`+strings.Repeat(", ?", len(from)-1)+
-		`) AND id IN (?`+strings.Repeat(", ?", len(ids)-1)+`)`, args...)
+	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
 	}
-	n, err := r.RowsAffected()
-	return int(n), err
+	defer tx.Rollback()
+	rows, err := tx.QueryContext(ctx, `UPDATE `+d.tables.deadLetters+` SET state = ? WHERE state IN (?`+strings.Repeat(", ?", len(c.From)-1)+
+		`) AND id IN (?`+strings.Repeat(", ?", len(c.IDs)-1)+`) RETURNING id`, args...)
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
+	}
+	var moved []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
+		}
+		moved = append(moved, id)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
+	}
+	now := time.Now().UnixMicro()
+	for _, id := range moved {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.deadLetterLog+` (dead_letter_id, at, state, actor, outcome) VALUES (?, ?, ?, ?, ?)`,
+			id, now, c.To, c.Actor, c.Outcome); err != nil {
+			return 0, fmt.Errorf("sqlite: log dead-letter state: %w", err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
+	}
+	return len(moved), nil
+}
+
+// DeadLetterHistory implements driver.DeadLetterStore.
+func (d *Driver) DeadLetterHistory(ctx context.Context, id int64) ([]driver.DeadLetterEvent, error) {
+	rows, err := d.db.QueryContext(ctx, `SELECT at, state, actor, outcome FROM `+d.tables.deadLetterLog+` WHERE dead_letter_id = ? ORDER BY id`, id)
+	if err != nil {
+		return nil, fmt.Errorf("sqlite: dead-letter history: %w", err)
+	}
+	defer rows.Close()
+	var out []driver.DeadLetterEvent
+	for rows.Next() {
+		var (
+			ev driver.DeadLetterEvent
+			at int64
+		)
+		if err := rows.Scan(&at, &ev.State, &ev.Actor, &ev.Outcome); err != nil {
+			return nil, fmt.Errorf("sqlite: dead-letter history: %w", err)
+		}
+		ev.At = time.UnixMicro(at)
+		out = append(out, ev)
+	}
+	return out, rows.Err()
 }

@@ -61,9 +61,9 @@ type Driver struct {
 }
 
 type tables struct {
-	processed, migrations     string
-	sequences, gaps, versions string
-	deadLetters               string
+	processed, migrations      string
+	sequences, gaps, versions  string
+	deadLetters, deadLetterLog string
 }
 
 var _ driver.Driver[*sql.Tx] = (*Driver)(nil)
@@ -139,12 +139,13 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
 	return &Driver{db: db, prefix: prefix, tables: tables{
-		processed:   sqlident.Quote(prefix + "processed"),
-		migrations:  sqlident.Quote(prefix + "migrations"),
-		sequences:   sqlident.Quote(prefix + "sequences"),
-		gaps:        sqlident.Quote(prefix + "gaps"),
-		versions:    sqlident.Quote(prefix + "versions"),
-		deadLetters: sqlident.Quote(prefix + "dead_letters"),
+		processed:     sqlident.Quote(prefix + "processed"),
+		migrations:    sqlident.Quote(prefix + "migrations"),
+		sequences:     sqlident.Quote(prefix + "sequences"),
+		gaps:          sqlident.Quote(prefix + "gaps"),
+		versions:      sqlident.Quote(prefix + "versions"),
+		deadLetters:   sqlident.Quote(prefix + "dead_letters"),
+		deadLetterLog: sqlident.Quote(prefix + "dead_letter_log"),
 	}}, nil
 }
 
@@ -162,6 +163,8 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{dead_letters}}", d.tables.deadLetters,
 		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
 		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
+		"{{dead_letter_log}}", d.tables.deadLetterLog,
+		"{{dead_letter_log_dl}}", sqlident.Quote(d.prefix+"dead_letter_log_dl"),
 	))
 	if err != nil {
 		return fmt.Errorf("sqlite: load migrations: %w", err)

@@ -70,6 +70,7 @@ type dlqFlags struct {
 	since, until          string
 	limit                 int
 	all, json             bool
+	actor                 string
 }
 
 // runDLQ parses a dlq subcommand's flags and runs it.
@@ -106,6 +107,7 @@ func defineDLQFlags(fs *flag.FlagSet) *dlqFlags {
 	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all)")
 	fs.BoolVar(&f.all, "all", false, "replay/discard every parked dead letter the other filters select")
 	fs.BoolVar(&f.json, "json", false, "print JSON")
+	fs.StringVar(&f.actor, "actor", "", "who is asking, recorded with a replay or discard (default: $IDEM_ACTOR, else $USER)")
 	return f
 }
 
@@ -125,19 +127,28 @@ func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *
 	} else if n == 0 {
 		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
 	}
+	actor := f.actor
+	for _, v := range []string{"IDEM_ACTOR", "USER"} {
+		if actor == "" {
+			actor = e.getenv(v)
+		}
+	}
+	if actor == "" {
+		actor = "unknown"
+	}
 	switch sub {
 	case "list":
 		return dlqList(ctx, e, dl, filter, f.json)
 	case "show":
 		return dlqShow(ctx, e, dl, filter, f.json)
 	case "replay":
-		n, err := idem.RequestReplay(ctx, dl, filter)
+		n, err := idem.RequestReplay(ctx, dl, filter, actor)
 		if err != nil {
 			return err
 		}
 		fmt.Fprintf(e.stdout, "%s marked for replay; a running consumer of their handler replays them.\n", plural(n, "dead letter"))
 	case "discard":
-		n, err := idem.Discard(ctx, dl, filter)
+		n, err := idem.Discard(ctx, dl, filter, actor)
 		if err != nil {
 			return err
 		}
@@ -216,6 +227,15 @@ type dlqJSON struct {
 	Source      string          `json:"source,omitempty"`
 	Envelope    json.RawMessage `json:"envelope,omitempty"`
 	Raw         []byte          `json:"raw,omitempty"`
+	History     []historyJSON   `json:"history,omitempty"`
+}
+
+// historyJSON is one entry of a dead letter's log.
+type historyJSON struct {
+	At      time.Time `json:"at"`
+	State   string    `json:"state"`
+	Actor   string    `json:"actor"`
+	Outcome string    `json:"outcome,omitempty"`
 }
 
 func toJSON(d driver.DeadLetter, full bool) dlqJSON {
@@ -271,10 +291,18 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		return fmt.Errorf("no dead letter %d", f.IDs[0])
 	}
 	d := dls[0]
+	hist, err := dl.DeadLetterHistory(ctx, d.ID)
+	if err != nil {
+		return err
+	}
 	if asJSON {
+		j := toJSON(d, true)
+		for _, h := range hist {
+			j.History = append(j.History, historyJSON{At: h.At.UTC(), State: h.State, Actor: h.Actor, Outcome: h.Outcome})
+		}
 		enc := json.NewEncoder(e.stdout)
 		enc.SetIndent("", "  ")
-		return enc.Encode(toJSON(d, true))
+		return enc.Encode(j)
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 	for _, kv := range [][2]string{
@@ -285,6 +313,17 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		{"Envelope", orDash(string(d.Envelope))}, {"Raw", strconv.Quote(clip(string(d.Raw), 400))},
 	} {
 		fmt.Fprintf(tw, "%s:\t%s\n", kv[0], kv[1])
+	}
+	for i, h := range hist {
+		label := ""
+		if i == 0 {
+			label = "History:"
+		}
+		line := h.At.UTC().Format(time.RFC3339) + "  " + h.State + " by " + h.Actor
+		if h.Outcome != "" {
+			line += ": " + h.Outcome
+		}
+		fmt.Fprintf(tw, "%s\t%s\n", label, line)
 	}
 	return tw.Flush()
 }

@@ -20,3 +20,15 @@ CREATE TABLE IF NOT EXISTS {{dead_letters}} (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS {{dead_letters_key}} ON {{dead_letters}} (handler, message_id) WHERE message_id <> '';
 CREATE INDEX IF NOT EXISTS {{dead_letters_state}} ON {{dead_letters}} (state, handler);
+
+-- Every state change of a dead letter: who asked, when, and the outcome of
+-- a replay.
+CREATE TABLE IF NOT EXISTS {{dead_letter_log}} (
+    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    dead_letter_id bigint      NOT NULL,
+    at             timestamptz NOT NULL DEFAULT now(),
+    state          text        NOT NULL,
+    actor          text        NOT NULL,
+    outcome        text        NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS {{dead_letter_log_dl}} ON {{dead_letter_log}} (dead_letter_id);

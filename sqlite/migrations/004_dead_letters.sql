@@ -20,3 +20,15 @@ CREATE TABLE IF NOT EXISTS {{dead_letters}} (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS {{dead_letters_key}} ON {{dead_letters}} (handler, message_id) WHERE message_id <> '';
 CREATE INDEX IF NOT EXISTS {{dead_letters_state}} ON {{dead_letters}} (state, handler);
+
+-- Every state change of a dead letter: who asked, when, and the outcome of
+-- a replay.
+CREATE TABLE IF NOT EXISTS {{dead_letter_log}} (
+    id             INTEGER PRIMARY KEY AUTOINCREMENT,
+    dead_letter_id INTEGER NOT NULL,
+    at             INTEGER NOT NULL, -- Unix microseconds
+    state          TEXT    NOT NULL,
+    actor          TEXT    NOT NULL,
+    outcome        TEXT    NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS {{dead_letter_log_dl}} ON {{dead_letter_log}} (dead_letter_id);
