@@ -3,6 +3,7 @@ package idemtest
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,9 +14,10 @@ import (
 	"github.com/idemhq/idem/driver"
 )
 
-// RunDeadLetters runs the conformance tests of idem.Consumer: retries,
-// dead letters and replay. The store's Driver must implement
-// driver.DeadLetterStore.
+// RunDeadLetters runs the conformance tests of idem.Consumer and the
+// operator's view: retries, dead letters, replay and the stats counters.
+// The store's Driver must implement driver.DeadLetterStore and
+// driver.StatsStore.
 func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 	tests := []struct {
 		name string
@@ -27,6 +29,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
 		{"DeadLetterWriteFailureIsNotAcked", testDeadLetterWriteFails[TTx]},
 		{"ReplayAppliesOnceAndDuplicates", testReplay[TTx]},
+		{"StatsCountDuplicatesAndStale", testStats[TTx]},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -266,5 +269,80 @@ func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 	}
 	if n, err := idem.RequestReplay(ctx, dl, nil, "alice@ops"); err != nil || n != 0 {
 		t.Fatalf("RequestReplay after discard: %d, %v", n, err)
+	}
+}
+
+// testStats: a StatsRecorder hook counts duplicates and stale deliveries
+// per handler, and Flush adds them to the store's counters; a second flush
+// adds only what came since.
+func testStats[TTx any](t *testing.T, s *Store[TTx], _ driver.DeadLetterStore) {
+	ctx := context.Background()
+	st, ok := any(s.Driver).(driver.StatsStore)
+	if !ok {
+		t.Fatalf("driver %T does not implement driver.StatsStore", s.Driver)
+	}
+	rec, err := idem.NewStatsRecorder(st, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(s.Driver, &idem.Config{Hooks: []idem.Hook{rec}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	credit := CreditHandler(s, "balances", nil)
+	ordered := &idem.Handler[TTx]{Name: "ordered", Ordering: &idem.Ordering{Gap: idem.GapAllow},
+		Apply: func(context.Context, TTx, *idem.Message) error { return nil }}
+	deliver := func(h *idem.Handler[TTx], m *idem.Message, want idem.Outcome) {
+		t.Helper()
+		if out, err := p.Process(ctx, h, m); err != nil || out != want {
+			t.Fatalf("%s %s: got %v, %v; want %v", h.Name, m.ID, out, err, want)
+		}
+	}
+	ev := Events(10)
+	for _, e := range ev {
+		deliver(credit, e.Message(), idem.Applied)
+	}
+	for _, e := range ev[:4] {
+		deliver(credit, e.Message(), idem.Duplicate)
+	}
+	// Sequence 3 first; 1 and 2 then arrive stale (Allow applied past them).
+	seqMsg := func(q int64) *idem.Message {
+		return &idem.Message{ID: "ord-" + strconv.FormatInt(q, 10), AggregateID: "agg", Seq: q, Payload: []byte("x")}
+	}
+	deliver(ordered, seqMsg(3), idem.Applied)
+	deliver(ordered, seqMsg(1), idem.Stale)
+	deliver(ordered, seqMsg(2), idem.Stale)
+	deliver(ordered, seqMsg(3), idem.Duplicate)
+
+	if err := rec.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]driver.StatsDelta{"balances": {Duplicates: 4}, "ordered": {Duplicates: 1, Stale: 2}}
+	checkStats(t, st, want)
+
+	deliver(credit, ev[9].Message(), idem.Duplicate)
+	if err := rec.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := rec.Flush(ctx); err != nil { // nothing new: adds nothing
+		t.Fatal(err)
+	}
+	want["balances"] = driver.StatsDelta{Duplicates: 5}
+	checkStats(t, st, want)
+}
+
+func checkStats(t *testing.T, st driver.StatsStore, want map[string]driver.StatsDelta) {
+	t.Helper()
+	got, err := st.StatsRead(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != len(want) {
+		t.Fatalf("stats for %d handlers, want %d: %v", len(got), len(want), got)
+	}
+	for h, w := range want {
+		if got[h] != w {
+			t.Errorf("stats of %s = %+v, want %+v", h, got[h], w)
+		}
 	}
 }

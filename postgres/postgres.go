@@ -75,6 +75,7 @@ type tables struct {
 	processed, migrations      string
 	sequences, gaps, versions  string
 	deadLetters, deadLetterLog string
+	handlerStats               string
 }
 
 type statements struct {
@@ -119,6 +120,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 		versions:      sqlident.Qualified(cfg.Schema, prefix+"versions"),
 		deadLetters:   sqlident.Qualified(cfg.Schema, prefix+"dead_letters"),
 		deadLetterLog: sqlident.Qualified(cfg.Schema, prefix+"dead_letter_log"),
+		handlerStats:  sqlident.Qualified(cfg.Schema, prefix+"handler_stats"),
 	}
 	d.sql = statements{
 		insertMarker: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`,
@@ -150,6 +152,7 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
 		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
 		"{{dead_letter_log}}", d.t.deadLetterLog,
+		"{{handler_stats}}", d.t.handlerStats,
 		"{{dead_letter_log_dl}}", sqlident.Quote(d.prefix+"dead_letter_log_dl"),
 	))
 	if err != nil {

@@ -64,6 +64,7 @@ type tables struct {
 	processed, migrations      string
 	sequences, gaps, versions  string
 	deadLetters, deadLetterLog string
+	handlerStats               string
 }
 
 var _ driver.Driver[*sql.Tx] = (*Driver)(nil)
@@ -146,6 +147,7 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 		versions:      sqlident.Quote(prefix + "versions"),
 		deadLetters:   sqlident.Quote(prefix + "dead_letters"),
 		deadLetterLog: sqlident.Quote(prefix + "dead_letter_log"),
+		handlerStats:  sqlident.Quote(prefix + "handler_stats"),
 	}}, nil
 }
 
@@ -164,6 +166,7 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
 		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
 		"{{dead_letter_log}}", d.tables.deadLetterLog,
+		"{{handler_stats}}", d.tables.handlerStats,
 		"{{dead_letter_log_dl}}", sqlident.Quote(d.prefix+"dead_letter_log_dl"),
 	))
 	if err != nil {

@@ -424,6 +424,21 @@ func openDemoDB(ctx context.Context, path, ddl string) (*sql.DB, *sqlite.Driver,
 	return db, drv, nil
 }
 
+// newDemoProcessor returns the demo's processor with a StatsRecorder
+// hook, so that `idem stats` on a kept demo database shows duplicates and
+// stale deliveries. Flush the recorder before the report.
+func newDemoProcessor(drv *sqlite.Driver, logger *slog.Logger) (*idem.Processor[*sql.Tx], *idem.StatsRecorder, error) {
+	rec, err := idem.NewStatsRecorder(drv, logger)
+	if err != nil {
+		return nil, nil, err
+	}
+	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger, Hooks: []idem.Hook{rec}})
+	if err != nil {
+		return nil, nil, fmt.Errorf("demo processor: %w", err)
+	}
+	return proc, rec, nil
+}
+
 // runDemo runs the demo and prints its report.
 func runDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	path := cfg.db
@@ -441,9 +456,9 @@ func runDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	}
 	defer db.Close()
 	logger := slog.New(slog.NewTextHandler(e.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
+	proc, rec, err := newDemoProcessor(drv, logger)
 	if err != nil {
-		return fmt.Errorf("demo processor: %w", err)
+		return err
 	}
 
 	names := newDemoNames(cfg)
@@ -463,6 +478,9 @@ func runDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 		return err
 	}
 	elapsed := time.Since(start)
+	if err := rec.Flush(ctx); err != nil {
+		return err
+	}
 
 	rep, err := verifyDemo(ctx, db, cfg, names, events)
 	if err != nil {

@@ -137,7 +137,7 @@ func runBrokerDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	}
 	defer db.Close()
 	quiet := slog.New(slog.DiscardHandler)
-	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: quiet})
+	proc, rec, err := newDemoProcessor(drv, quiet)
 	if err != nil {
 		return err
 	}
@@ -222,6 +222,9 @@ func runBrokerDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	time.Sleep(natsDemoAckWait + 200*time.Millisecond)
 	d.stopAll()
 	elapsed := time.Since(start)
+	if err := rec.Flush(ctx); err != nil {
+		return err
+	}
 	stream.deliveries = int(counts.applied.Load() + counts.duplicates.Load() + counts.conflicts.Load())
 
 	rep, err := verifyDemo(ctx, db, cfg, names, events)

@@ -54,9 +54,9 @@ last_seq INTEGER NOT NULL, chain INTEGER NOT NULL) WITHOUT ROWID`)
 	}
 	defer db.Close()
 	logger := slog.New(slog.NewTextHandler(e.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
+	proc, rec, err := newDemoProcessor(drv, logger)
 	if err != nil {
-		return fmt.Errorf("demo processor: %w", err)
+		return err
 	}
 
 	names := newDemoNames(cfg)
@@ -190,6 +190,9 @@ ON CONFLICT (account) DO UPDATE SET amount = amount + ?2, last_seq = ?3, chain =
 		return err
 	}
 	elapsed := time.Since(start)
+	if err := rec.Flush(ctx); err != nil {
+		return err
+	}
 
 	// Expected per account, from the unique intended events in sequence
 	// order (the generation order), never from the delivered stream.

@@ -16,19 +16,19 @@ func statsCommand() *command {
 	return &command{
 		name:     "stats",
 		synopsis: "--dsn DSN [--schema S] [--prefix P] [--json]",
-		summary:  "per-handler counts: applied, in flight, failed, dead letters, conflicts, oldest marker",
+		summary:  "per-handler counts: applied, duplicates, stale, in flight, failed, dead letters, conflicts, oldest marker",
 		help: `Stats reads idem's tables and prints, per handler:
 
   APPLIED        markers stored (messages applied, or done in lease mode),
                  since the last cleanup
+  DUPLICATES     redeliveries skipped, and STALE deliveries the ordering
+  STALE          guard skipped: counted by an idem.StatsRecorder hook and
+                 flushed on its interval (0 when no recorder runs)
   IN FLIGHT      lease-mode messages whose handler is running now
   FAILED         lease-mode messages waiting for a retry or failed for good
   DEAD LETTERS   parked (waiting for an operator) / all
   CONFLICTS      dead letters whose ID arrived with a different payload
   OLDEST MARKER  the oldest marker: about the retention when cleanup runs
-
-Duplicates and stale deliveries leave no row, so they are not here: count
-them with a Hook (every outcome is reported) or your metrics.
 
 ` + dsnHelp,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
@@ -53,6 +53,8 @@ them with a Hook (every outcome is reported) or your metrics.
 type handlerStats struct {
 	Handler      string     `json:"handler"`
 	Applied      int64      `json:"applied"`
+	Duplicates   int64      `json:"duplicates"`
+	Stale        int64      `json:"stale"`
 	InFlight     int64      `json:"in_flight"`
 	Failed       int64      `json:"failed"`
 	DeadParked   int64      `json:"dead_letters_parked"`
@@ -62,7 +64,8 @@ type handlerStats struct {
 }
 
 func runStats(ctx context.Context, e *env, s *store, asJSON bool) error {
-	if n, _, err := s.schemaVersion(ctx); err != nil {
+	n, version, err := s.schemaVersion(ctx)
+	if err != nil {
 		return err
 	} else if n == 0 {
 		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
@@ -78,7 +81,7 @@ func runStats(ctx context.Context, e *env, s *store, asJSON bool) error {
 		}
 		return byHandler[h]
 	}
-	err := s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'running'),
+	err = s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'running'),
 count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed")+` GROUP BY handler`,
 		func(scan func(...any) error) error {
 			var (
@@ -117,6 +120,24 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 	if err != nil {
 		return fmt.Errorf("read dead letters (is the schema migrated? run 'idem migrate'): %w", err)
 	}
+	if version >= 5 { // the counters table came with migration 5
+		err = s.queryRows(ctx, `SELECT handler, duplicates, stale FROM `+s.table("handler_stats"),
+			func(scan func(...any) error) error {
+				var (
+					h        string
+					dup, old int64
+				)
+				if err := scan(&h, &dup, &old); err != nil {
+					return err
+				}
+				st := get(h)
+				st.Duplicates, st.Stale = dup, old
+				return nil
+			})
+		if err != nil {
+			return fmt.Errorf("read handler counters: %w", err)
+		}
+	}
 	list := make([]*handlerStats, 0, len(byHandler))
 	for _, st := range byHandler {
 		list = append(list, st)
@@ -132,13 +153,13 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 		return nil
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "HANDLER\tAPPLIED\tIN FLIGHT\tFAILED\tDEAD LETTERS\tCONFLICTS\tOLDEST MARKER")
+	fmt.Fprintln(tw, "HANDLER\tAPPLIED\tDUPLICATES\tSTALE\tIN FLIGHT\tFAILED\tDEAD LETTERS\tCONFLICTS\tOLDEST MARKER")
 	for _, st := range list {
 		old := "-"
 		if st.OldestMarker != nil {
 			old = st.OldestMarker.Format(time.RFC3339)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", st.Handler, st.Applied, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", st.Handler, st.Applied, st.Duplicates, st.Stale, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
 	}
 	return tw.Flush()
 }
