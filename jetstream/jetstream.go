@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemhq/idem"
@@ -157,15 +158,19 @@ func (c *Consumer) handle(ctx context.Context, m jetstream.Msg) {
 // stream sequence would differ between a message and its republished copy,
 // so it cannot stand in for a producer's ID.
 func DefaultMap(m jetstream.Msg) (*idem.Message, error) {
-	h := m.Headers()
+	return mapMessage(m.Subject(), m.Headers(), m.Data())
+}
+
+// mapMessage is DefaultMap on a message's parts.
+func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, error) {
 	id := h.Get(HeaderMsgID)
 	if id == "" {
 		id = h.Get(HeaderID)
 	}
 	if id == "" {
-		return nil, fmt.Errorf("jetstream: message on %q has no %s or %s header", m.Subject(), HeaderMsgID, HeaderID)
+		return nil, fmt.Errorf("jetstream: message on %q has no %s or %s header", subject, HeaderMsgID, HeaderID)
 	}
-	msg := &idem.Message{ID: id, Stream: m.Subject(), Type: h.Get(HeaderType), AggregateID: h.Get(HeaderAggregate), Payload: m.Data()}
+	msg := &idem.Message{ID: id, Stream: subject, Type: h.Get(HeaderType), AggregateID: h.Get(HeaderAggregate), Payload: data}
 	if s := h.Get(HeaderSeq); s != "" {
 		seq, err := strconv.ParseInt(s, 10, 64)
 		if err != nil || seq < 1 {

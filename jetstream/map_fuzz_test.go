@@ -1,0 +1,59 @@
+package jetstream
+
+import (
+	"errors"
+	"strconv"
+	"testing"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/idemhq/idem"
+)
+
+// FuzzDefaultMap: any headers and data map to a valid message or a clear
+// error, never a panic; a mapped message carries the header's ID.
+func FuzzDefaultMap(f *testing.F) {
+	f.Add("credits.a", "evt-1", "", "acct-1", "3", "Credited", []byte("10"))
+	f.Add("credits.a", "", "evt-2", "", "", "", []byte{})
+	f.Add("s", "", "", "a", "x", "", []byte("no id"))
+	f.Add("s", "e\x00", "", "a", "0", "", []byte(nil))
+	f.Add("s", "\xff", "id", "agg", "-1", "t", []byte("v"))
+	f.Add("s", "id", "", "", "9223372036854775807", "", []byte("v"))
+	f.Fuzz(func(t *testing.T, subject, msgID, idemID, aggregate, seq, typ string, data []byte) {
+		h := nats.Header{}
+		for k, v := range map[string]string{HeaderMsgID: msgID, HeaderID: idemID, HeaderAggregate: aggregate, HeaderSeq: seq, HeaderType: typ} {
+			if v != "" {
+				h.Set(k, v)
+			}
+		}
+		m, err := mapMessage(subject, h, data)
+		if err != nil {
+			if m != nil {
+				t.Fatalf("error %v with a message", err)
+			}
+			if err.Error() == "" {
+				t.Fatal("empty error text")
+			}
+			var ve *idem.ValidationError
+			if errors.As(err, &ve) && !errors.Is(err, idem.ErrInvalidMessage) {
+				t.Fatalf("validation error %v does not match ErrInvalidMessage", err)
+			}
+			return
+		}
+		if err := m.Validate(); err != nil {
+			t.Fatalf("mapped message invalid: %v", err)
+		}
+		want := msgID
+		if want == "" {
+			want = idemID
+		}
+		if m.ID != want {
+			t.Fatalf("ID %q, want %q", m.ID, want)
+		}
+		if seq != "" {
+			if n, _ := strconv.ParseInt(seq, 10, 64); n != m.Seq {
+				t.Fatalf("Seq %d from header %q", m.Seq, seq)
+			}
+		}
+	})
+}

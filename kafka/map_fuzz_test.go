@@ -1,0 +1,55 @@
+package kafka_test
+
+import (
+	"strconv"
+	"testing"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemhq/idem/kafka"
+)
+
+// FuzzDefaultMap: any record maps to a valid message or a clear error,
+// never a panic; a mapped message carries the header's ID and the key as
+// its aggregate.
+func FuzzDefaultMap(f *testing.F) {
+	f.Add([]byte("acct-1"), []byte("10"), "evt-1", "3", "Credited", false)
+	f.Add([]byte(nil), []byte{}, "", "", "", false)
+	f.Add([]byte("k"), []byte("v"), "id\x00", "0", "", true)
+	f.Add([]byte("\xff"), []byte("v"), "id", "-2", "t", false)
+	f.Add([]byte("k"), []byte("v"), "id", "99999999999999999999", "t", true)
+	f.Fuzz(func(t *testing.T, key, value []byte, id, seq, typ string, dupHeader bool) {
+		r := &kgo.Record{Topic: "credits", Key: key, Value: value}
+		if id != "" {
+			r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.HeaderID, Value: []byte(id)})
+		}
+		if seq != "" {
+			r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.HeaderSeq, Value: []byte(seq)})
+		}
+		if typ != "" {
+			r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.HeaderType, Value: []byte(typ)})
+		}
+		if dupHeader { // a repeated header: the last one wins
+			r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.HeaderID, Value: []byte("last")})
+			id = "last"
+		}
+		m, err := kafka.DefaultMap(r)
+		if err != nil {
+			if m != nil || err.Error() == "" {
+				t.Fatalf("error %v with message %v", err, m)
+			}
+			return
+		}
+		if err := m.Validate(); err != nil {
+			t.Fatalf("mapped message invalid: %v", err)
+		}
+		if m.ID != id || m.AggregateID != string(key) {
+			t.Fatalf("mapped ID %q aggregate %q from header %q key %q", m.ID, m.AggregateID, id, key)
+		}
+		if seq != "" {
+			if n, _ := strconv.ParseInt(seq, 10, 64); n != m.Seq {
+				t.Fatalf("Seq %d from header %q", m.Seq, seq)
+			}
+		}
+	})
+}
