@@ -80,6 +80,11 @@ type PruneStats struct {
 	Cutoff time.Time
 	// Deleted is the number of markers deleted.
 	Deleted int
+	// OutboxDeleted is the number of published outbox rows deleted (when
+	// the driver has an outbox).
+	OutboxDeleted int
+	// OutboxBatches is the number of outbox transactions used.
+	OutboxBatches int
 	// Batches is the number of transactions used.
 	Batches int
 	// Duration is the run's wall time; LongestBatch its slowest batch.
@@ -174,10 +179,46 @@ func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
 			}
 		}
 	}
+	if ob, ok := p.drv.(driver.OutboxRelayStore); ok {
+		if err := p.pruneOutbox(ctx, ob, &st); err != nil {
+			st.Duration = time.Since(start)
+			return st, err
+		}
+	}
 	st.Duration = time.Since(start)
-	p.cfg.Logger.Info("idem: pruned markers", slog.Int("deleted", st.Deleted), slog.Int("batches", st.Batches),
+	p.cfg.Logger.Info("idem: pruned markers", slog.Int("deleted", st.Deleted), slog.Int("outbox_deleted", st.OutboxDeleted), slog.Int("batches", st.Batches),
 		slog.Time("cutoff", st.Cutoff), slog.Duration("duration", st.Duration), slog.Duration("longest_batch", st.LongestBatch))
 	return st, nil
+}
+
+// pruneOutbox deletes the outbox rows published before the cutoff, in
+// batches like the markers. Pending rows are never deleted, whatever their
+// age.
+func (p *Pruner) pruneOutbox(ctx context.Context, ob driver.OutboxRelayStore, st *PruneStats) error {
+	var after int64
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		t0 := time.Now()
+		n, last, err := ob.OutboxPrune(ctx, st.Cutoff, after, p.cfg.BatchSize)
+		if err != nil {
+			return fmt.Errorf("idem: prune outbox (batch %d): %w", st.OutboxBatches+1, err)
+		}
+		st.OutboxBatches++
+		st.OutboxDeleted += n
+		st.LongestBatch = max(st.LongestBatch, time.Since(t0))
+		if n < p.cfg.BatchSize {
+			return nil
+		}
+		after = last
+		if p.cfg.Pause > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(p.cfg.Pause):
+			}
+		}
+	}
 }
 
 // Run prunes at once and then every interval until ctx is done, logging

@@ -76,6 +76,7 @@ type tables struct {
 	sequences, gaps, versions  string
 	deadLetters, deadLetterLog string
 	handlerStats               string
+	outbox, outboxClaims       string
 }
 
 type statements struct {
@@ -121,6 +122,8 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 		deadLetters:   sqlident.Qualified(cfg.Schema, prefix+"dead_letters"),
 		deadLetterLog: sqlident.Qualified(cfg.Schema, prefix+"dead_letter_log"),
 		handlerStats:  sqlident.Qualified(cfg.Schema, prefix+"handler_stats"),
+		outbox:        sqlident.Qualified(cfg.Schema, prefix+"outbox"),
+		outboxClaims:  sqlident.Qualified(cfg.Schema, prefix+"outbox_claims"),
 	}
 	d.sql = statements{
 		insertMarker: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`,
@@ -154,6 +157,13 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{dead_letter_log}}", d.t.deadLetterLog,
 		"{{handler_stats}}", d.t.handlerStats,
 		"{{dead_letter_log_dl}}", sqlident.Quote(d.prefix+"dead_letter_log_dl"),
+		"{{outbox}}", d.t.outbox,
+		"{{outbox_pending}}", sqlident.Quote(d.prefix+"outbox_pending"),
+		"{{outbox_pending_id}}", sqlident.Quote(d.prefix+"outbox_pending_id"),
+		"{{outbox_claims}}", d.t.outboxClaims,
+		"{{outbox_notify_fn}}", sqlident.Qualified(d.schema, d.prefix+"outbox_notify"),
+		"{{outbox_notify}}", sqlident.Quote(d.prefix+"outbox_notify"),
+		"{{outbox_channel}}", d.outboxChannel(),
 	))
 	if err != nil {
 		return fmt.Errorf("postgres: load migrations: %w", err)

@@ -65,6 +65,7 @@ type tables struct {
 	sequences, gaps, versions  string
 	deadLetters, deadLetterLog string
 	handlerStats               string
+	outbox, outboxClaims       string
 }
 
 var _ driver.Driver[*sql.Tx] = (*Driver)(nil)
@@ -148,6 +149,8 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 		deadLetters:   sqlident.Quote(prefix + "dead_letters"),
 		deadLetterLog: sqlident.Quote(prefix + "dead_letter_log"),
 		handlerStats:  sqlident.Quote(prefix + "handler_stats"),
+		outbox:        sqlident.Quote(prefix + "outbox"),
+		outboxClaims:  sqlident.Quote(prefix + "outbox_claims"),
 	}}, nil
 }
 
@@ -168,6 +171,10 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{dead_letter_log}}", d.tables.deadLetterLog,
 		"{{handler_stats}}", d.tables.handlerStats,
 		"{{dead_letter_log_dl}}", sqlident.Quote(d.prefix+"dead_letter_log_dl"),
+		"{{outbox}}", d.tables.outbox,
+		"{{outbox_pending}}", sqlident.Quote(d.prefix+"outbox_pending"),
+		"{{outbox_pending_id}}", sqlident.Quote(d.prefix+"outbox_pending_id"),
+		"{{outbox_claims}}", d.tables.outboxClaims,
 	))
 	if err != nil {
 		return fmt.Errorf("sqlite: load migrations: %w", err)

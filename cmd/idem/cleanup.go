@@ -97,6 +97,7 @@ type cleanupReport struct {
 	OldestMarker   *time.Time       `json:"oldest_marker,omitempty"`
 	Deleted        int              `json:"deleted"`
 	Batches        int              `json:"batches"`
+	OutboxDeleted  int              `json:"outbox_deleted"`
 	DurationMS     int64            `json:"duration_ms"`
 	LongestBatchMS int64            `json:"longest_batch_ms"`
 }
@@ -128,7 +129,7 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 		}
 	} else {
 		st, err := pr.Prune(ctx)
-		rep.Deleted, rep.Batches = st.Deleted, st.Batches
+		rep.Deleted, rep.Batches, rep.OutboxDeleted = st.Deleted, st.Batches, st.OutboxDeleted
 		rep.DurationMS, rep.LongestBatchMS = st.Duration.Milliseconds(), st.LongestBatch.Milliseconds()
 		if errors.Is(err, idem.ErrMaintenanceBusy) {
 			return fmt.Errorf("another cleanup is running on %s; nothing deleted", s)
@@ -146,6 +147,9 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 		fmt.Fprintf(e.stdout, "Deleted %s processed before %s in %d batch(es) (%s, slowest batch %s).\n",
 			plural(rep.Deleted, "marker"), rep.Cutoff.Format(time.RFC3339), rep.Batches,
 			time.Duration(rep.DurationMS)*time.Millisecond, time.Duration(rep.LongestBatchMS)*time.Millisecond)
+		if rep.OutboxDeleted > 0 {
+			fmt.Fprintf(e.stdout, "Deleted %s published before %s.\n", plural(rep.OutboxDeleted, "outbox row"), rep.Cutoff.Format(time.RFC3339))
+		}
 		return nil
 	}
 	fmt.Fprintf(e.stdout, "Dry run on %s: markers processed before %s (retention %s)\n\n", s, rep.Cutoff.Format(time.RFC3339), cfg.Retention)

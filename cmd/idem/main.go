@@ -90,6 +90,7 @@ func commands() []*command {
 		migrateCommand(),
 		statsCommand(),
 		dlqCommand(),
+		outboxCommand(),
 		cleanupCommand(),
 		benchCommand(),
 	}

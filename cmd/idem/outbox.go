@@ -1,0 +1,111 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/idemhq/idem/driver"
+)
+
+// outboxCommand returns the "outbox" subcommand: the state of the
+// transactional outbox.
+func outboxCommand() *command {
+	return &command{
+		name:     "outbox",
+		synopsis: "stats --dsn DSN [--schema S] [--prefix P] [--json]",
+		summary:  "outbox state: pending rows, the oldest pending row's age, failing rows",
+		help: `Outbox stats prints the state of the transactional outbox (see
+docs/outbox.md):
+
+  PENDING         rows committed and not yet acknowledged by the broker
+  OLDEST PENDING  when the oldest pending row was added, and its age: the
+                  relay's lag. Alert when it grows.
+  FAILING         pending rows whose last publish failed, with the most
+                  recent error
+  PUBLISHED       rows published and not yet pruned by 'idem cleanup'
+
+` + dsnHelp,
+		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			sf := addStoreFlags(fs)
+			asJSON := fs.Bool("json", false, "print JSON")
+			return func(ctx context.Context, e *env, args []string) error {
+				if len(args) == 0 {
+					return usagef("missing subcommand: stats")
+				}
+				if args[0] != "stats" {
+					return usagef("unknown subcommand %q: want stats", args[0])
+				}
+				// Flags may follow the subcommand too.
+				if err := fs.Parse(args[1:]); err != nil {
+					if errors.Is(err, flag.ErrHelp) {
+						return usagef("see 'idem outbox --help'")
+					}
+					return &usageError{err: err}
+				}
+				if err := noArgs(fs.Args()); err != nil {
+					return err
+				}
+				s, err := sf.open(ctx, e)
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				return runOutboxStats(ctx, e.stdout, s, *asJSON, time.Now())
+			}
+		},
+	}
+}
+
+// outboxReport is what outbox stats prints with --json.
+type outboxReport struct {
+	Pending       int64      `json:"pending"`
+	OldestPending *time.Time `json:"oldest_pending,omitempty"`
+	AgeSeconds    int64      `json:"oldest_pending_age_seconds"`
+	Failing       int64      `json:"failing"`
+	LastError     string     `json:"last_error,omitempty"`
+	Published     int64      `json:"published"`
+}
+
+func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now time.Time) error {
+	if n, version, err := s.schemaVersion(ctx); err != nil {
+		return err
+	} else if n == 0 || version < 6 {
+		return fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
+	}
+	ob, ok := s.idemDriver().(driver.OutboxRelayStore)
+	if !ok {
+		return fmt.Errorf("%s: the driver has no outbox", s)
+	}
+	st, err := ob.OutboxStats(ctx)
+	if err != nil {
+		return err
+	}
+	rep := outboxReport{Pending: st.Pending, Failing: st.Failing, LastError: st.LastError, Published: st.Published}
+	if !st.OldestPending.IsZero() {
+		o := st.OldestPending.UTC().Truncate(time.Second)
+		rep.OldestPending = &o
+		rep.AgeSeconds = int64(now.Sub(st.OldestPending).Seconds())
+	}
+	if asJSON {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+	fmt.Fprintf(w, "pending         %d\n", rep.Pending)
+	if rep.OldestPending != nil {
+		fmt.Fprintf(w, "oldest pending  %s (%s ago)\n", rep.OldestPending.Format(time.RFC3339), time.Duration(rep.AgeSeconds)*time.Second)
+	} else {
+		fmt.Fprintln(w, "oldest pending  -")
+	}
+	fmt.Fprintf(w, "failing         %d\n", rep.Failing)
+	if rep.LastError != "" {
+		fmt.Fprintf(w, "last error      %s\n", rep.LastError)
+	}
+	fmt.Fprintf(w, "published       %d (kept until 'idem cleanup' prunes them)\n", rep.Published)
+	return nil
+}

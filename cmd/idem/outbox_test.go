@@ -1,0 +1,70 @@
+package main
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// TestOutboxStatsGolden: outbox stats on a database holding three rows:
+// one published, one failing, one waiting.
+func TestOutboxStatsGolden(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "outbox.db")
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code, _, errOut := runCLIEnv(t, map[string]string{dsnEnv: path}, "outbox", "stats"); code != exitFailed {
+		t.Fatalf("outbox stats before migrate: exit %d, want %d: %s", code, exitFailed, errOut)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"a", "b", "c"} {
+		if err := ob.Add(ctx, tx, &idem.Message{ID: id, Stream: "credits", Payload: []byte(id)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	var rs driver.OutboxRelayStore = drv
+	if err := rs.OutboxMarkPublished(ctx, []int64{1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := rs.OutboxFailed(ctx, 2, "jetstream: publish \"b\": nats: no responders available for request"); err != nil {
+		t.Fatal(err)
+	}
+	for _, step := range []struct {
+		name string
+		args []string
+	}{
+		{"outbox_stats", []string{"outbox", "stats"}},
+		{"outbox_stats_json", []string{"outbox", "stats", "--json"}},
+	} {
+		code, out, errOut := runCLIEnv(t, map[string]string{dsnEnv: path}, step.args...)
+		if code != exitOK {
+			t.Fatalf("%v: exit %d: %s", step.args, code, errOut)
+		}
+		golden(t, step.name, path, out+errOut)
+	}
+}

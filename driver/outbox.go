@@ -1,0 +1,87 @@
+package driver
+
+import (
+	"context"
+	"time"
+)
+
+// OutboxRow is one message in the transactional outbox.
+type OutboxRow struct {
+	// ID is the row's key, assigned by the store on insert; rows of one
+	// ordering key are published in ID order.
+	ID int64
+	// Destination is the topic or subject the row is published to.
+	Destination string
+	// MessageID is the message's idem ID.
+	MessageID string
+	// OrderingKey groups the rows that must go out in order and never be
+	// published by two relays at once: the aggregate ID, or the message
+	// ID for a message without aggregate.
+	OrderingKey string
+	// AggregateID, Seq and Type are the message's.
+	AggregateID string
+	Seq         int64
+	Type        string
+	// Headers are the message's headers as a JSON object, or nil.
+	Headers []byte
+	// Payload and PayloadHash are the body and its SHA-256.
+	Payload, PayloadHash []byte
+	// CreatedAt is when the row was added.
+	CreatedAt time.Time
+	// Attempts counts failed publish attempts.
+	Attempts int
+}
+
+// OutboxWriter is implemented by drivers that add outbox rows inside the
+// caller's transaction.
+type OutboxWriter[TTx any] interface {
+	// OutboxAdd inserts rows in tx, in order: their IDs increase in
+	// slice order.
+	OutboxAdd(ctx context.Context, tx TTx, rows []OutboxRow) error
+}
+
+// OutboxRelayStore is implemented by drivers a relay can drain.
+//
+// A relay claims ordering keys, not rows: OutboxClaim records (key, owner,
+// until) for keys no other live claim holds, in one conditional upsert per
+// key, and returns the pending rows of the keys it won in ID order. While
+// the claim lives no other relay publishes those keys, so a key's rows go
+// out one relay at a time and in order, and different keys spread across
+// relays.
+type OutboxRelayStore interface {
+	// OutboxClaim claims up to limit pending rows for owner until ttl
+	// from now and returns them in ID order.
+	OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]OutboxRow, error)
+	// OutboxMarkPublished marks rows published.
+	OutboxMarkPublished(ctx context.Context, ids []int64) error
+	// OutboxFailed counts a failed publish attempt on a row and keeps the
+	// error text.
+	OutboxFailed(ctx context.Context, id int64, errText string) error
+	// OutboxRelease drops owner's claims.
+	OutboxRelease(ctx context.Context, owner string) error
+	// OutboxStats counts pending and published rows and returns the
+	// oldest pending row's time (zero when none is pending).
+	OutboxStats(ctx context.Context) (OutboxStats, error)
+	// OutboxPrune deletes up to limit rows published before before, with
+	// IDs above after, in ID order, and returns how many it deleted and
+	// the last ID it deleted.
+	OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (deleted int, last int64, err error)
+}
+
+// OutboxStats describes the outbox.
+type OutboxStats struct {
+	Pending, Published int64
+	// OldestPending is the creation time of the oldest pending row.
+	OldestPending time.Time
+	// Failing counts pending rows with at least one failed attempt;
+	// LastError is the most recent row's error text.
+	Failing   int64
+	LastError string
+}
+
+// OutboxNotifier is implemented by drivers that can wake a relay when rows
+// are committed (Postgres LISTEN/NOTIFY). The channel receives a value
+// after commits of new rows (coalesced) and is closed when ctx ends.
+type OutboxNotifier interface {
+	OutboxListen(ctx context.Context) (<-chan struct{}, error)
+}

@@ -1,0 +1,19 @@
+// Package outbox is idem's producing side: a transactional outbox and the
+// relay that publishes it.
+//
+// Add writes messages into the outbox table inside the caller's business
+// transaction, so an event exists if and only if the transaction that raised
+// it committed. A Relay publishes pending rows through a Publisher (the
+// kafka and jetstream packages provide one each), waits for the broker's
+// acknowledgement and only then marks the rows published. A relay that
+// crashes between publishing and marking publishes those rows again on
+// restart: delivery is at-least-once, and the consumer's idem.Processor
+// turns the repeat into a Duplicate. Deterministic message IDs (MessageID)
+// make a republished row the same message.
+//
+// Several relays may run against one outbox. They claim ordering keys (the
+// aggregate ID, or the message ID for a message without one) in the store,
+// with a lease: while a claim lives, no other relay publishes that key's
+// rows, so one aggregate's rows go out in order, one relay at a time, and
+// different aggregates spread across relays. See docs/outbox.md.
+package outbox

@@ -1,0 +1,97 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+)
+
+// Outbox adds messages to the outbox table inside the caller's
+// transactions. It is safe for concurrent use.
+type Outbox[TTx any] struct {
+	w        driver.OutboxWriter[TTx]
+	versions *idem.Versions[TTx]
+}
+
+// New returns an Outbox over drv, which must implement
+// driver.OutboxWriter (the sqlite and postgres drivers do). Migrate the
+// driver first: the outbox tables come with its migrations.
+func New[TTx any](drv driver.Driver[TTx]) (*Outbox[TTx], error) {
+	w, ok := drv.(driver.OutboxWriter[TTx])
+	if !ok {
+		return nil, fmt.Errorf("%w: %T does not implement driver.OutboxWriter", idem.ErrInvalidConfig, drv)
+	}
+	o := &Outbox[TTx]{w: w}
+	if v, err := idem.NewVersions(drv); err == nil {
+		o.versions = v
+	}
+	return o, nil
+}
+
+// MessageID returns the deterministic ID "<stream>-<aggregate>-<seq>": the
+// same event gets the same ID however often it is published.
+func MessageID(stream, aggregateID string, seq int64) string {
+	return stream + "-" + aggregateID + "-" + strconv.FormatInt(seq, 10)
+}
+
+// Add inserts msgs into the outbox in tx; they are published after tx
+// commits, and never if it rolls back. Each message needs an ID and a
+// Stream, the topic or subject it is published to; rows of one aggregate
+// are published in the order they were added. An invalid message is a
+// *idem.ValidationError and nothing is added.
+func (o *Outbox[TTx]) Add(ctx context.Context, tx TTx, msgs ...*idem.Message) error {
+	rows := make([]driver.OutboxRow, len(msgs))
+	for i, m := range msgs {
+		if err := m.Validate(); err != nil {
+			return fmt.Errorf("outbox: message %d: %w", i, err)
+		}
+		if m.Stream == "" {
+			return fmt.Errorf("outbox: message %q has no Stream, the topic or subject to publish it to: %w", m.ID, idem.ErrInvalidMessage)
+		}
+		r := driver.OutboxRow{
+			Destination: m.Stream, MessageID: m.ID, OrderingKey: m.AggregateID, AggregateID: m.AggregateID,
+			Seq: m.Seq, Type: m.Type, Payload: m.Payload, PayloadHash: m.PayloadHash(),
+		}
+		if r.OrderingKey == "" {
+			// Its own key. Sharing it with an aggregate named "msg:…"
+			// would only make the two wait for each other.
+			r.OrderingKey = "msg:" + m.ID
+		}
+		if len(m.Headers) > 0 {
+			h, err := json.Marshal(m.Headers)
+			if err != nil {
+				return fmt.Errorf("outbox: message %q headers: %w", m.ID, err)
+			}
+			r.Headers = h
+		}
+		rows[i] = r
+	}
+	if err := o.w.OutboxAdd(ctx, tx, rows); err != nil {
+		return fmt.Errorf("outbox: add: %w", err)
+	}
+	return nil
+}
+
+// AddNext allocates the next sequence of (stream, aggregateID) with the
+// write-side allocator (idem.Versions) in tx, and adds a message with that
+// sequence and the ID MessageID(stream, aggregateID, seq). The allocator
+// locks the aggregate's row until tx ends, so concurrent writers of one
+// aggregate add their rows in sequence order. It returns the message.
+func (o *Outbox[TTx]) AddNext(ctx context.Context, tx TTx, stream, aggregateID, typ string, payload []byte) (*idem.Message, error) {
+	if o.versions == nil {
+		return nil, fmt.Errorf("%w: the driver has no sequence allocator", idem.ErrInvalidConfig)
+	}
+	seq, err := o.versions.Next(ctx, tx, stream, aggregateID)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: %w", err)
+	}
+	m := &idem.Message{ID: MessageID(stream, aggregateID, seq), Stream: stream, Type: typ, AggregateID: aggregateID, Seq: seq, Payload: payload}
+	if err := o.Add(ctx, tx, m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}

@@ -1,0 +1,337 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/outbox"
+)
+
+// TestAddIsTransactional: a row exists if and only if its transaction
+// committed; an invalid message adds nothing.
+func TestAddIsTransactional(t *testing.T) {
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			p := open(t)
+			ctx := context.Background()
+			if _, err := p.credit(ctx, "credits.ledger", "acct-1", 5, true); !errors.Is(err, errRollback) {
+				t.Fatalf("rolled-back credit: %v", err)
+			}
+			if s := outboxStats(t, p); s.Pending != 0 {
+				t.Fatalf("%d rows pending after a rollback, want 0", s.Pending)
+			}
+			m, err := p.credit(ctx, "credits.ledger", "acct-1", 5, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The rolled-back transaction's sequence was not used.
+			if m.ID != "credits.ledger-acct-1-1" || m.Seq != 1 {
+				t.Fatalf("message %q seq %d, want credits.ledger-acct-1-1 seq 1", m.ID, m.Seq)
+			}
+			if s := outboxStats(t, p); s.Pending != 1 || s.OldestPending.IsZero() {
+				t.Fatalf("stats %+v, want 1 pending with its time", s)
+			}
+			for _, bad := range []*idem.Message{
+				{ID: "", Stream: "s"},
+				{ID: "x", Stream: ""},
+				{ID: "bad\x00id", Stream: "s"},
+			} {
+				err := p.add(ctx, &idem.Message{ID: "fine", Stream: "s"}, bad)
+				if !errors.Is(err, idem.ErrInvalidMessage) {
+					t.Errorf("Add(%q, stream %q) = %v, want ErrInvalidMessage", bad.ID, bad.Stream, err)
+				}
+			}
+			if s := outboxStats(t, p); s.Pending != 1 {
+				t.Fatalf("%d rows pending after refused adds, want 1", s.Pending)
+			}
+		})
+	}
+}
+
+// TestRelaysKeepOrderAndNeverOverlap: four relays drain 1,500 rows over 30
+// aggregates into one JetStream stream. No aggregate is ever being
+// published by two relays at once, each aggregate's events are in the
+// stream exactly once each, in sequence order, and the work spread over
+// the relays.
+func TestRelaysKeepOrderAndNeverOverlap(t *testing.T) {
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			const aggregates, perAggregate, relays = 30, 50, 4
+			p := open(t)
+			b := newNATSBroker(t)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+
+			pub := newCountingPublisher(b.publisher(t))
+			perRelay := make([]*countingPublisher, relays)
+			var wg sync.WaitGroup
+			for i := range relays {
+				perRelay[i] = newCountingPublisher(pub)
+				r, err := outbox.NewRelay(p.drv, perRelay[i], &outbox.RelayConfig{Owner: fmt.Sprintf("relay-%d", i), BatchSize: 40,
+					PollInterval: 10 * time.Millisecond, Concurrency: 4})
+				if err != nil {
+					t.Fatal(err)
+				}
+				wg.Add(1)
+				go func() { defer wg.Done(); _ = r.Run(ctx) }()
+			}
+			// Write while the relays run, aggregates interleaved.
+			for i := range aggregates * perAggregate {
+				if _, err := p.credit(ctx, b.stream(), fmt.Sprintf("acct-%02d", i%aggregates), 1, false); err != nil {
+					t.Fatal(err)
+				}
+			}
+			waitFor(t, "the outbox to drain", time.Minute, func() bool { return pub.overlaps.Load() > 0 || outboxStats(t, p).Pending == 0 })
+			cancel()
+			wg.Wait()
+
+			if n := pub.overlaps.Load(); n != 0 {
+				t.Fatalf("%d publishes of an aggregate overlapped another relay's", n)
+			}
+			msgs := b.messages(t)
+			if len(msgs) != aggregates*perAggregate {
+				t.Fatalf("%d messages in the stream, want %d", len(msgs), aggregates*perAggregate)
+			}
+			last := map[string]int64{}
+			for _, m := range msgs {
+				if m.Seq != last[m.AggregateID]+1 {
+					t.Fatalf("aggregate %s: seq %d after %d", m.AggregateID, m.Seq, last[m.AggregateID])
+				}
+				last[m.AggregateID] = m.Seq
+			}
+			busy := 0
+			for i, rp := range perRelay {
+				t.Logf("relay-%d published %d rows", i, rp.acked.Load())
+				if rp.acked.Load() > 0 {
+					busy++
+				}
+			}
+			if busy < 2 {
+				t.Fatalf("only %d of %d relays published anything", busy, relays)
+			}
+		})
+	}
+}
+
+// TestRelayRetriesBrokerFailures: a row for a subject no stream covers
+// fails (a real broker error), is recorded, holds its aggregate's later
+// row back, and goes out in order once the broker accepts it; nothing is
+// marked published that the broker did not take.
+func TestRelayRetriesBrokerFailures(t *testing.T) {
+	p := sqliteProducer(t)
+	b := newNATSBroker(t)
+	ctx := context.Background()
+	for seq := int64(1); seq <= 2; seq++ {
+		m := &idem.Message{ID: fmt.Sprintf("late-%d", seq), Stream: "late.acct", AggregateID: "acct-9", Seq: seq, Payload: []byte("1")}
+		if err := p.add(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := r.RunOnce(ctx)
+	if err == nil || res.Published != 0 || res.Failed != 2 {
+		t.Fatalf("cycle against a missing stream: %+v, %v; want 2 failed and an error", res, err)
+	}
+	s := outboxStats(t, p)
+	if s.Pending != 2 || s.Failing != 1 || !strings.Contains(s.LastError, "late-1") {
+		t.Fatalf("stats %+v, want 2 pending, 1 failing with late-1's error", s)
+	}
+	if _, err := b.js.CreateStream(ctx, natsStreamConfig("LATE", "late.>")); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := r.RunOnce(ctx); err != nil || res.Published != 2 {
+		t.Fatalf("cycle after the stream exists: %+v, %v", res, err)
+	}
+	if s := outboxStats(t, p); s.Pending != 0 || s.Published != 2 {
+		t.Fatalf("stats %+v, want 2 published", s)
+	}
+}
+
+// TestRelayWakesOnCommit: on Postgres a committed row wakes an idle relay
+// through LISTEN/NOTIFY, long before its poll interval.
+func TestRelayWakesOnCommit(t *testing.T) {
+	p := postgresProducer(t)
+	b := newNATSBroker(t)
+	pub := newCountingPublisher(b.publisher(t))
+	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{PollInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	wait := runBackground(ctx, r.Run)
+	defer wait()
+	time.Sleep(300 * time.Millisecond) // the relay's first cycle finds nothing and sleeps
+	start := time.Now()
+	if _, err := p.credit(ctx, b.stream(), "acct-1", 1, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the relay to publish", 10*time.Second, func() bool { return pub.acked.Load() == 1 })
+	t.Logf("published %s after commit (poll interval 1h)", time.Since(start).Round(time.Millisecond))
+	cancel()
+}
+
+// TestRelayCrashEndToEnd: outbox → broker → idem consumer, with the relay
+// stopped for good at each point of a cycle and a new relay started. The
+// consumer's balances equal those of the intended credits in every case;
+// a crash after publishing republishes (more acknowledged sends than
+// events), which the consumer absorbs.
+func TestRelayCrashEndToEnd(t *testing.T) {
+	brokers := map[string]func(testing.TB) broker{
+		"jetstream": func(t testing.TB) broker { return newNATSBroker(t) },
+		"kafka":     func(t testing.TB) broker { return newKafkaBroker(t) },
+	}
+	for store, open := range producers() {
+		for bname, newBroker := range brokers {
+			for _, point := range []string{outbox.FaultBeforePublish, outbox.FaultAfterPublish, outbox.FaultAfterMark} {
+				t.Run(store+"/"+bname+"/"+point, func(t *testing.T) {
+					t.Parallel()
+					relayCrash(t, open(t), newBroker(t), point)
+				})
+			}
+		}
+	}
+}
+
+func relayCrash(t *testing.T, p *producer, b broker, point string) {
+	const accounts, events = 6, 120
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	// The intended credits, and the balances they must produce.
+	want := map[string][2]int64{}
+	for i := range events {
+		acct := fmt.Sprintf("acct-%d", i%accounts)
+		amount := int64(i%7 + 1)
+		if _, err := p.credit(ctx, b.stream(), acct, amount, false); err != nil {
+			t.Fatal(err)
+		}
+		w := want[acct]
+		want[acct] = [2]int64{w[0] + amount, w[1] + 1}
+	}
+
+	pub := newCountingPublisher(b.publisher(t))
+	cycles := 0
+	crashed := make(chan struct{})
+	first, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{Owner: "first", BatchSize: 30, ClaimTTL: time.Second, PollInterval: 10 * time.Millisecond,
+		FaultHook: func(at string) {
+			if at == outbox.FaultBeforePublish {
+				cycles++
+			}
+			if at == point && cycles == 2 {
+				close(crashed)
+				runtime.Goexit() // the relay stops here: no further code of the cycle runs
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = first.Run(ctx) }()
+	select {
+	case <-crashed:
+	case <-ctx.Done():
+		t.Fatal("the relay never reached", point)
+	}
+	before := outboxStats(t, p)
+
+	second, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{Owner: "second", BatchSize: 30, ClaimTTL: time.Second, PollInterval: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stopRelay := context.WithCancel(ctx)
+	waitRelay := runBackground(rctx, second.Run)
+	v := newView(t)
+	cctx, stopConsumer := context.WithCancel(ctx)
+	waitConsumer := b.consume(t, cctx, v)
+	waitFor(t, "the outbox to drain", time.Minute, func() bool { return outboxStats(t, p).Pending == 0 })
+	waitFor(t, "every event applied", time.Minute, func() bool { return v.applied.Load() >= events })
+	stopRelay()
+	waitRelay()
+	time.Sleep(200 * time.Millisecond) // let any straggling redelivery arrive
+	stopConsumer()
+	waitConsumer()
+
+	got := v.balances(t)
+	if len(got) != len(want) {
+		t.Fatalf("%d accounts, want %d", len(got), len(want))
+	}
+	for acct, w := range want {
+		if got[acct] != w {
+			t.Errorf("%s: balance, last seq = %v, want %v", acct, got[acct], w)
+		}
+	}
+	if n := v.applied.Load(); n != events {
+		t.Errorf("%d applied, want %d", n, events)
+	}
+	sent := pub.acked.Load()
+	t.Logf("crash at %s: %d pending at the crash; %d sends acknowledged for %d events; consumer saw %d duplicates",
+		point, before.Pending, sent, events, v.duplicates.Load())
+	switch point {
+	case outbox.FaultAfterPublish:
+		if sent <= events {
+			t.Errorf("%d sends for %d events: the unmarked batch was not republished", sent, events)
+		}
+	default:
+		if sent != events {
+			t.Errorf("%d sends for %d events, want exactly one each", sent, events)
+		}
+	}
+}
+
+// TestPrunerDeletesPublishedRows: idem.Pruner deletes published outbox rows
+// past the retention in bounded batches, and never a pending row however
+// old.
+func TestPrunerDeletesPublishedRows(t *testing.T) {
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			p := open(t)
+			b := newNATSBroker(t)
+			ctx := context.Background()
+			for i := range 25 {
+				if _, err := p.credit(ctx, b.stream(), fmt.Sprintf("acct-%d", i%5), 1, false); err != nil {
+					t.Fatal(err)
+				}
+			}
+			r, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res, err := r.RunOnce(ctx); err != nil || res.Published != 25 {
+				t.Fatalf("relay: %+v, %v", res, err)
+			}
+			for i := range 3 { // pending: no stream takes them
+				if err := p.add(ctx, &idem.Message{ID: fmt.Sprintf("stuck-%d", i), Stream: "nowhere", Payload: []byte("1")}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			pr, err := idem.NewPruner(p.drv, &idem.RetentionConfig{Retention: time.Hour, BatchSize: 10,
+				Now: func() time.Time { return time.Now().Add(2 * time.Hour) }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			st, err := pr.Prune(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.OutboxDeleted != 25 {
+				t.Fatalf("pruned %d outbox rows, want 25", st.OutboxDeleted)
+			}
+			if s := outboxStats(t, p); s.Pending != 3 || s.Published != 0 {
+				t.Fatalf("after pruning: %+v, want the 3 pending rows only", s)
+			}
+		})
+	}
+}

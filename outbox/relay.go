@@ -1,0 +1,353 @@
+package outbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+)
+
+// Publisher sends messages to a broker. The kafka and jetstream packages
+// implement it.
+type Publisher interface {
+	// Publish sends msgs, the pending rows of one ordering key in order,
+	// and returns nil only once the broker has acknowledged every one of
+	// them. After an error the relay sends them all again later, from
+	// the first: a Publisher must not let a message overtake an earlier
+	// one that failed.
+	Publish(ctx context.Context, msgs []*idem.Message) error
+}
+
+// Fault points of RelayConfig.FaultHook, in the order a relay cycle
+// reaches them.
+const (
+	// FaultBeforePublish: rows claimed, nothing published yet.
+	FaultBeforePublish = "before-publish"
+	// FaultAfterPublish: the broker acknowledged, the rows are not
+	// marked published yet.
+	FaultAfterPublish = "after-publish"
+	// FaultAfterMark: the rows are marked published, the claims not yet
+	// released.
+	FaultAfterMark = "after-mark"
+)
+
+// RelayConfig configures a Relay. The zero value is valid.
+type RelayConfig struct {
+	// Owner names this relay in its claims; it must differ between
+	// relays. Default "hostname:pid:" plus a random suffix.
+	Owner string
+	// BatchSize bounds the rows claimed per cycle. Default 100.
+	BatchSize int
+	// Concurrency bounds the ordering keys published at once; one key's
+	// rows always go out one after the other. Default 8.
+	Concurrency int
+	// ClaimTTL is how long a claim keeps other relays off its keys. A
+	// relay stops starting publishes at half of it and gives each
+	// publish until nine tenths, so a claim does not expire while its
+	// owner is still sending. A crashed relay's keys wait this long.
+	// Default 30 s.
+	ClaimTTL time.Duration
+	// PollInterval is how often an idle relay looks for rows when the
+	// store cannot notify it (or as a fallback when it can). Default 1 s.
+	PollInterval time.Duration
+	// Backoff spaces the cycles after a failed publish: exponential with
+	// full jitter, by default from 100 ms up to 30 s. Retries is ignored:
+	// the relay retries until the broker takes the rows.
+	Backoff idem.Backoff
+	// Logger receives failed publishes and store errors. Default
+	// slog.Default().
+	Logger *slog.Logger
+	// FaultHook, when set, is called at each Fault* point on the
+	// goroutine running the cycle. Crash tests stop that goroutine there
+	// (runtime.Goexit) to check what a restart does.
+	FaultHook func(point string)
+}
+
+// Relay publishes the outbox's pending rows. Several relays, in one
+// process or many, may drain one outbox. It is safe for concurrent use,
+// but one Relay runs one cycle at a time.
+type Relay struct {
+	store    driver.OutboxRelayStore
+	notifier driver.OutboxNotifier
+	pub      Publisher
+	cfg      RelayConfig
+	mu       sync.Mutex // one cycle at a time
+}
+
+// CycleResult counts one relay cycle.
+type CycleResult struct {
+	// Claimed rows were taken from the outbox for this cycle.
+	Claimed int
+	// Published rows were acknowledged by the broker and marked.
+	Published int
+	// Failed rows were not published (a publish error, or the claim
+	// running out); they stay pending.
+	Failed int
+}
+
+// NewRelay returns a relay draining drv's outbox (drv must implement
+// driver.OutboxRelayStore; a driver that implements driver.OutboxNotifier,
+// as Postgres does, wakes the relay on commit) through pub.
+func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
+	store, ok := drv.(driver.OutboxRelayStore)
+	if !ok || store == nil {
+		return nil, fmt.Errorf("%w: %T does not implement driver.OutboxRelayStore", idem.ErrInvalidConfig, drv)
+	}
+	if pub == nil {
+		return nil, fmt.Errorf("%w: outbox relay needs a Publisher", idem.ErrInvalidConfig)
+	}
+	r := &Relay{store: store, pub: pub}
+	r.notifier, _ = drv.(driver.OutboxNotifier)
+	if cfg != nil {
+		r.cfg = *cfg
+	}
+	c := &r.cfg
+	if c.BatchSize < 0 || c.Concurrency < 0 || c.ClaimTTL < 0 || c.PollInterval < 0 {
+		return nil, fmt.Errorf("%w: outbox relay settings must not be negative", idem.ErrInvalidConfig)
+	}
+	if c.Owner == "" {
+		c.Owner = defaultOwner()
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = 100
+	}
+	if c.Concurrency == 0 {
+		c.Concurrency = 8
+	}
+	if c.ClaimTTL == 0 {
+		c.ClaimTTL = 30 * time.Second
+	}
+	if c.ClaimTTL < 100*time.Millisecond {
+		return nil, fmt.Errorf("%w: ClaimTTL %s is below 100ms", idem.ErrInvalidConfig, c.ClaimTTL)
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = time.Second
+	}
+	if c.Backoff.Base == 0 {
+		c.Backoff.Base = 100 * time.Millisecond
+	}
+	if c.Backoff.Max == 0 {
+		c.Backoff.Max = 30 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return r, nil
+}
+
+func defaultOwner() string {
+	host, _ := os.Hostname()
+	b := make([]byte, 4)
+	_, _ = rand.Read(b)
+	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), hex.EncodeToString(b))
+}
+
+// Owner returns the relay's owner name.
+func (r *Relay) Owner() string { return r.cfg.Owner }
+
+func (r *Relay) fault(point string) {
+	if r.cfg.FaultHook != nil {
+		r.cfg.FaultHook(point)
+	}
+}
+
+// RunOnce runs one cycle: claim up to BatchSize rows, publish each
+// ordering key's rows in order (keys concurrently), mark what the broker
+// acknowledged as published, record the failures, release the claims. The
+// error joins the publish and store failures; rows not published stay
+// pending for a later cycle.
+func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var res CycleResult
+	start := time.Now()
+	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, r.cfg.BatchSize, r.cfg.ClaimTTL)
+	if err != nil {
+		return res, fmt.Errorf("outbox: claim: %w", err)
+	}
+	res.Claimed = len(rows)
+	if len(rows) == 0 {
+		return res, nil
+	}
+	r.fault(FaultBeforePublish)
+	// Stop starting publishes at half the claim; give each until nine
+	// tenths, so that the claim outlives its owner's sends.
+	startBy := start.Add(r.cfg.ClaimTTL / 2)
+	pctx, cancel := context.WithDeadline(ctx, start.Add(r.cfg.ClaimTTL*9/10))
+	defer cancel()
+
+	groups := groupByKey(rows)
+	var (
+		mu        sync.Mutex
+		published []int64
+		errs      []error
+		wg        sync.WaitGroup
+		sem       = make(chan struct{}, r.cfg.Concurrency)
+	)
+	for _, g := range groups {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func(g []driver.OutboxRow) {
+			defer func() { <-sem; wg.Done() }()
+			err := r.publishGroup(pctx, startBy, g)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			for _, row := range g {
+				published = append(published, row.ID)
+			}
+		}(g)
+	}
+	wg.Wait()
+	cancel()
+	r.fault(FaultAfterPublish)
+	// The marks must land even if ctx just ended: the broker has the rows.
+	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer scancel()
+	if len(published) > 0 {
+		if err := r.store.OutboxMarkPublished(sctx, published); err != nil {
+			errs = append(errs, fmt.Errorf("outbox: mark published (the rows will be published again): %w", err))
+		} else {
+			res.Published = len(published)
+		}
+	}
+	r.fault(FaultAfterMark)
+	res.Failed = res.Claimed - res.Published
+	if err := r.store.OutboxRelease(sctx, r.cfg.Owner); err != nil {
+		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
+	}
+	return res, errors.Join(errs...)
+}
+
+// publishGroup publishes one ordering key's rows, in order.
+func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.OutboxRow) error {
+	if time.Now().After(startBy) {
+		return fmt.Errorf("outbox: key %q: claim half gone before its turn; left for the next cycle", g[0].OrderingKey)
+	}
+	msgs := make([]*idem.Message, len(g))
+	for i, row := range g {
+		m, err := rowMessage(&row)
+		if err != nil {
+			return err
+		}
+		msgs[i] = m
+	}
+	if err := r.pub.Publish(ctx, msgs); err != nil {
+		err = fmt.Errorf("outbox: publish %d rows of key %q from %q: %w", len(msgs), g[0].OrderingKey, g[0].MessageID, err)
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if ferr := r.store.OutboxFailed(sctx, g[0].ID, err.Error()); ferr != nil {
+			r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
+		}
+		return err
+	}
+	return nil
+}
+
+// groupByKey splits rows (in ID order) by ordering key, keeping the order
+// within each key and the order of first appearance across keys.
+func groupByKey(rows []driver.OutboxRow) [][]driver.OutboxRow {
+	idx := map[string]int{}
+	var groups [][]driver.OutboxRow
+	for _, row := range rows {
+		i, ok := idx[row.OrderingKey]
+		if !ok {
+			i = len(groups)
+			idx[row.OrderingKey] = i
+			groups = append(groups, nil)
+		}
+		groups[i] = append(groups[i], row)
+	}
+	return groups
+}
+
+// rowMessage rebuilds the message a row was added from.
+func rowMessage(row *driver.OutboxRow) (*idem.Message, error) {
+	m := &idem.Message{ID: row.MessageID, Stream: row.Destination, Type: row.Type, AggregateID: row.AggregateID, Seq: row.Seq, Payload: row.Payload, Time: row.CreatedAt}
+	if len(row.Headers) > 0 {
+		if err := json.Unmarshal(row.Headers, &m.Headers); err != nil {
+			return nil, fmt.Errorf("outbox: row %d headers: %w", row.ID, err)
+		}
+	}
+	return m, nil
+}
+
+// Run publishes until ctx is done and returns ctx's error. It runs a cycle
+// at once after a full one, after a store notification, or every
+// PollInterval; after a failure it waits the backoff, growing while
+// failures repeat.
+func (r *Relay) Run(ctx context.Context) error {
+	var wake <-chan struct{}
+	if r.notifier != nil {
+		ch, err := r.notifier.OutboxListen(ctx)
+		if err != nil {
+			r.cfg.Logger.Warn("outbox: no store notifications; polling", slog.Duration("interval", r.cfg.PollInterval), slog.Any("error", err))
+		} else {
+			wake = ch
+		}
+	}
+	failures := 0
+	for {
+		res, err := r.RunOnce(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		var wait time.Duration
+		switch {
+		case err != nil:
+			wait = r.cfg.Backoff.Delay(failures)
+			failures++
+			r.cfg.Logger.Warn("outbox: relay cycle failed; retrying", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
+				slog.Int("failed", res.Failed), slog.Duration("retry_after", wait), slog.Any("error", err))
+		case res.Claimed >= r.cfg.BatchSize:
+			failures = 0
+			continue // more may be waiting
+		default:
+			failures = 0
+			wait = r.cfg.PollInterval
+		}
+		if err != nil {
+			// A failure's backoff is not cut short by new rows.
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(wait):
+			}
+			continue
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		case _, ok := <-wake:
+			t.Stop()
+			if !ok {
+				wake = nil
+			}
+		}
+	}
+}
+
+// Stats reports the outbox: pending and published rows, the oldest pending
+// row's time, failing rows and the last error.
+func (r *Relay) Stats(ctx context.Context) (driver.OutboxStats, error) {
+	s, err := r.store.OutboxStats(ctx)
+	if err != nil {
+		return s, fmt.Errorf("outbox: stats: %w", err)
+	}
+	return s, nil
+}

@@ -1,0 +1,260 @@
+package postgres
+
+import (
+	"context"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlident"
+)
+
+var (
+	_ driver.OutboxWriter[Tx] = (*Driver)(nil)
+	_ driver.OutboxRelayStore = (*Driver)(nil)
+	_ driver.OutboxNotifier   = (*Driver)(nil)
+)
+
+// outboxChannel is the LISTEN/NOTIFY channel of this driver's outbox: the
+// qualified table name, or a hash of it past Postgres' 63-byte limit.
+func (d *Driver) outboxChannel() string {
+	name := d.prefix + "outbox"
+	if d.schema != "" {
+		name = d.schema + "." + name
+	}
+	if len(name) <= 63 {
+		return name
+	}
+	h := fnv.New64a()
+	h.Write([]byte(name))
+	return "idem_outbox_" + strconv.FormatUint(h.Sum64(), 16)
+}
+
+// OutboxAdd implements driver.OutboxWriter: one multi-row INSERT in tx.
+func (d *Driver) OutboxAdd(ctx context.Context, tx Tx, rows []driver.OutboxRow) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	const cols = 9
+	args := make([]any, 0, len(rows)*cols)
+	q := `INSERT INTO ` + d.t.outbox + ` (destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash) VALUES `
+	for i, r := range rows {
+		if i > 0 {
+			q += ", "
+		}
+		q += "("
+		for c := range cols {
+			if c > 0 {
+				q += ", "
+			}
+			q += "$" + strconv.Itoa(i*cols+c+1)
+		}
+		q += ")"
+		payload := r.Payload
+		if payload == nil {
+			payload = []byte{}
+		}
+		args = append(args, r.Destination, r.MessageID, r.OrderingKey, r.AggregateID, r.Seq, r.Type, r.Headers, payload, r.PayloadHash)
+	}
+	if _, err := tx.Exec(ctx, q, args...); err != nil {
+		return fmt.Errorf("postgres: add outbox rows: %w", err)
+	}
+	return nil
+}
+
+// OutboxClaim implements driver.OutboxRelayStore. Times come from the
+// database clock, so relays on skewed hosts agree on claim expiry.
+func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
+	// Candidate keys: the oldest pending rows whose key no other live
+	// claim holds.
+	rows, err := d.pool.Query(ctx, `SELECT o.ordering_key FROM `+d.t.outbox+` o
+WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM `+d.t.outboxClaims+` c
+  WHERE c.ordering_key = o.ordering_key AND c.owner <> $1 AND c.claimed_until > clock_timestamp())
+ORDER BY o.id LIMIT $2`, owner, limit)
+	if err != nil {
+		return nil, fmt.Errorf("postgres: outbox candidates: %w", err)
+	}
+	keys, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("postgres: outbox candidates: %w", err)
+	}
+	if len(keys) == 0 {
+		return nil, nil
+	}
+	keys = uniqueStrings(keys)
+	// Claim them: a key another relay holds live is left alone (the
+	// upsert's WHERE re-checks it under the row lock).
+	rows, err = d.pool.Query(ctx, `INSERT INTO `+d.t.outboxClaims+` AS c (ordering_key, owner, claimed_until)
+SELECT k, $2, clock_timestamp() + $3::bigint * interval '1 microsecond' FROM unnest($1::text[]) AS k
+ON CONFLICT (ordering_key) DO UPDATE SET owner = excluded.owner, claimed_until = excluded.claimed_until
+WHERE c.owner = excluded.owner OR c.claimed_until <= clock_timestamp()
+RETURNING c.ordering_key`, keys, owner, ttl.Microseconds())
+	if err != nil {
+		return nil, fmt.Errorf("postgres: claim outbox keys: %w", err)
+	}
+	won, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("postgres: claim outbox keys: %w", err)
+	}
+	if len(won) == 0 {
+		return nil, nil
+	}
+	// Read the won keys' pending rows now, after the claim: anything
+	// another relay marked published before we won is not returned.
+	rows, err = d.pool.Query(ctx, `SELECT id, destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash, created_at, attempts
+FROM `+d.t.outbox+` WHERE published_at IS NULL AND ordering_key = ANY($1) ORDER BY id LIMIT $2`, won, limit)
+	if err != nil {
+		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (driver.OutboxRow, error) {
+		var o driver.OutboxRow
+		err := r.Scan(&o.ID, &o.Destination, &o.MessageID, &o.OrderingKey, &o.AggregateID, &o.Seq, &o.Type, &o.Headers, &o.Payload, &o.PayloadHash, &o.CreatedAt, &o.Attempts)
+		return o, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
+	}
+	return out, nil
+}
+
+func uniqueStrings(in []string) []string {
+	seen := make(map[string]bool, len(in))
+	out := in[:0]
+	for _, s := range in {
+		if !seen[s] {
+			seen[s] = true
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// OutboxMarkPublished implements driver.OutboxRelayStore.
+func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
+	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.outbox+` SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL`, ids); err != nil {
+		return fmt.Errorf("postgres: mark outbox rows published: %w", err)
+	}
+	return nil
+}
+
+// OutboxFailed implements driver.OutboxRelayStore.
+func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string) error {
+	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.outbox+` SET attempts = attempts + 1, last_error = $2 WHERE id = $1`, id, errText); err != nil {
+		return fmt.Errorf("postgres: record outbox failure: %w", err)
+	}
+	return nil
+}
+
+// OutboxRelease implements driver.OutboxRelayStore.
+func (d *Driver) OutboxRelease(ctx context.Context, owner string) error {
+	if _, err := d.pool.Exec(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE owner = $1`, owner); err != nil {
+		return fmt.Errorf("postgres: release outbox claims: %w", err)
+	}
+	return nil
+}
+
+// OutboxStats implements driver.OutboxRelayStore.
+func (d *Driver) OutboxStats(ctx context.Context) (driver.OutboxStats, error) {
+	var (
+		s      driver.OutboxStats
+		oldest *time.Time
+		last   *string
+	)
+	err := d.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NOT NULL),
+min(created_at) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NULL AND attempts > 0),
+(SELECT last_error FROM `+d.t.outbox+` WHERE published_at IS NULL AND attempts > 0 ORDER BY id DESC LIMIT 1)
+FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &last)
+	if err != nil {
+		return s, fmt.Errorf("postgres: outbox stats: %w", err)
+	}
+	if oldest != nil {
+		s.OldestPending = *oldest
+	}
+	if last != nil {
+		s.LastError = *last
+	}
+	return s, nil
+}
+
+// OutboxPrune implements driver.OutboxRelayStore: one bounded DELETE
+// walking the primary key.
+func (d *Driver) OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (int, int64, error) {
+	rows, err := d.pool.Query(ctx, `DELETE FROM `+d.t.outbox+` WHERE id IN (SELECT id FROM `+d.t.outbox+`
+WHERE id > $1 AND published_at < $2 ORDER BY id LIMIT $3) RETURNING id`, after, before, limit)
+	if err != nil {
+		return 0, after, fmt.Errorf("postgres: prune outbox: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return 0, after, fmt.Errorf("postgres: prune outbox: %w", err)
+	}
+	last := after
+	for _, id := range ids {
+		last = max(last, id)
+	}
+	return len(ids), last, nil
+}
+
+// OutboxListen implements driver.OutboxNotifier: a connection held out of
+// the pool LISTENs on the outbox channel; a lost connection is re-made
+// after a second, and the relay polls meanwhile.
+func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
+	ch := make(chan struct{}, 1)
+	listen := func() (*pgx.Conn, func(), error) {
+		c, err := d.pool.Acquire(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		if _, err := c.Exec(ctx, `LISTEN `+sqlident.Quote(d.outboxChannel())); err != nil {
+			c.Release()
+			return nil, nil, err
+		}
+		// The connection is LISTENing: never hand it back to the pool.
+		return c.Conn(), func() { c.Hijack().Close(context.Background()) }, nil
+	}
+	conn, closeConn, err := listen()
+	if err != nil {
+		return nil, fmt.Errorf("postgres: listen for outbox rows: %w", err)
+	}
+	go func() {
+		defer close(ch)
+		defer func() {
+			if closeConn != nil {
+				closeConn()
+			}
+		}()
+		for {
+			if conn == nil {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(time.Second):
+				}
+				if conn, closeConn, err = listen(); err != nil {
+					conn, closeConn = nil, nil
+					continue
+				}
+			}
+			_, err := conn.WaitForNotification(ctx)
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				slog.Default().Debug("postgres: outbox listener lost its connection; reconnecting", slog.Any("error", err))
+				closeConn()
+				conn, closeConn = nil, nil
+				continue
+			}
+			select {
+			case ch <- struct{}{}:
+			default: // a wake-up is already pending
+			}
+		}
+	}()
+	return ch, nil
+}
