@@ -40,6 +40,15 @@ type OutboxWriter[TTx any] interface {
 	OutboxAdd(ctx context.Context, tx TTx, rows []OutboxRow) error
 }
 
+// OutboxNextAdder is implemented by drivers that allocate an aggregate's
+// next version (as VersionStore.VersionNext) and insert its outbox row in
+// one statement. The row's MessageID and Seq are ignored: the driver sets
+// Seq to the allocated version and MessageID to
+// "<row.Destination>-<row.AggregateID>-<seq>", and returns the version.
+type OutboxNextAdder[TTx any] interface {
+	OutboxAddNext(ctx context.Context, tx TTx, row *OutboxRow) (int64, error)
+}
+
 // OutboxRelayStore is implemented by drivers a relay can drain.
 //
 // A relay claims ordering keys, not rows: OutboxClaim records (key, owner,

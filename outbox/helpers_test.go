@@ -38,6 +38,27 @@ type producer struct {
 	credit func(ctx context.Context, stream, account string, amount int64, fail bool) (*idem.Message, error)
 	// add runs Add with msgs in one transaction.
 	add func(ctx context.Context, msgs ...*idem.Message) error
+	// plainCredit is credit without the outbox: the benchmark baseline.
+	plainCredit func(ctx context.Context, account string, amount int64) error
+}
+
+// fill adds n rows over the given number of aggregates, 1,000 per
+// transaction.
+func (p *producer) fill(ctx context.Context, stream string, n, aggregates int) error {
+	seqs := make([]int64, aggregates)
+	for lo := 0; lo < n; lo += 1000 {
+		var msgs []*idem.Message
+		for i := lo; i < min(lo+1000, n); i++ {
+			a := i % aggregates
+			seqs[a]++
+			agg := fmt.Sprintf("acct-%03d", a)
+			msgs = append(msgs, &idem.Message{ID: outbox.MessageID(stream, agg, seqs[a]), Stream: stream, AggregateID: agg, Seq: seqs[a], Payload: []byte("1")})
+		}
+		if err := p.add(ctx, msgs...); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func sqliteProducer(t testing.TB) *producer {
@@ -92,6 +113,12 @@ func sqliteProducer(t testing.TB) *producer {
 		add: func(ctx context.Context, msgs ...*idem.Message) error {
 			return inTx(ctx, func(tx *sql.Tx) error { return ob.Add(ctx, tx, msgs...) })
 		},
+		plainCredit: func(ctx context.Context, account string, amount int64) error {
+			return inTx(ctx, func(tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, `INSERT INTO ledger VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, account, amount)
+				return err
+			})
+		},
 	}
 }
 
@@ -144,6 +171,12 @@ func postgresProducer(t testing.TB) *producer {
 		},
 		add: func(ctx context.Context, msgs ...*idem.Message) error {
 			return inTx(ctx, func(tx postgres.Tx) error { return ob.Add(ctx, tx, msgs...) })
+		},
+		plainCredit: func(ctx context.Context, account string, amount int64) error {
+			return inTx(ctx, func(tx postgres.Tx) error {
+				_, err := tx.Exec(ctx, `INSERT INTO `+ledger+` VALUES ($1, $2) ON CONFLICT (account) DO UPDATE SET amount = `+ledger+`.amount + excluded.amount`, account, amount)
+				return err
+			})
 		},
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"strconv"
 
 	"github.com/idemhq/idem"
@@ -14,6 +15,7 @@ import (
 // transactions. It is safe for concurrent use.
 type Outbox[TTx any] struct {
 	w        driver.OutboxWriter[TTx]
+	next     driver.OutboxNextAdder[TTx] // nil: allocate, then add
 	versions *idem.Versions[TTx]
 }
 
@@ -26,6 +28,7 @@ func New[TTx any](drv driver.Driver[TTx]) (*Outbox[TTx], error) {
 		return nil, fmt.Errorf("%w: %T does not implement driver.OutboxWriter", idem.ErrInvalidConfig, drv)
 	}
 	o := &Outbox[TTx]{w: w}
+	o.next, _ = drv.(driver.OutboxNextAdder[TTx])
 	if v, err := idem.NewVersions(drv); err == nil {
 		o.versions = v
 	}
@@ -46,27 +49,9 @@ func MessageID(stream, aggregateID string, seq int64) string {
 func (o *Outbox[TTx]) Add(ctx context.Context, tx TTx, msgs ...*idem.Message) error {
 	rows := make([]driver.OutboxRow, len(msgs))
 	for i, m := range msgs {
-		if err := m.Validate(); err != nil {
-			return fmt.Errorf("outbox: message %d: %w", i, err)
-		}
-		if m.Stream == "" {
-			return fmt.Errorf("outbox: message %q has no Stream, the topic or subject to publish it to: %w", m.ID, idem.ErrInvalidMessage)
-		}
-		r := driver.OutboxRow{
-			Destination: m.Stream, MessageID: m.ID, OrderingKey: m.AggregateID, AggregateID: m.AggregateID,
-			Seq: m.Seq, Type: m.Type, Payload: m.Payload, PayloadHash: m.PayloadHash(),
-		}
-		if r.OrderingKey == "" {
-			// Its own key. Sharing it with an aggregate named "msg:…"
-			// would only make the two wait for each other.
-			r.OrderingKey = "msg:" + m.ID
-		}
-		if len(m.Headers) > 0 {
-			h, err := json.Marshal(m.Headers)
-			if err != nil {
-				return fmt.Errorf("outbox: message %q headers: %w", m.ID, err)
-			}
-			r.Headers = h
+		r, err := newRow(m)
+		if err != nil {
+			return err
 		}
 		rows[i] = r
 	}
@@ -76,20 +61,65 @@ func (o *Outbox[TTx]) Add(ctx context.Context, tx TTx, msgs ...*idem.Message) er
 	return nil
 }
 
+// newRow validates m and turns it into an outbox row.
+func newRow(m *idem.Message) (driver.OutboxRow, error) {
+	if err := m.Validate(); err != nil {
+		return driver.OutboxRow{}, fmt.Errorf("outbox: %w", err)
+	}
+	if m.Stream == "" {
+		return driver.OutboxRow{}, fmt.Errorf("outbox: message %q has no Stream, the topic or subject to publish it to: %w", m.ID, idem.ErrInvalidMessage)
+	}
+	r := driver.OutboxRow{
+		Destination: m.Stream, MessageID: m.ID, OrderingKey: m.AggregateID, AggregateID: m.AggregateID,
+		Seq: m.Seq, Type: m.Type, Payload: m.Payload, PayloadHash: m.PayloadHash(),
+	}
+	if r.OrderingKey == "" {
+		// Its own key. Sharing it with an aggregate named "msg:…" would
+		// only make the two wait for each other.
+		r.OrderingKey = "msg:" + m.ID
+	}
+	if len(m.Headers) > 0 {
+		h, err := json.Marshal(m.Headers)
+		if err != nil {
+			return driver.OutboxRow{}, fmt.Errorf("outbox: message %q headers: %w", m.ID, err)
+		}
+		r.Headers = h
+	}
+	return r, nil
+}
+
 // AddNext allocates the next sequence of (stream, aggregateID) with the
 // write-side allocator (idem.Versions) in tx, and adds a message with that
-// sequence and the ID MessageID(stream, aggregateID, seq). The allocator
+// sequence and the ID MessageID(stream, aggregateID, seq) — on Postgres in
+// one statement. stream and aggregateID together may take at most 235
+// bytes, so that every sequence gives a valid ID. The allocator
 // locks the aggregate's row until tx ends, so concurrent writers of one
 // aggregate add their rows in sequence order. It returns the message.
 func (o *Outbox[TTx]) AddNext(ctx context.Context, tx TTx, stream, aggregateID, typ string, payload []byte) (*idem.Message, error) {
 	if o.versions == nil {
 		return nil, fmt.Errorf("%w: the driver has no sequence allocator", idem.ErrInvalidConfig)
 	}
+	if n := len(MessageID(stream, aggregateID, math.MaxInt64)); n > idem.MaxIDLen {
+		return nil, fmt.Errorf("outbox: stream and aggregate ID make message IDs of up to %d bytes; the maximum is %d: %w", n, idem.MaxIDLen, idem.ErrInvalidMessage)
+	}
+	m := &idem.Message{ID: MessageID(stream, aggregateID, 1), Stream: stream, Type: typ, AggregateID: aggregateID, Seq: 1, Payload: payload}
+	if o.next != nil {
+		row, err := newRow(m)
+		if err != nil {
+			return nil, err
+		}
+		seq, err := o.next.OutboxAddNext(ctx, tx, &row)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: add: %w", err)
+		}
+		m.Seq, m.ID = seq, MessageID(stream, aggregateID, seq)
+		return m, nil
+	}
 	seq, err := o.versions.Next(ctx, tx, stream, aggregateID)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: %w", err)
 	}
-	m := &idem.Message{ID: MessageID(stream, aggregateID, seq), Stream: stream, Type: typ, AggregateID: aggregateID, Seq: seq, Payload: payload}
+	m.Seq, m.ID = seq, MessageID(stream, aggregateID, seq)
 	if err := o.Add(ctx, tx, m); err != nil {
 		return nil, err
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/outbox"
 )
 
@@ -39,6 +40,21 @@ func TestAddIsTransactional(t *testing.T) {
 			if s := outboxStats(t, p); s.Pending != 1 || s.OldestPending.IsZero() {
 				t.Fatalf("stats %+v, want 1 pending with its time", s)
 			}
+			// The stored row carries the same ID and sequence.
+			rs := p.drv.(driver.OutboxRelayStore)
+			rows, err := rs.OutboxClaim(ctx, "check", 10, time.Second)
+			if err != nil || len(rows) != 1 || rows[0].MessageID != m.ID || rows[0].Seq != 1 || rows[0].AggregateID != "acct-1" {
+				t.Fatalf("claimed %+v, %v; want %s seq 1", rows, err, m.ID)
+			}
+			if err := rs.OutboxRelease(ctx, "check"); err != nil {
+				t.Fatal(err)
+			}
+			if m2, err := p.credit(ctx, "credits.ledger", "acct-1", 5, false); err != nil || m2.ID != "credits.ledger-acct-1-2" {
+				t.Fatalf("second credit: %v, %v", m2, err)
+			}
+			if _, err := p.credit(ctx, strings.Repeat("s", 200), strings.Repeat("a", 40), 1, false); !errors.Is(err, idem.ErrInvalidMessage) {
+				t.Fatalf("credit with a 240-byte stream and aggregate: %v, want ErrInvalidMessage", err)
+			}
 			for _, bad := range []*idem.Message{
 				{ID: "", Stream: "s"},
 				{ID: "x", Stream: ""},
@@ -49,8 +65,8 @@ func TestAddIsTransactional(t *testing.T) {
 					t.Errorf("Add(%q, stream %q) = %v, want ErrInvalidMessage", bad.ID, bad.Stream, err)
 				}
 			}
-			if s := outboxStats(t, p); s.Pending != 1 {
-				t.Fatalf("%d rows pending after refused adds, want 1", s.Pending)
+			if s := outboxStats(t, p); s.Pending != 2 {
+				t.Fatalf("%d rows pending after refused adds, want 2", s.Pending)
 			}
 		})
 	}

@@ -67,6 +67,26 @@ func (d *Driver) OutboxAdd(ctx context.Context, tx Tx, rows []driver.OutboxRow) 
 	return nil
 }
 
+// OutboxAddNext implements driver.OutboxNextAdder: the version upsert and
+// the outbox insert in one statement, one round trip.
+func (d *Driver) OutboxAddNext(ctx context.Context, tx Tx, r *driver.OutboxRow) (int64, error) {
+	payload := r.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	var seq int64
+	err := tx.QueryRow(ctx, `WITH v AS (
+  INSERT INTO `+d.t.versions+` AS v (stream, aggregate_id, version) VALUES ($1, $2, 1)
+  ON CONFLICT (stream, aggregate_id) DO UPDATE SET version = v.version + 1 RETURNING version)
+INSERT INTO `+d.t.outbox+` (destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash)
+SELECT $1, $1 || '-' || $2 || '-' || v.version, $3, $2, v.version, $4, $5, $6, $7 FROM v RETURNING seq`,
+		r.Destination, r.AggregateID, r.OrderingKey, r.Type, r.Headers, payload, r.PayloadHash).Scan(&seq)
+	if err != nil {
+		return 0, fmt.Errorf("postgres: add next outbox row: %w", err)
+	}
+	return seq, nil
+}
+
 // OutboxClaim implements driver.OutboxRelayStore. Times come from the
 // database clock, so relays on skewed hosts agree on claim expiry.
 func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
