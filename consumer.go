@@ -127,6 +127,50 @@ func (c *Consumer[TTx]) HandleDelivery(ctx context.Context, d *Delivery) Verdict
 	return Verdict{RetryAfter: delay, Outcome: out, Err: err}
 }
 
+// HandleDeliveries implements BatchDeliveryHandler: the valid deliveries
+// are applied with Processor.ProcessBatch, in one transaction whose
+// handler sees only the new messages; conflicts in it are dead-lettered.
+// When the batch cannot commit (a handler error, an invalid message), or
+// the handler has an ordering guard (which batches do not run), each
+// delivery goes through HandleDelivery instead, so retries and dead
+// letters are decided per message as always.
+func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
+	vs := make([]Verdict, len(ds))
+	one := func(i int) { vs[i] = c.HandleDelivery(ctx, ds[i]) }
+	var (
+		idx  []int
+		msgs []*Message
+	)
+	for i, d := range ds {
+		if d == nil || d.Msg == nil || d.DecodeErr != nil || d.Msg.Validate() != nil || c.h.Ordering != nil {
+			one(i)
+			continue
+		}
+		idx = append(idx, i)
+		msgs = append(msgs, d.Msg)
+	}
+	if len(msgs) == 0 {
+		return vs
+	}
+	outs, err := c.proc.ProcessBatch(ctx, c.h, msgs)
+	if err != nil {
+		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.h.Name), slog.Int("size", len(msgs)), slog.Any("error", err))
+		for _, i := range idx {
+			one(i)
+		}
+		return vs
+	}
+	for j, i := range idx {
+		if outs[j] == Conflict {
+			// Decided again alone: the Conflict error and its dead letter.
+			one(i)
+			continue
+		}
+		vs[i] = Verdict{Ack: true, Outcome: outs[j]}
+	}
+	return vs
+}
+
 // classify applies idem's own rules, then the user's.
 func (c *Consumer[TTx]) classify(err error) Class {
 	if IsPermanent(err) {

@@ -66,3 +66,12 @@ type DeliveryHandlerFunc func(ctx context.Context, d *Delivery) Verdict
 func (f DeliveryHandlerFunc) HandleDelivery(ctx context.Context, d *Delivery) Verdict {
 	return f(ctx, d)
 }
+
+// BatchDeliveryHandler decides several deliveries at once, so that their
+// effects can commit in one transaction. Verdicts are parallel to the
+// deliveries, with the same meaning as HandleDelivery's. Adapters configured
+// for batches use it when their handler implements it (idem.Consumer does).
+type BatchDeliveryHandler interface {
+	DeliveryHandler
+	HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict
+}

@@ -30,6 +30,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"DeadLetterWriteFailureIsNotAcked", testDeadLetterWriteFails[TTx]},
 		{"ReplayAppliesOnceAndDuplicates", testReplay[TTx]},
 		{"StatsCountDuplicatesAndStale", testStats[TTx]},
+		{"BatchOfDeliveries", testBatchDeliveries[TTx]},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -343,6 +344,62 @@ func checkStats(t *testing.T, st driver.StatsStore, want map[string]driver.Stats
 	for h, w := range want {
 		if got[h] != w {
 			t.Errorf("stats of %s = %+v, want %+v", h, got[h], w)
+		}
+	}
+}
+
+// testBatchDeliveries: Consumer.HandleDeliveries applies a batch's new
+// messages in one transaction and decides the rest per delivery: a
+// redelivery is a Duplicate, a conflicting payload and an undecodable
+// record are dead-lettered, all acknowledged; a batch whose handler fails
+// for one message falls back to one by one, so the others still apply.
+func testBatchDeliveries[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	var calls sync.Map
+	c := newConsumer(t, s, CreditHandler(s, "balances", &calls), dl, nil)
+	ev := Events(6)
+	if v := deliverTo(c, ev[0].Message(), 1); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("first delivery: %+v", v)
+	}
+	conflict := ev[0].Message()
+	conflict.Payload = []byte(ev[0].Account + ":999")
+	ds := []*idem.Delivery{
+		{Msg: ev[1].Message(), Attempt: 1},
+		{Msg: ev[0].Message(), Attempt: 1},                             // redelivered
+		{Msg: conflict, Attempt: 1},                                    // same ID, other payload
+		{DecodeErr: errors.New("no id"), Raw: []byte("?"), Attempt: 1}, // undecodable
+		{Msg: ev[2].Message(), Attempt: 1},
+		{Msg: ev[1].Message(), Attempt: 1}, // twice in one batch
+	}
+	want := []struct {
+		out  idem.Outcome
+		dead bool
+	}{{idem.Applied, false}, {idem.Duplicate, false}, {idem.Conflict, true}, {idem.OutcomeNone, true}, {idem.Applied, false}, {idem.Duplicate, false}}
+	vs := c.HandleDeliveries(ctx, ds)
+	for i, v := range vs {
+		if !v.Ack || v.Outcome != want[i].out || v.DeadLettered != want[i].dead {
+			t.Errorf("delivery %d: %+v, want ack, %v, dead-lettered %v", i, v, want[i].out, want[i].dead)
+		}
+	}
+	if n := len(deadLetters(t, dl, nil)); n != 2 {
+		t.Fatalf("%d dead letters, want 2", n)
+	}
+	// A poison message in a batch: the batch cannot commit, each delivery
+	// is decided alone.
+	poison := &idem.Message{ID: "poison", Payload: []byte("not a credit")}
+	vs = c.HandleDeliveries(ctx, []*idem.Delivery{{Msg: ev[3].Message(), Attempt: 1}, {Msg: poison, Attempt: 1}, {Msg: ev[4].Message(), Attempt: 1}})
+	if !vs[0].Ack || vs[0].Outcome != idem.Applied || !vs[1].DeadLettered || !vs[2].Ack || vs[2].Outcome != idem.Applied {
+		t.Fatalf("batch with a poison message: %+v", vs)
+	}
+	if err := checkBalances(ctx, s, Expected(ev[:5])); err != nil {
+		t.Fatal(err)
+	}
+	// The first batch's messages reached the handler once each; the
+	// poisoned batch's reached it twice (the rolled-back batch, then
+	// alone), and the balances show the effect stayed single.
+	for _, e := range ev[:3] {
+		if n := callsOf(&calls, e.ID); n != 1 {
+			t.Errorf("%s applied %d times", e.ID, n)
 		}
 	}
 }

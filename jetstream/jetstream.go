@@ -47,6 +47,15 @@ type Config struct {
 	// AckWait is how long JetStream waits for an ack before redelivering.
 	// Default 30 s.
 	AckWait time.Duration
+	// Batch, above 1, fetches up to that many messages at a time and hands
+	// them to the Handler's HandleDeliveries when it is an
+	// idem.BatchDeliveryHandler (idem.Consumer is): their effects commit
+	// in one transaction. Each message is still settled on its own
+	// verdict. Default 1: one message at a time.
+	Batch int
+	// BatchWait bounds how long a fetch waits to fill a batch: the extra
+	// latency a batch may add when messages trickle in. Default 50 ms.
+	BatchWait time.Duration
 	// Logger receives failures to ack. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -78,6 +87,12 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	if c.cfg.AckWait <= 0 {
 		c.cfg.AckWait = 30 * time.Second
 	}
+	if c.cfg.Batch < 0 || c.cfg.BatchWait < 0 {
+		return nil, fmt.Errorf("%w: jetstream: Batch and BatchWait must not be negative", idem.ErrInvalidConfig)
+	}
+	if c.cfg.BatchWait == 0 {
+		c.cfg.BatchWait = 50 * time.Millisecond
+	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
 	}
@@ -98,6 +113,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	})
 	if err != nil {
 		return fmt.Errorf("jetstream: consumer %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
+	}
+	if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
+		return c.runBatches(ctx, cons, bh)
 	}
 	it, err := cons.Messages(jetstream.PullMaxMessages(64))
 	if err != nil {
@@ -122,8 +140,51 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 }
 
+// runBatches fetches up to Batch messages at a time and decides them
+// together.
+func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh idem.BatchDeliveryHandler) error {
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		mb, err := cons.Fetch(c.cfg.Batch, jetstream.FetchMaxWait(c.cfg.BatchWait))
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("jetstream: fetch from %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
+		}
+		var (
+			msgs []jetstream.Msg
+			ds   []*idem.Delivery
+		)
+		for m := range mb.Messages() {
+			msgs = append(msgs, m)
+			ds = append(ds, c.delivery(m))
+		}
+		if err := mb.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && ctx.Err() == nil {
+			c.cfg.Logger.Warn("jetstream: fetch ended with an error", slog.Any("error", err))
+		}
+		if len(ds) == 0 {
+			continue
+		}
+		// Decided and settled even if ctx ends now: the effects may have
+		// committed.
+		vs := bh.HandleDeliveries(context.WithoutCancel(ctx), ds)
+		for i, m := range msgs {
+			c.settle(m, ds[i], vs[i])
+		}
+	}
+}
+
 // handle maps, decides and settles one message.
 func (c *Consumer) handle(ctx context.Context, m jetstream.Msg) {
+	d := c.delivery(m)
+	c.settle(m, d, c.cfg.Handler.HandleDelivery(ctx, d))
+}
+
+// delivery maps m.
+func (c *Consumer) delivery(m jetstream.Msg) *idem.Delivery {
 	d := &idem.Delivery{Raw: m.Data(), Source: "jetstream:" + c.cfg.Stream + "/" + m.Subject()}
 	if md, err := m.Metadata(); err == nil {
 		d.Attempt = int(md.NumDelivered)
@@ -134,7 +195,11 @@ func (c *Consumer) handle(ctx context.Context, m jetstream.Msg) {
 	if d.DecodeErr != nil {
 		d.Msg = nil
 	}
-	v := c.cfg.Handler.HandleDelivery(ctx, d)
+	return d
+}
+
+// settle acknowledges, terminates or naks m by its verdict.
+func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 	var err error
 	switch {
 	case v.DeadLettered:

@@ -102,9 +102,13 @@ func (b *broker) PublishRaw(t testing.TB, value []byte) {
 	b.send(t, []*nats.Msg{{Subject: b.stream + ".raw", Data: value}})
 }
 
-func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler) (*nats.Conn, *jetstream.Consumer) {
+func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, batch ...int) (*nats.Conn, *jetstream.Consumer) {
 	nc, js := b.connect(t)
-	c, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: time.Second, MaxDeliver: 50})
+	cfg := &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: time.Second, MaxDeliver: 50}
+	if len(batch) > 0 {
+		cfg.Batch = batch[0]
+	}
+	c, err := jetstream.New(js, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,7 +117,16 @@ func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler) (*nats.Conn, *je
 
 // Start runs a consumer; kill closes its connection at once.
 func (b *broker) Start(t testing.TB, h idem.DeliveryHandler) func() {
-	nc, c := b.consumer(t, h)
+	return b.start(t, h)
+}
+
+// StartBatched runs a consumer fetching batches.
+func (b *broker) StartBatched(t testing.TB, h idem.BatchDeliveryHandler, batch int) func() {
+	return b.start(t, h, batch)
+}
+
+func (b *broker) start(t testing.TB, h idem.DeliveryHandler, batch ...int) func() {
+	nc, c := b.consumer(t, h, batch...)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = c.Run(ctx) }()

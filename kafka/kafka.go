@@ -37,6 +37,14 @@ type Config struct {
 	Map func(r *kgo.Record) (*idem.Message, error)
 	// MaxPoll bounds the records handled between two commits. Default 500.
 	MaxPoll int
+	// Batch, above 1, hands a poll's records to the Handler's
+	// HandleDeliveries in chunks of up to that many when it is an
+	// idem.BatchDeliveryHandler (idem.Consumer is): their effects commit
+	// in one transaction. A record the batch did not settle is then
+	// retried alone, holding the records after it; offsets are committed
+	// only up to the first record not settled. Default 1: one record at a
+	// time.
+	Batch int
 	// Logger receives commit failures. Default slog.Default().
 	Logger *slog.Logger
 	// Options are extra franz-go client options (TLS, SASL, ...).
@@ -68,6 +76,9 @@ func New(cfg *Config) (*Consumer, error) {
 	}
 	if c.cfg.MaxPoll <= 0 {
 		c.cfg.MaxPoll = 500
+	}
+	if c.cfg.Batch < 0 {
+		return nil, fmt.Errorf("%w: kafka: Batch %d is negative", idem.ErrInvalidConfig, c.cfg.Batch)
 	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
@@ -116,17 +127,21 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 		}
 		var done []*kgo.Record
 		stopped := false
-		fetches.EachRecord(func(r *kgo.Record) {
-			if stopped || ctx.Err() != nil {
-				stopped = true // stop after the current record
-				return
-			}
-			if !c.handle(ctx, r) {
-				stopped = true // ctx ended while the record was retrying
-				return
-			}
-			done = append(done, r)
-		})
+		if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
+			done, stopped = c.handleBatches(ctx, bh, fetches.Records())
+		} else {
+			fetches.EachRecord(func(r *kgo.Record) {
+				if stopped || ctx.Err() != nil {
+					stopped = true // stop after the current record
+					return
+				}
+				if !c.handle(ctx, c.delivery(r), 1, 0) {
+					stopped = true // ctx ended while the record was retrying
+					return
+				}
+				done = append(done, r)
+			})
+		}
 		if c.cfg.FaultHook != nil {
 			c.cfg.FaultHook(FaultBeforeCommit)
 		}
@@ -142,25 +157,62 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 	}
 }
 
-// handle decides r, retrying after each "retry" verdict; it returns false
-// when ctx ends before the outcome is durable.
-func (c *Consumer) handle(ctx context.Context, r *kgo.Record) bool {
+// handleBatches decides recs in chunks of Batch and returns the records
+// settled, a prefix of recs in poll order (so of every partition), and
+// whether ctx ended before all were.
+func (c *Consumer) handleBatches(ctx context.Context, bh idem.BatchDeliveryHandler, recs []*kgo.Record) ([]*kgo.Record, bool) {
+	var done []*kgo.Record
+	for lo := 0; lo < len(recs); lo += c.cfg.Batch {
+		if ctx.Err() != nil {
+			return done, true
+		}
+		chunk := recs[lo:min(lo+c.cfg.Batch, len(recs))]
+		ds := make([]*idem.Delivery, len(chunk))
+		for i, r := range chunk {
+			ds[i] = c.delivery(r)
+			ds[i].Attempt = 1
+		}
+		vs := bh.HandleDeliveries(context.WithoutCancel(ctx), ds)
+		for i, r := range chunk {
+			// A record the batch did not settle is retried alone; the
+			// ones after it wait, and are not committed before it.
+			if !vs[i].Ack && !c.handle(ctx, ds[i], 2, vs[i].RetryAfter) {
+				return done, true
+			}
+			done = append(done, r)
+		}
+	}
+	return done, false
+}
+
+// delivery maps r.
+func (c *Consumer) delivery(r *kgo.Record) *idem.Delivery {
 	d := &idem.Delivery{Raw: r.Value, Source: fmt.Sprintf("kafka:%s/%d@%d", r.Topic, r.Partition, r.Offset)}
 	d.Msg, d.DecodeErr = c.cfg.Map(r)
 	if d.DecodeErr != nil {
 		d.Msg = nil
 	}
-	for attempt := 1; ; attempt++ {
+	return d
+}
+
+// handle decides d, the delivery of r, from attempt first on, waiting wait
+// before it and each retry's RetryAfter after it; it returns false when
+// ctx ends before the outcome is durable.
+func (c *Consumer) handle(ctx context.Context, d *idem.Delivery, first int, wait time.Duration) bool {
+	for attempt := first; ; attempt++ {
+		if wait > 0 || attempt > first {
+			select {
+			case <-ctx.Done():
+				return false
+			case <-time.After(wait):
+			}
+		}
 		d.Attempt = attempt
 		v := c.cfg.Handler.HandleDelivery(context.WithoutCancel(ctx), d)
 		if v.Ack {
 			return true
 		}
-		select {
-		case <-ctx.Done():
-			return false
-		case <-time.After(v.RetryAfter):
-		}
+		wait = v.RetryAfter
 	}
 }
 

@@ -67,8 +67,8 @@ func (b *broker) PublishRaw(t testing.TB, value []byte) {
 	b.produce(t, []*kgo.Record{{Key: []byte("raw"), Value: value}})
 }
 
-func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, hook func(string)) *kafka.Consumer {
-	c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50, FaultHook: hook,
+func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, hook func(string), batch int) *kafka.Consumer {
+	c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50, FaultHook: hook, Batch: batch,
 		Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(6 * time.Second)}})
 	if err != nil {
 		t.Fatal(err)
@@ -78,7 +78,15 @@ func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, hook func(string
 
 // Start runs a group member; kill stops it.
 func (b *broker) Start(t testing.TB, h idem.DeliveryHandler) func() {
-	c := b.consumer(t, h, nil)
+	return b.start(t, b.consumer(t, h, nil, 1))
+}
+
+// StartBatched runs a member handing its records over in batches.
+func (b *broker) StartBatched(t testing.TB, h idem.BatchDeliveryHandler, batch int) func() {
+	return b.start(t, b.consumer(t, h, nil, batch))
+}
+
+func (b *broker) start(t testing.TB, c *kafka.Consumer) func() {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = c.Run(ctx) }()
@@ -96,7 +104,7 @@ func (b *broker) StartCrashing(t testing.TB, h idem.DeliveryHandler) <-chan stru
 		if point == kafka.FaultBeforeCommit && crashed.CompareAndSwap(false, true) {
 			runtime.Goexit()
 		}
-	})
+	}, 1)
 	done := make(chan struct{})
 	go func() { defer close(done); _ = c.Run(context.Background()) }()
 	return done

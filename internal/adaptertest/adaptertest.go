@@ -36,6 +36,8 @@ type Broker interface {
 	// decided at least one delivery and before that delivery is
 	// acknowledged or committed. crashed is closed when it has.
 	StartCrashing(t testing.TB, h idem.DeliveryHandler) (crashed <-chan struct{})
+	// StartBatched runs one consumer configured for batches of batch.
+	StartBatched(t testing.TB, h idem.BatchDeliveryHandler, batch int) (kill func())
 }
 
 // Env is a test's SQLite store and idem consumer.
@@ -102,6 +104,58 @@ func (e *Env) Consumer(ordering bool) idem.DeliveryHandler {
 		}
 		return v
 	})
+}
+
+// BatchConsumer returns an idem.Consumer whose handler applies a batch's
+// new credits with one upsert per account (a poison payload fails the
+// batch permanently, so its deliveries are decided one by one), counting
+// Duplicate verdicts in Dups.
+func (e *Env) BatchConsumer() idem.BatchDeliveryHandler {
+	h := &idem.Handler[*sql.Tx]{Name: "balances", ApplyBatch: func(ctx context.Context, tx *sql.Tx, msgs []*idem.Message) error {
+		sums := map[string]int64{}
+		for _, m := range msgs {
+			acct, amt, err := idemtest.DecodeCredit(m.Payload)
+			if err != nil {
+				return idem.Permanent(err)
+			}
+			sums[acct] += amt
+		}
+		for acct, amt := range sums {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt); err != nil {
+				return err
+			}
+		}
+		return nil
+	}}
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return &countingBatch{c: c, dups: &e.Dups}
+}
+
+// countingBatch counts the Duplicate verdicts of a batch consumer.
+type countingBatch struct {
+	c    *idem.Consumer[*sql.Tx]
+	dups *atomic.Int64
+}
+
+func (b *countingBatch) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
+	v := b.c.HandleDelivery(ctx, d)
+	if v.Outcome == idem.Duplicate {
+		b.dups.Add(1)
+	}
+	return v
+}
+
+func (b *countingBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) []idem.Verdict {
+	vs := b.c.HandleDeliveries(ctx, ds)
+	for _, v := range vs {
+		if v.Outcome == idem.Duplicate {
+			b.dups.Add(1)
+		}
+	}
+	return vs
 }
 
 // WaitMarkers waits until n messages are applied.
@@ -218,6 +272,36 @@ func Run(t *testing.T, newBroker func(t testing.TB) Broker) {
 			}
 			if time.Now().After(deadline) {
 				t.Fatalf("%d dead letters, want 2", len(dls))
+			}
+		}
+		e.CheckBalances(events)
+	})
+	t.Run("BatchedDuplicatesPoisonAndKill", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t), NewEnv(t)
+		events := idemtest.Events(1200)
+		poison := &idem.Message{ID: "poison", AggregateID: events[0].Account, Payload: []byte("not a credit")}
+		msgs := Messages(events)
+		msgs = append(msgs[:600:600], append([]*idem.Message{poison}, msgs[600:]...)...)
+		kill := b.StartBatched(t, e.BatchConsumer(), 50)
+		b.StartBatched(t, e.BatchConsumer(), 50)
+		b.Publish(t, msgs, 10)
+		time.Sleep(100 * time.Millisecond)
+		kill()
+		e.WaitMarkers(len(events))
+		if e.Dups.Load() < int64(len(events)/10) {
+			t.Fatalf("%d duplicates, want at least the %d published twice", e.Dups.Load(), len(events)/10)
+		}
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(dls) == 1 && dls[0].MessageID == "poison" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("dead letters %+v, want the poison message alone", dls)
 			}
 		}
 		e.CheckBalances(events)

@@ -1,0 +1,114 @@
+package adaptertest
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+)
+
+// EndToEnd publishes max(b.N, 500) new messages and consumes them into
+// SQLite twice on fresh brokers: with a plain handler (the balance upserts
+// in a transaction, then the ack) and through idem.Consumer, and reports
+// both rates and idem/plain as the ratio. batch 1 decides one message at a
+// time; above 1 the adapter hands over batches of up to batch and both
+// handlers commit a batch's upserts in one transaction (idem adds its
+// markers to it).
+func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, batch int) {
+	n := max(b.N, 500)
+	rate := func(withIdem bool) float64 {
+		br, e := newBroker(b), NewEnv(b)
+		events := idemtest.Events(n)
+		br.Publish(b, Messages(events), 0)
+		var handled atomic.Int64
+		var h idem.BatchDeliveryHandler = &plainBatch{e: e}
+		if withIdem {
+			h = e.BatchConsumer()
+		}
+		counted := &countedBatch{next: h, n: &handled}
+		start := time.Now()
+		if batch > 1 {
+			br.StartBatched(b, counted, batch)
+		} else {
+			br.Start(b, idem.DeliveryHandlerFunc(counted.HandleDelivery))
+		}
+		for handled.Load() < int64(n) {
+			time.Sleep(time.Millisecond)
+		}
+		return float64(n) / time.Since(start).Seconds()
+	}
+	b.ResetTimer()
+	plain := rate(false)
+	withIdem := rate(true)
+	b.ReportMetric(0, "ns/op")
+	b.ReportMetric(plain, "plain-msgs/s")
+	b.ReportMetric(withIdem, "idem-msgs/s")
+	b.ReportMetric(withIdem/plain, "ratio")
+}
+
+// plainBatch is the baseline: the same upserts without idem.
+type plainBatch struct{ e *Env }
+
+func (p *plainBatch) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
+	return p.HandleDeliveries(ctx, []*idem.Delivery{d})[0]
+}
+
+func (p *plainBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) []idem.Verdict {
+	vs := make([]idem.Verdict, len(ds))
+	sums := map[string]int64{}
+	for i, d := range ds {
+		vs[i] = idem.Verdict{Ack: true, Outcome: idem.Applied}
+		if d.Msg == nil {
+			continue
+		}
+		if acct, amt, err := idemtest.DecodeCredit(d.Msg.Payload); err == nil {
+			sums[acct] += amt
+		}
+	}
+	err := func() error {
+		tx, err := p.e.DB.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback()
+		for acct, amt := range sums {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt); err != nil {
+				return err
+			}
+		}
+		return tx.Commit()
+	}()
+	if err != nil {
+		for i := range vs {
+			vs[i] = idem.Verdict{RetryAfter: time.Millisecond, Err: err}
+		}
+	}
+	return vs
+}
+
+// countedBatch counts the deliveries its handler settled.
+type countedBatch struct {
+	next idem.BatchDeliveryHandler
+	n    *atomic.Int64
+}
+
+func (c *countedBatch) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
+	v := c.next.HandleDelivery(ctx, d)
+	if v.Ack {
+		c.n.Add(1)
+	}
+	return v
+}
+
+func (c *countedBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) []idem.Verdict {
+	vs := c.next.HandleDeliveries(ctx, ds)
+	for _, v := range vs {
+		if v.Ack {
+			c.n.Add(1)
+		}
+	}
+	return vs
+}
