@@ -101,7 +101,15 @@ unless --db names a (new) file to keep. SQLite runs with synchronous=FULL:
 every commit is durable, which is why the demo batches.`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			cfg := &demoConfig{}
-			fs.IntVar(&cfg.events, "events", -1, "number of unique intended `events` (default 10,000 over NATS, 100,000 with --broker none)")
+			eventsSet := false // else the broker chooses the default
+			fs.Func("events", "number of unique intended `events` (default 10,000 over a broker, 100,000 with --broker none)", func(v string) error {
+				n, err := strconv.Atoi(v)
+				if err != nil {
+					return fmt.Errorf("not a whole number: %q", v)
+				}
+				cfg.events, eventsSet = n, true
+				return nil
+			})
 			fs.StringVar(&cfg.broker, "broker", "nats", "`broker`: nats (an embedded NATS JetStream server), kafka (an in-process Kafka-protocol cluster), or none (batches handed to workers directly); with a broker, consumers are killed mid-stream")
 			fs.Float64Var(&cfg.dupRate, "dup-rate", 0.10, "fraction of events redelivered later in the stream, 0 to 1")
 			fs.IntVar(&cfg.conflicts, "conflicts", 5, "deliveries that reuse an existing ID with a different payload")
@@ -116,7 +124,7 @@ every commit is durable, which is why the demo batches.`,
 				if err := noArgs(args); err != nil {
 					return err
 				}
-				if cfg.events == -1 {
+				if !eventsSet {
 					cfg.events = 10000
 					if cfg.broker == "none" || cfg.shuffle {
 						cfg.events = 100000
