@@ -68,8 +68,11 @@ func (e *ValidationError) Unwrap() error { return e.err }
 // different payload hash. The message was not applied. It matches
 // ErrConflict.
 type ConflictError struct {
-	Handler      string
-	MessageID    string
+	// Handler and MessageID name the marker.
+	Handler   string
+	MessageID string
+	// StoredHash is the payload hash in the marker; ReceivedHash the
+	// hash of the payload just delivered (SHA-256).
 	StoredHash   []byte
 	ReceivedHash []byte
 }
@@ -114,6 +117,7 @@ func (e *PanicError) Unwrap() error {
 // fails the same way, so it belongs in the dead-letter store at once.
 // Create one with Permanent.
 type PermanentError struct {
+	// Err is the underlying error.
 	Err error
 }
 

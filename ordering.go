@@ -94,11 +94,13 @@ var ErrGap = errors.New("idem: sequence gap")
 // GapError reports a message whose sequence is ahead of the next expected
 // one. The message was not applied.
 type GapError struct {
+	// Handler and AggregateID name the guarded sequence.
 	Handler     string
 	AggregateID string
 	// Last is the last applied sequence; Seq the message's.
 	Last, Seq int64
-	Policy    GapPolicy
+	// Policy is the handler's gap policy that produced the error.
+	Policy GapPolicy
 	// FirstSeen and Deadline are set under GapWait.
 	FirstSeen, Deadline time.Time
 	// Final is true when retrying is pointless: under GapFail always, under

@@ -31,6 +31,8 @@ var ErrMaintenanceBusy = errors.New("idem: another instance is running maintenan
 // broker may still redeliver their messages: those redeliveries would be
 // applied a second time.
 type RetentionError struct {
+	// Retention is the age asked for; Horizon the redelivery horizon it
+	// must not be shorter than.
 	Retention, Horizon time.Duration
 }
 

@@ -101,8 +101,10 @@ var ErrExpectedVersion = errors.New("idem: unexpected aggregate version")
 // writer advanced the aggregate since the caller read it. In an HTTP API it
 // maps to 409 Conflict (with If-Match/ETag, to 412 Precondition Failed).
 type ExpectedVersionError struct {
+	// Stream and AggregateID name the aggregate.
 	Stream, AggregateID string
-	Expected, Actual    int64
+	// Expected is the version the caller read; Actual the one stored.
+	Expected, Actual int64
 }
 
 // Error implements error.

@@ -25,6 +25,8 @@ type DeadLetterStore interface {
 
 // DeadLetterStateChange is the parameter of DeadLetterSetState.
 type DeadLetterStateChange struct {
+	// IDs are the dead letters to move; only those now in one of the
+	// From states move, to To.
 	IDs  []int64
 	From []string
 	To   string
@@ -37,8 +39,10 @@ type DeadLetterStateChange struct {
 
 // DeadLetterEvent is one entry of a dead letter's log.
 type DeadLetterEvent struct {
-	At      time.Time
-	State   string
+	// At is when the dead letter entered State.
+	At    time.Time
+	State string
+	// Actor and Outcome are as in DeadLetterStateChange.
 	Actor   string
 	Outcome string
 }
@@ -53,26 +57,38 @@ const (
 
 // DeadLetter is one stored dead letter.
 type DeadLetter struct {
-	ID        int64
+	// ID is the store's identity for the dead letter.
+	ID int64
+	// Handler is the handler that could not process the message.
 	Handler   string
 	MessageID string // "" when the delivery did not decode
 	// Envelope is the message as JSON; nil when the delivery did not
 	// decode.
 	Envelope []byte
 	// Raw is the broker payload as received.
-	Raw         []byte
-	Source      string
+	Raw []byte
+	// Source says where the delivery came from (topic/partition@offset,
+	// stream/consumer/sequence).
+	Source string
+	// Error is the last error's text; Class why it was dead-lettered
+	// (idem.DeadLetterDecode, DeadLetterConflict, …); Fingerprint groups
+	// dead letters failing the same way.
 	Error       string
 	Class       string
 	Fingerprint string
-	Attempts    int
+	// Attempts is the broker's delivery count at the last failure.
+	Attempts int
+	// FirstFailed and LastFailed bound the failures recorded.
 	FirstFailed time.Time
 	LastFailed  time.Time
-	State       string
+	// State is one of the DeadLetter* states.
+	State string
 }
 
 // DeadLetterFilter selects dead letters. Zero fields match everything.
 type DeadLetterFilter struct {
+	// Handler, Fingerprint, State and IDs each restrict the selection
+	// when set.
 	Handler     string
 	Fingerprint string
 	State       string

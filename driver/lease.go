@@ -106,6 +106,7 @@ type LeaseClaimResult struct {
 
 // LeaseHeartbeatParams are the parameters of LeaseDriver.LeaseHeartbeat.
 type LeaseHeartbeatParams struct {
+	// Handler and MessageID name the lease's row.
 	Handler   string
 	MessageID string
 	// Token is the caller's fencing token.
@@ -116,6 +117,7 @@ type LeaseHeartbeatParams struct {
 
 // LeaseCompleteParams are the parameters of LeaseDriver.LeaseComplete.
 type LeaseCompleteParams struct {
+	// Handler and MessageID name the lease's row.
 	Handler   string
 	MessageID string
 	// Token is the caller's fencing token.
@@ -129,6 +131,7 @@ type LeaseCompleteParams struct {
 
 // LeaseFailParams are the parameters of LeaseDriver.LeaseFail.
 type LeaseFailParams struct {
+	// Handler and MessageID name the lease's row.
 	Handler   string
 	MessageID string
 	// Token is the caller's fencing token.
@@ -146,6 +149,7 @@ type LeaseFailParams struct {
 
 // LeaseGetParams are the parameters of LeaseDriver.LeaseGet.
 type LeaseGetParams struct {
+	// Handler and MessageID name the lease's row.
 	Handler   string
 	MessageID string
 }
@@ -189,6 +193,7 @@ type LeaseRow struct {
 
 // LeaseAdvance is the sequence a completed lease advances its aggregate to.
 type LeaseAdvance struct {
+	// AggregateID's sequence advances to Seq.
 	AggregateID string
 	Seq         int64
 }

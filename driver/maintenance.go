@@ -26,6 +26,7 @@ type MarkerPruner interface {
 
 // MarkerKey is a marker's primary key: the pruning cursor.
 type MarkerKey struct {
+	// Handler and MessageID are the primary key's columns.
 	Handler   string
 	MessageID string
 }

@@ -34,6 +34,7 @@ type BeginSequenceAdvancer[TTx any] interface {
 
 // SequenceAdvanceParams are the parameters of SequenceGuard.SequenceAdvance.
 type SequenceAdvanceParams struct {
+	// Handler and AggregateID name the sequence.
 	Handler     string
 	AggregateID string
 	// Seq is ≥ 1.
@@ -52,6 +53,8 @@ type SequenceAdvanceResult struct {
 
 // GapSightingParams are the parameters of SequenceGuard.GapSighting.
 type GapSightingParams struct {
+	// Handler and AggregateID name the sequence; Seq is the sequence of
+	// the message that found the gap.
 	Handler     string
 	AggregateID string
 	Seq         int64
@@ -84,6 +87,7 @@ type VersionStore[TTx any] interface {
 
 // VersionParams name an aggregate on the write side.
 type VersionParams struct {
+	// Stream and AggregateID name the aggregate.
 	Stream      string
 	AggregateID string
 	// Expected is the version the caller read, for VersionAdvance.

@@ -79,6 +79,7 @@ type OutboxRelayStore interface {
 
 // OutboxStats describes the outbox.
 type OutboxStats struct {
+	// Pending rows await the relay; Published rows await cleanup.
 	Pending, Published int64
 	// OldestPending is the creation time of the oldest pending row.
 	OldestPending time.Time

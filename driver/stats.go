@@ -14,5 +14,6 @@ type StatsStore interface {
 
 // StatsDelta is an increment of a handler's counters.
 type StatsDelta struct {
+	// Duplicates and Stale count deliveries skipped as such.
 	Duplicates, Stale int64
 }
