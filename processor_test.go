@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -12,23 +13,13 @@ import (
 	"unicode/utf8"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
 )
 
 func memProcessor(t testing.TB, cfg *idem.Config) *idem.Processor[*sql.Tx] {
 	t.Helper()
-	db, err := sqlite.Open(":memory:", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	_, drv := testenv.SQLite(t, ":memory:", nil)
 	p, err := idem.NewProcessor(drv, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -256,5 +247,81 @@ func FuzzProcess(f *testing.F) {
 		if out, err = p.Process(ctx, h, changed); out != idem.Conflict || !errors.Is(err, idem.ErrConflict) {
 			t.Fatalf("changed payload of %q: (%v, %v)", id, out, err)
 		}
+	})
+}
+
+// FuzzProcessBatch feeds arbitrary batches (IDs split on NUL, payload bits
+// from flags, part of the batch delivered first) through a real SQLite
+// processor and checks every outcome against a model of the markers: new
+// IDs are applied once, repeats are Duplicates, a changed payload is a
+// Conflict, and the handler sees exactly the applied messages.
+func FuzzProcessBatch(f *testing.F) {
+	f.Add([]byte("a\x00b\x00c"), []byte{0}, uint8(1))
+	f.Add([]byte("a\x00a\x00b\x00a"), []byte{0, 1, 0, 1}, uint8(2))
+	many := make([]string, 80)
+	for i := range many {
+		many[i] = fmt.Sprintf("evt-%d", i%70)
+	}
+	f.Add([]byte(strings.Join(many, "\x00")), []byte{0, 0, 0, 1, 0}, uint8(40))
+	f.Add([]byte("\xff\x00ok"), []byte{}, uint8(0))
+	f.Add([]byte(""), []byte{}, uint8(0))
+	p := memProcessor(f, nil)
+	var n atomic.Int64
+	f.Fuzz(func(t *testing.T, ids []byte, flags []byte, first uint8) {
+		ctx := context.Background()
+		var applied []string
+		h := &idem.Handler[*sql.Tx]{
+			Name: fmt.Sprintf("fuzz-batch-%d", n.Add(1)), // fresh handler: no state from earlier inputs
+			ApplyBatch: func(_ context.Context, _ *sql.Tx, ms []*idem.Message) error {
+				for _, m := range ms {
+					applied = append(applied, m.ID)
+				}
+				return nil
+			},
+		}
+		var msgs []*idem.Message
+		for i, id := range strings.Split(string(ids), "\x00") {
+			bit := byte(0)
+			if len(flags) > 0 {
+				bit = flags[i%len(flags)] & 1
+			}
+			msgs = append(msgs, &idem.Message{ID: id, Payload: []byte{bit}})
+		}
+		stored := map[string]byte{} // the model: ID → payload bit of its marker
+		deliver := func(batch []*idem.Message) {
+			applied = applied[:0]
+			outs, err := p.ProcessBatch(ctx, h, batch)
+			if slices.ContainsFunc(batch, func(m *idem.Message) bool { return !validID(m.ID) }) {
+				if !errors.Is(err, idem.ErrInvalidMessage) || outs != nil {
+					t.Fatalf("batch with an invalid ID: (%v, %v), want ErrInvalidMessage", outs, err)
+				}
+				return
+			}
+			if err != nil || len(outs) != len(batch) {
+				t.Fatalf("batch of %d: %d outcomes, error %v", len(batch), len(outs), err)
+			}
+			var want []string
+			for i, m := range batch {
+				exp := idem.Applied
+				if bit, ok := stored[m.ID]; !ok {
+					stored[m.ID] = m.Payload[0]
+					want = append(want, m.ID)
+				} else if bit == m.Payload[0] {
+					exp = idem.Duplicate
+				} else {
+					exp = idem.Conflict
+				}
+				if outs[i] != exp {
+					t.Fatalf("message %d (%q): %v, want %v", i, m.ID, outs[i], exp)
+				}
+			}
+			slices.Sort(want)
+			got := slices.Sorted(slices.Values(applied))
+			if !slices.Equal(got, want) {
+				t.Fatalf("handler applied %q, want %q", got, want)
+			}
+		}
+		deliver(msgs[:int(first)%(len(msgs)+1)])
+		deliver(msgs)
 	})
 }

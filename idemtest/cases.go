@@ -374,6 +374,73 @@ func testBatchConflict[TTx any](t *testing.T, s *Store[TTx]) {
 	wantBalances(t, s, Expected(ev))
 }
 
+// testLargeBatch: a batch far larger than any chunk a driver may split
+// its marker inserts into, with old markers scattered through it (at chunk
+// edges too) and one conflicting marker. A driver that bets on a new batch
+// must tell every old marker from the new ones, whatever chunk it is in.
+func testLargeBatch[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	p := newProc(t, s)
+	var calls sync.Map
+	h := CreditHandler(s, "balances", &calls)
+	ev := Events(700)
+	old := func(i int) bool { return i%37 == 5 || i == 31 || i == 32 || i == 63 || i == 64 || i == 699 }
+	const conflicting = 100
+	stored := ev[conflicting]
+	stored.Amount += 1000 // the marker stored for 100 carries another payload
+	applied := []Event{stored}
+	var first []*idem.Message
+	for i, e := range ev {
+		if old(i) {
+			first = append(first, e.Message())
+			applied = append(applied, e)
+		}
+	}
+	if _, err := p.ProcessBatch(ctx, h, append(first, stored.Message())); err != nil {
+		t.Fatal(err)
+	}
+	batch := make([]*idem.Message, len(ev))
+	want := make([]idem.Outcome, len(ev))
+	for i, e := range ev {
+		batch[i] = e.Message()
+		switch {
+		case i == conflicting:
+			want[i] = idem.Conflict
+		case old(i):
+			want[i] = idem.Duplicate
+		default:
+			want[i] = idem.Applied
+			applied = append(applied, e)
+		}
+	}
+	outs, err := p.ProcessBatch(ctx, h, batch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range want {
+		if outs[i] != want[i] {
+			t.Fatalf("message %d (%s): outcome %v, want %v", i, ev[i].ID, outs[i], want[i])
+		}
+	}
+	for i, e := range ev {
+		if n := callsOf(&calls, e.ID); n != 1 && !(i == conflicting && n == 0) {
+			t.Fatalf("%s applied %d times", e.ID, n)
+		}
+	}
+	wantBalances(t, s, Expected(applied))
+	// The same batch again: nothing new, the handler is not called.
+	outs, err = p.ProcessBatch(ctx, h, batch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outs {
+		if w := map[bool]idem.Outcome{true: idem.Conflict, false: idem.Duplicate}[i == conflicting]; o != w {
+			t.Fatalf("redelivered batch: message %d is %v, want %v", i, o, w)
+		}
+	}
+	wantBalances(t, s, Expected(applied))
+}
+
 type outcomeCounter struct {
 	want idem.Outcome
 	n    *atomic.Int64

@@ -19,20 +19,18 @@ var (
 // and transactions begin IMMEDIATE, so the read-then-decide fallback cannot
 // race.
 func (d *Driver) SequenceAdvance(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
+	if d.advanceSeq == nil {
+		return driver.SequenceAdvanceResult{}, errNotMigrated
+	}
 	var last int64
-	err := tx.QueryRowContext(ctx, `INSERT INTO `+d.tables.sequences+` AS s (handler, aggregate_id, last_seq)
-SELECT ?1, ?2, ?3 WHERE ?3 = 1 OR ?4
-ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq
-WHERE s.last_seq = excluded.last_seq - 1 OR (?4 AND s.last_seq < excluded.last_seq)
-RETURNING last_seq`, p.Handler, p.AggregateID, p.Seq, p.AllowGap).Scan(&last)
+	err := tx.StmtContext(ctx, d.advanceSeq).QueryRowContext(ctx, p.Handler, p.AggregateID, p.Seq, p.AllowGap).Scan(&last)
 	if err == nil {
 		return driver.SequenceAdvanceResult{Advanced: true}, nil
 	}
 	if !errors.Is(err, sql.ErrNoRows) {
 		return driver.SequenceAdvanceResult{}, err
 	}
-	err = tx.QueryRowContext(ctx, `SELECT last_seq FROM `+d.tables.sequences+` WHERE handler = ? AND aggregate_id = ?`,
-		p.Handler, p.AggregateID).Scan(&last)
+	err = tx.StmtContext(ctx, d.selectSeq).QueryRowContext(ctx, p.Handler, p.AggregateID).Scan(&last)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return driver.SequenceAdvanceResult{}, err
 	}
