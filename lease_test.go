@@ -12,23 +12,13 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
 )
 
 func leaseDriver(t testing.TB) *sqlite.Driver {
 	t.Helper()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "lease.db"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "lease.db"), nil)
 	return drv
 }
 

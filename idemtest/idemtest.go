@@ -64,6 +64,9 @@ type Harness[TTx any] struct {
 	// Goroutines and IDs size the concurrent-duplicates tests. Defaults
 	// 32 and 1,000.
 	Goroutines, IDs int
+	// Aggregates sizes RunOrdering's shuffled streams: that many
+	// aggregates of 100 events each. Default 100.
+	Aggregates int
 }
 
 // Run runs the whole conformance suite.
@@ -89,6 +92,7 @@ func Run[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"ProcessTxCommitAndRollback", testProcessTx[TTx]},
 		{"BatchDedupesWithinAndAcross", testBatchDedupe[TTx]},
 		{"BatchConflict", testBatchConflict[TTx]},
+		{"LargeBatchOverOldMarkers", testLargeBatch[TTx]},
 		{"BatchHandlerErrorRollsBack", testBatchRollback[TTx]},
 		{"ProcessBatchTx", testProcessBatchTx[TTx]},
 		{"ConcurrentDuplicates", func(t *testing.T, s *Store[TTx]) {
@@ -112,7 +116,9 @@ func Run[TTx any](t *testing.T, h *Harness[TTx]) {
 // Event is one intended credit, encoded in a message payload as
 // "account:amount".
 type Event struct {
-	ID      string
+	// ID is the message ID.
+	ID string
+	// Account is credited with Amount; it is also the aggregate ID.
 	Account string
 	Amount  int64
 }

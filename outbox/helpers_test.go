@@ -63,18 +63,7 @@ func (p *producer) fill(ctx context.Context, stream string, n, aggregates int) e
 
 func sqliteProducer(t testing.TB) *producer {
 	t.Helper()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "producer.db"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	db, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "producer.db"), nil)
 	if _, err := db.Exec(`CREATE TABLE ledger (account TEXT PRIMARY KEY, amount INTEGER NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
@@ -342,18 +331,7 @@ type view struct {
 
 func newView(t testing.TB) *view {
 	t.Helper()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "view.db"), &sqlite.OpenOptions{Synchronous: "OFF"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	db, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "view.db"), &sqlite.OpenOptions{Synchronous: "OFF"})
 	if _, err := db.Exec(`CREATE TABLE balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL, last_seq INTEGER NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -19,18 +20,7 @@ import (
 // if needed); crash tests open it from two processes.
 func attachLeaseStore(t testing.TB, path string) driver.LeaseDriver {
 	t.Helper()
-	db, err := sqlite.Open(path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	_, drv := testenv.SQLite(t, path, nil)
 	return drv
 }
 

@@ -2,12 +2,10 @@ package sqlite_test
 
 import (
 	"context"
-	"path/filepath"
 	"testing"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
-	"github.com/idemhq/idem/sqlite"
 )
 
 // TestStatsFlushFailureKeepsCounts: counts a flush could not store are
@@ -15,18 +13,7 @@ import (
 // in between.
 func TestStatsFlushFailureKeepsCounts(t *testing.T) {
 	ctx := context.Background()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "idem.db"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
+	db, drv := openMigrated(t, nil)
 	rec, err := idem.NewStatsRecorder(drv, nil)
 	if err != nil {
 		t.Fatal(err)
