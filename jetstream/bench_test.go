@@ -9,12 +9,10 @@ import (
 // BenchmarkEndToEnd publishes messages to an embedded JetStream server and
 // consumes them into SQLite with a plain handler and through idem.Consumer,
 // one message at a time and in batches of 100, reporting idem/plain as the
-// ratio.
+// ratio, with SQLite at synchronous=FULL and NORMAL.
 //
-//	go test ./jetstream -run '^$' -bench EndToEnd -benchtime 5000x
+//	go test ./jetstream -run '^$' -bench EndToEnd -benchtime 20000x
 func BenchmarkEndToEnd(b *testing.B) {
 	url := embedded(b)
-	newBroker := func(t testing.TB) adaptertest.Broker { return newBroker(t, url) }
-	b.Run("per-message", func(b *testing.B) { adaptertest.EndToEnd(b, newBroker, 1) })
-	b.Run("batch-100", func(b *testing.B) { adaptertest.EndToEnd(b, newBroker, 100) })
+	adaptertest.BenchEndToEnd(b, func(t testing.TB) adaptertest.Broker { return newBroker(t, url) })
 }

@@ -2,6 +2,9 @@ package adaptertest
 
 import (
 	"context"
+	"slices"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -10,17 +13,39 @@ import (
 	"github.com/idemhq/idem/idemtest"
 )
 
+// BenchEndToEnd runs EndToEnd one message at a time and in batches of 100,
+// each on SQLite at synchronous=FULL (sqlite.Open's default: every commit
+// waits for fsync) and at synchronous=NORMAL (no fsync per commit, so
+// CPU-bound: idem's own work shows undiluted).
+func BenchEndToEnd(b *testing.B, newBroker func(testing.TB) Broker) {
+	for _, synchronous := range []string{"FULL", "NORMAL"} {
+		for _, batch := range []int{1, 100} {
+			name := "per-message"
+			if batch > 1 {
+				name = "batch-" + strconv.Itoa(batch)
+			}
+			b.Run(strings.ToLower(synchronous)+"/"+name, func(b *testing.B) { EndToEnd(b, newBroker, batch, synchronous) })
+		}
+	}
+}
+
+// endToEndRounds is how many times EndToEnd measures each handler,
+// alternating plain and idem, so that a slow spell of the disk or the
+// machine falls on both.
+const endToEndRounds = 3
+
 // EndToEnd publishes max(b.N, 500) new messages and consumes them into
-// SQLite twice on fresh brokers: with a plain handler (the balance upserts
-// in a transaction, then the ack) and through idem.Consumer, and reports
-// both rates and idem/plain as the ratio. batch 1 decides one message at a
-// time; above 1 the adapter hands over batches of up to batch and both
-// handlers commit a batch's upserts in one transaction (idem adds its
-// markers to it).
-func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, batch int) {
+// SQLite (at the given synchronous setting) on a fresh broker, with a plain
+// handler (the balance upserts in a transaction, then the ack) and through
+// idem.Consumer, alternating the two for endToEndRounds rounds each. It
+// reports the median rate of each and their ratio, idem/plain. batch 1
+// decides one message at a time; above 1 the adapter hands over batches of
+// up to batch and both handlers commit a batch's upserts in one transaction
+// (idem adds its markers to it).
+func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, batch int, synchronous string) {
 	n := max(b.N, 500)
 	rate := func(withIdem bool) float64 {
-		br, e := newBroker(b), NewEnv(b)
+		br, e := newBroker(b), newEnv(b, synchronous)
 		events := idemtest.Events(n)
 		br.Publish(b, Messages(events), 0)
 		var handled atomic.Int64
@@ -30,23 +55,36 @@ func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, batch int) {
 		}
 		counted := &countedBatch{next: h, n: &handled}
 		start := time.Now()
+		var kill func()
 		if batch > 1 {
-			br.StartBatched(b, counted, batch)
+			kill = br.StartBatched(b, counted, batch)
 		} else {
-			br.Start(b, idem.DeliveryHandlerFunc(counted.HandleDelivery))
+			kill = br.Start(b, idem.DeliveryHandlerFunc(counted.HandleDelivery))
 		}
 		for handled.Load() < int64(n) {
 			time.Sleep(time.Millisecond)
 		}
-		return float64(n) / time.Since(start).Seconds()
+		r := float64(n) / time.Since(start).Seconds()
+		kill()
+		return r
 	}
 	b.ResetTimer()
-	plain := rate(false)
-	withIdem := rate(true)
+	var plain, withIdem []float64
+	for range endToEndRounds {
+		plain = append(plain, rate(false))
+		withIdem = append(withIdem, rate(true))
+	}
+	p, i := median(plain), median(withIdem)
 	b.ReportMetric(0, "ns/op")
-	b.ReportMetric(plain, "plain-msgs/s")
-	b.ReportMetric(withIdem, "idem-msgs/s")
-	b.ReportMetric(withIdem/plain, "ratio")
+	b.ReportMetric(p, "plain-msgs/s")
+	b.ReportMetric(i, "idem-msgs/s")
+	b.ReportMetric(i/p, "ratio")
+}
+
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return s[len(s)/2]
 }
 
 // plainBatch is the baseline: the same upserts without idem.
