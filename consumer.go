@@ -54,6 +54,9 @@ type ConsumerConfig struct {
 	// Logger receives a line per retry and per dead letter. Default
 	// slog.Default().
 	Logger *slog.Logger
+	// Hooks receive every verdict; each must implement HookVerdict (the
+	// metrics package's hook does).
+	Hooks []Hook
 }
 
 // Consumer decides the fate of broker deliveries for one handler: it
@@ -63,10 +66,11 @@ type ConsumerConfig struct {
 // DeliveryHandler, which the Kafka and JetStream adapters drive. It is safe
 // for concurrent use.
 type Consumer[TTx any] struct {
-	proc *Processor[TTx]
-	h    *Handler[TTx]
-	dl   driver.DeadLetterStore
-	cfg  ConsumerConfig
+	proc      *Processor[TTx]
+	h         *Handler[TTx]
+	dl        driver.DeadLetterStore
+	cfg       ConsumerConfig
+	onVerdict []HookVerdict
 }
 
 // NewConsumer returns a Consumer applying h through p, with dead letters in
@@ -88,11 +92,41 @@ func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLett
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
 	}
+	for i, hk := range c.cfg.Hooks {
+		v, ok := hk.(HookVerdict)
+		if !ok {
+			return nil, fmt.Errorf("%w: consumer hook %d (%T) does not implement HookVerdict", ErrInvalidConfig, i, hk)
+		}
+		c.onVerdict = append(c.onVerdict, v)
+	}
 	return c, nil
 }
 
 // HandleDelivery implements DeliveryHandler.
 func (c *Consumer[TTx]) HandleDelivery(ctx context.Context, d *Delivery) Verdict {
+	v := c.decide(ctx, d)
+	c.report(ctx, d, v)
+	return v
+}
+
+// report hands a verdict to the hooks.
+func (c *Consumer[TTx]) report(ctx context.Context, d *Delivery, v Verdict) {
+	if len(c.onVerdict) == 0 {
+		return
+	}
+	ev := &VerdictEvent{Handler: c.h.Name, Verdict: v}
+	if d != nil {
+		ev.Attempt = d.Attempt
+		if d.Msg != nil {
+			ev.MessageID = d.Msg.ID
+		}
+	}
+	for _, hk := range c.onVerdict {
+		hk.OnVerdict(ctx, ev)
+	}
+}
+
+func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 	if d == nil {
 		return Verdict{Err: fmt.Errorf("%w: nil delivery", ErrInvalidConfig), RetryAfter: c.cfg.Backoff.Delay(0)}
 	}
@@ -137,12 +171,18 @@ func (c *Consumer[TTx]) HandleDelivery(ctx context.Context, d *Delivery) Verdict
 func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
 	vs := make([]Verdict, len(ds))
 	one := func(i int) { vs[i] = c.HandleDelivery(ctx, ds[i]) }
+	if c.h.Ordering != nil {
+		for i := range ds {
+			one(i)
+		}
+		return vs
+	}
 	var (
 		idx  []int
 		msgs []*Message
 	)
 	for i, d := range ds {
-		if d == nil || d.Msg == nil || d.DecodeErr != nil || d.Msg.Validate() != nil || c.h.Ordering != nil {
+		if d == nil || d.Msg == nil || d.DecodeErr != nil || d.Msg.Validate() != nil {
 			one(i)
 			continue
 		}
@@ -167,6 +207,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 			continue
 		}
 		vs[i] = Verdict{Ack: true, Outcome: outs[j]}
+		c.report(ctx, ds[i], vs[i])
 	}
 	return vs
 }

@@ -35,3 +35,25 @@ type OutcomeEvent struct {
 	// BatchSize is 1 for Process and ProcessTx, len(msgs) for batches.
 	BatchSize int
 }
+
+// HookVerdict is called by a Consumer once for every delivery it decides,
+// with the verdict it returns to the adapter: acknowledged, to be retried,
+// or dead-lettered. Install it in ConsumerConfig.Hooks. It runs on the
+// delivery's goroutine: keep it fast and never block.
+type HookVerdict interface {
+	OnVerdict(ctx context.Context, ev *VerdictEvent)
+}
+
+// VerdictEvent describes one decided delivery.
+type VerdictEvent struct {
+	// Handler is the consumer's handler name.
+	Handler string
+	// MessageID is the message ID, empty when the delivery could not be
+	// decoded into a message.
+	MessageID string
+	// Attempt is the broker's delivery count (1 on the first delivery; 0
+	// if the broker does not say).
+	Attempt int
+	// Verdict is what the Consumer returned.
+	Verdict Verdict
+}

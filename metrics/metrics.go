@@ -1,0 +1,205 @@
+// Package metrics exports idem's outcomes and timings to Prometheus.
+//
+// Install a *Metrics as a processor hook (idem.Config.Hooks or
+// idem.LeaseConfig.Hooks), and as a consumer hook (idem.ConsumerConfig.Hooks)
+// for the broker-side verdicts, and serve the registry as usual:
+//
+//	reg := prometheus.NewRegistry()
+//	m, err := metrics.New(reg, nil)
+//	proc, err := idem.NewProcessor(drv, &idem.Config{Hooks: []idem.Hook{m}})
+//	c, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Hooks: []idem.Hook{m}})
+//	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+//
+// It exports, labelled by handler name (which you choose, so cardinality
+// stays bounded; message IDs are never labels):
+//
+//	idem_messages_total{handler, outcome}      applied, duplicate, conflict,
+//	                                           stale, in_flight, or error
+//	idem_errors_total{handler, kind}           why an outcome was error:
+//	                                           retriable, permanent, panic,
+//	                                           gap, invalid or canceled
+//	idem_message_duration_seconds{handler}     processing time per message
+//	                                           (a batch's time shared out)
+//	idem_deliveries_total{handler, verdict}    a Consumer's verdicts: acked,
+//	                                           retried or dead_lettered
+//	idem_leases_lost_total{handler, op}        lease mode: leases this worker
+//	                                           lost (heartbeat, done, failed,
+//	                                           expired)
+//
+// Counting costs a map lookup and an atomic add per message, on the
+// processing goroutine.
+package metrics
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemhq/idem"
+)
+
+// Config configures New. The zero value is valid.
+type Config struct {
+	// Namespace prefixes every metric name. Default "idem".
+	Namespace string
+	// ConstLabels are added to every metric, for example the service.
+	ConstLabels prometheus.Labels
+	// Buckets are the upper bounds, in seconds, of the duration
+	// histogram. Default: 0.25 ms doubling to ~8 s.
+	Buckets []float64
+}
+
+// OutcomeError is the outcome label of a call that ended with an error
+// (idem.OutcomeNone): the error is classified in idem_errors_total.
+const OutcomeError = "error"
+
+// Error kinds, the kind label of idem_errors_total.
+const (
+	KindRetriable = "retriable" // the handler or the store failed; a retry may succeed
+	KindPermanent = "permanent" // idem.Permanent: retrying cannot help
+	KindPanic     = "panic"     // the handler panicked (idem.PanicError)
+	KindGap       = "gap"       // the ordering guard refused it (idem.ErrGap)
+	KindInvalid   = "invalid"   // invalid message, handler or configuration
+	KindCanceled  = "canceled"  // the context was canceled or timed out
+)
+
+// Verdict labels of idem_deliveries_total.
+const (
+	VerdictAcked        = "acked"         // the outcome is durable; the broker was told so
+	VerdictRetried      = "retried"       // not acknowledged: redelivered after a backoff
+	VerdictDeadLettered = "dead_lettered" // committed to the dead-letter store, then acknowledged
+)
+
+// Metrics is an idem hook that counts outcomes and verdicts and times
+// processing. It is safe for concurrent use.
+type Metrics struct {
+	messages   *prometheus.CounterVec
+	errors     *prometheus.CounterVec
+	seconds    *prometheus.HistogramVec
+	deliveries *prometheus.CounterVec
+	leasesLost *prometheus.CounterVec
+
+	counters  sync.Map // outcomeKey → prometheus.Counter
+	observers sync.Map // handler → prometheus.Observer
+}
+
+type outcomeKey struct {
+	handler string
+	outcome idem.Outcome
+}
+
+// New creates the metrics and registers them with reg. It fails, with an
+// error matching idem.ErrInvalidConfig, when reg is nil or already holds
+// metrics of the same names.
+func New(reg prometheus.Registerer, cfg *Config) (*Metrics, error) {
+	if reg == nil {
+		return nil, fmt.Errorf("%w: metrics.New needs a prometheus.Registerer", idem.ErrInvalidConfig)
+	}
+	if cfg == nil {
+		cfg = &Config{}
+	}
+	ns := cfg.Namespace
+	if ns == "" {
+		ns = "idem"
+	}
+	buckets := cfg.Buckets
+	if len(buckets) == 0 {
+		buckets = prometheus.ExponentialBuckets(0.00025, 2, 16)
+	}
+	m := &Metrics{
+		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "messages_total", ConstLabels: cfg.ConstLabels,
+			Help: "Messages processed, by handler and outcome (applied, duplicate, conflict, stale, in_flight, error).",
+		}, []string{"handler", "outcome"}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "errors_total", ConstLabels: cfg.ConstLabels,
+			Help: "Messages whose processing returned an error, by handler and kind (retriable, permanent, panic, gap, invalid, canceled).",
+		}, []string{"handler", "kind"}),
+		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Name: "message_duration_seconds", ConstLabels: cfg.ConstLabels, Buckets: buckets,
+			Help: "Processing time per message, from the call to its outcome; a batch's time is shared among its messages.",
+		}, []string{"handler"}),
+		deliveries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "deliveries_total", ConstLabels: cfg.ConstLabels,
+			Help: "Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, dead_lettered).",
+		}, []string{"handler", "verdict"}),
+		leasesLost: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "leases_lost_total", ConstLabels: cfg.ConstLabels,
+			Help: "Lease mode: leases this worker lost, by handler and the operation that found out (heartbeat, done, failed, expired).",
+		}, []string{"handler", "op"}),
+	}
+	cs := []prometheus.Collector{m.messages, m.errors, m.seconds, m.deliveries, m.leasesLost}
+	for i, c := range cs {
+		if err := reg.Register(c); err != nil {
+			for _, done := range cs[:i] { // all or nothing
+				reg.Unregister(done)
+			}
+			return nil, fmt.Errorf("%w: register idem metrics: %w", idem.ErrInvalidConfig, err)
+		}
+	}
+	return m, nil
+}
+
+// OnOutcome implements idem.HookOutcome.
+func (m *Metrics) OnOutcome(_ context.Context, ev *idem.OutcomeEvent) {
+	key := outcomeKey{ev.Handler, ev.Outcome}
+	c, ok := m.counters.Load(key)
+	if !ok {
+		label := ev.Outcome.String()
+		if ev.Outcome == idem.OutcomeNone {
+			label = OutcomeError
+		}
+		c, _ = m.counters.LoadOrStore(key, m.messages.WithLabelValues(ev.Handler, label))
+	}
+	c.(prometheus.Counter).Inc()
+	if ev.Outcome == idem.OutcomeNone {
+		m.errors.WithLabelValues(ev.Handler, Kind(ev.Err)).Inc()
+	}
+	o, ok := m.observers.Load(ev.Handler)
+	if !ok {
+		o, _ = m.observers.LoadOrStore(ev.Handler, m.seconds.WithLabelValues(ev.Handler))
+	}
+	d := ev.Duration.Seconds()
+	if ev.BatchSize > 1 {
+		d /= float64(ev.BatchSize)
+	}
+	o.(prometheus.Observer).Observe(d)
+}
+
+// OnVerdict implements idem.HookVerdict.
+func (m *Metrics) OnVerdict(_ context.Context, ev *idem.VerdictEvent) {
+	verdict := VerdictRetried
+	switch {
+	case ev.Verdict.DeadLettered:
+		verdict = VerdictDeadLettered
+	case ev.Verdict.Ack:
+		verdict = VerdictAcked
+	}
+	m.deliveries.WithLabelValues(ev.Handler, verdict).Inc()
+}
+
+// OnLeaseLost implements idem.HookLeaseLost.
+func (m *Metrics) OnLeaseLost(_ context.Context, ev *idem.LeaseLostEvent) {
+	m.leasesLost.WithLabelValues(ev.Handler, ev.Op).Inc()
+}
+
+// Kind classifies a processing error into one of the Kind constants.
+func Kind(err error) string {
+	var pe *idem.PanicError
+	switch {
+	case errors.As(err, &pe):
+		return KindPanic
+	case errors.Is(err, idem.ErrGap):
+		return KindGap
+	case errors.Is(err, idem.ErrInvalidMessage), errors.Is(err, idem.ErrInvalidHandlerName), errors.Is(err, idem.ErrInvalidConfig):
+		return KindInvalid
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return KindCanceled
+	case idem.IsPermanent(err):
+		return KindPermanent
+	}
+	return KindRetriable
+}
