@@ -16,6 +16,8 @@
 //	cleanup   delete markers older than the retention, in small batches
 //	bench     measure idem's throughput as a ratio of the same
 //	          transactions without it
+//	serve     serve the store's state as Prometheus metrics and a
+//	          read-only admin page
 //	help      show help for idem or for one command
 //
 // Exit codes: 0 success, 1 verification or operation failed, 2 usage error.
@@ -93,6 +95,7 @@ func commands() []*command {
 		outboxCommand(),
 		cleanupCommand(),
 		benchCommand(),
+		serveCommand(),
 	}
 }
 

@@ -3,7 +3,11 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
@@ -54,6 +58,24 @@ func TestOperatorCommandsPostgres(t *testing.T) {
 	var dls []dlqJSON
 	if code != exitOK || json.Unmarshal([]byte(out), &dls) != nil || len(dls) != 1 || dls[0].MessageID != "m2" || dls[0].Class != "permanent" {
 		t.Fatalf("dlq list: exit %d\n%s%s", code, out, errOut)
+	}
+	// serve reads the same schema: the page and the store metrics.
+	s, err := openStore(ctx, testenv.PostgresDSN(), storeOptions{Schema: schema, Prefix: defaultPrefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	srv := httptest.NewServer(newServeMux(s, 0, 5*time.Second))
+	defer srv.Close()
+	if code, body := get(t, srv.URL+"/metrics"); code != http.StatusOK ||
+		!strings.Contains(body, "idem_store_up 1") ||
+		!strings.Contains(body, `idem_store_markers{handler="mailer"} 1`) ||
+		!strings.Contains(body, `idem_store_dead_letters{handler="mailer",state="parked"} 1`) ||
+		!strings.Contains(body, "idem_outbox_pending 0") {
+		t.Fatalf("serve /metrics on Postgres: %d\n%s", code, body)
+	}
+	if code, body := get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, "template 42 missing") {
+		t.Fatalf("serve / on Postgres: %d", code)
 	}
 	code, out, errOut = runCLIEnv(t, vars, "dlq", "replay", "--schema", schema, "--group", dls[0].Fingerprint)
 	if code != exitOK || out != "1 dead letter marked for replay; a running consumer of their handler replays them.\n" {

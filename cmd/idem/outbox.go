@@ -72,24 +72,9 @@ type outboxReport struct {
 }
 
 func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now time.Time) error {
-	if n, version, err := s.schemaVersion(ctx); err != nil {
-		return err
-	} else if n == 0 || version < 6 {
-		return fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
-	}
-	ob, ok := s.idemDriver().(driver.OutboxRelayStore)
-	if !ok {
-		return fmt.Errorf("%s: the driver has no outbox", s)
-	}
-	st, err := ob.OutboxStats(ctx)
+	rep, err := collectOutbox(ctx, s, now)
 	if err != nil {
 		return err
-	}
-	rep := outboxReport{Pending: st.Pending, Failing: st.Failing, LastError: st.LastError, Published: st.Published}
-	if !st.OldestPending.IsZero() {
-		o := st.OldestPending.UTC().Truncate(time.Second)
-		rep.OldestPending = &o
-		rep.AgeSeconds = int64(now.Sub(st.OldestPending).Seconds())
 	}
 	if asJSON {
 		enc := json.NewEncoder(w)
@@ -108,4 +93,37 @@ func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now
 	}
 	fmt.Fprintf(w, "published       %d (kept until 'idem cleanup' prunes them)\n", rep.Published)
 	return nil
+}
+
+// outboxSchemaVersion is the migration that created the outbox tables.
+const outboxSchemaVersion = 6
+
+// collectOutbox reads the outbox's state as of now, after checking the
+// schema has it.
+func collectOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, error) {
+	if n, version, err := s.schemaVersion(ctx); err != nil {
+		return nil, err
+	} else if n == 0 || version < outboxSchemaVersion {
+		return nil, fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
+	}
+	return readOutbox(ctx, s, now)
+}
+
+// readOutbox reads the outbox's state as of now.
+func readOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, error) {
+	ob, ok := s.idemDriver().(driver.OutboxRelayStore)
+	if !ok {
+		return nil, fmt.Errorf("%s: the driver has no outbox", s)
+	}
+	st, err := ob.OutboxStats(ctx)
+	if err != nil {
+		return nil, err
+	}
+	rep := &outboxReport{Pending: st.Pending, Failing: st.Failing, LastError: st.LastError, Published: st.Published}
+	if !st.OldestPending.IsZero() {
+		o := st.OldestPending.UTC().Truncate(time.Second)
+		rep.OldestPending = &o
+		rep.AgeSeconds = int64(now.Sub(st.OldestPending).Seconds())
+	}
+	return rep, nil
 }

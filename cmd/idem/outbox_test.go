@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"path/filepath"
 	"testing"
 
@@ -31,22 +32,7 @@ func TestOutboxStatsGolden(t *testing.T) {
 	if err := drv.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	ob, err := outbox.New(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := db.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, id := range []string{"a", "b", "c"} {
-		if err := ob.Add(ctx, tx, &idem.Message{ID: id, Stream: "credits", Payload: []byte(id)}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
+	addToOutbox(t, db, drv, "a", "b", "c")
 	var rs driver.OutboxRelayStore = drv
 	if err := rs.OutboxMarkPublished(ctx, []int64{1}); err != nil {
 		t.Fatal(err)
@@ -66,5 +52,28 @@ func TestOutboxStatsGolden(t *testing.T) {
 			t.Fatalf("%v: exit %d: %s", step.args, code, errOut)
 		}
 		golden(t, step.name, path, out+errOut)
+	}
+}
+
+// addToOutbox adds one message per ID (payload = ID) to the outbox of the
+// migrated SQLite database db, in one transaction.
+func addToOutbox(t *testing.T, db *sql.DB, drv *sqlite.Driver, ids ...string) {
+	t.Helper()
+	ctx := context.Background()
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		if err := ob.Add(ctx, tx, &idem.Message{ID: id, Stream: "credits", Payload: []byte(id)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
 	}
 }

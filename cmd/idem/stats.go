@@ -64,11 +64,39 @@ type handlerStats struct {
 }
 
 func runStats(ctx context.Context, e *env, s *store, asJSON bool) error {
-	n, version, err := s.schemaVersion(ctx)
+	list, _, err := collectStats(ctx, s)
 	if err != nil {
 		return err
+	}
+	if asJSON {
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(list)
+	}
+	if len(list) == 0 {
+		fmt.Fprintln(e.stdout, "No markers or dead letters stored yet.")
+		return nil
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "HANDLER\tAPPLIED\tDUPLICATES\tSTALE\tIN FLIGHT\tFAILED\tDEAD LETTERS\tCONFLICTS\tOLDEST MARKER")
+	for _, st := range list {
+		old := "-"
+		if st.OldestMarker != nil {
+			old = st.OldestMarker.Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", st.Handler, st.Applied, st.Duplicates, st.Stale, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
+	}
+	return tw.Flush()
+}
+
+// collectStats reads the per-handler counts, sorted by handler name, and
+// the schema version it found.
+func collectStats(ctx context.Context, s *store) ([]*handlerStats, int, error) {
+	n, version, err := s.schemaVersion(ctx)
+	if err != nil {
+		return nil, 0, err
 	} else if n == 0 {
-		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+		return nil, 0, fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
 	}
 	oldest := `min(processed_at)`
 	if s.kind == kindPostgres {
@@ -101,7 +129,7 @@ count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed"
 			return nil
 		})
 	if err != nil {
-		return fmt.Errorf("read markers: %w", err)
+		return nil, 0, fmt.Errorf("read markers: %w", err)
 	}
 	err = s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE state = 'parked'), count(*), count(*) FILTER (WHERE class = 'conflict')
 FROM `+s.table("dead_letters")+` GROUP BY handler`,
@@ -118,7 +146,7 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 			return nil
 		})
 	if err != nil {
-		return fmt.Errorf("read dead letters (is the schema migrated? run 'idem migrate'): %w", err)
+		return nil, 0, fmt.Errorf("read dead letters (is the schema migrated? run 'idem migrate'): %w", err)
 	}
 	if version >= 5 { // the counters table came with migration 5
 		err = s.queryRows(ctx, `SELECT handler, duplicates, stale FROM `+s.table("handler_stats"),
@@ -135,7 +163,7 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 				return nil
 			})
 		if err != nil {
-			return fmt.Errorf("read handler counters: %w", err)
+			return nil, 0, fmt.Errorf("read handler counters: %w", err)
 		}
 	}
 	list := make([]*handlerStats, 0, len(byHandler))
@@ -143,25 +171,7 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 		list = append(list, st)
 	}
 	sort.Slice(list, func(i, j int) bool { return list[i].Handler < list[j].Handler })
-	if asJSON {
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(list)
-	}
-	if len(list) == 0 {
-		fmt.Fprintln(e.stdout, "No markers or dead letters stored yet.")
-		return nil
-	}
-	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "HANDLER\tAPPLIED\tDUPLICATES\tSTALE\tIN FLIGHT\tFAILED\tDEAD LETTERS\tCONFLICTS\tOLDEST MARKER")
-	for _, st := range list {
-		old := "-"
-		if st.OldestMarker != nil {
-			old = st.OldestMarker.Format(time.RFC3339)
-		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", st.Handler, st.Applied, st.Duplicates, st.Stale, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
-	}
-	return tw.Flush()
+	return list, version, nil
 }
 
 // queryRows runs q (no parameters) on the store and calls fn per row.

@@ -1,0 +1,302 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"html/template"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/idemhq/idem/driver"
+)
+
+// serveHealthTimeout bounds /healthz's query.
+const serveHealthTimeout = 5 * time.Second
+
+// servePageDeadLetters is how many parked dead letters the page lists.
+const servePageDeadLetters = 50
+
+func serveCommand() *command {
+	return &command{
+		name:     "serve",
+		synopsis: "--dsn DSN [--schema S] [--prefix P] [--addr HOST:PORT] [--refresh D] [--read-timeout D]",
+		summary:  "serve the store's state as Prometheus metrics and a read-only admin page",
+		help: `Serve runs an HTTP server over idem's tables:
+
+  /metrics   Prometheus metrics read from the store at most once per
+             --refresh (counting markers scans their table):
+             idem_store_up, and per handler idem_store_markers,
+             idem_store_duplicates_total, idem_store_stale_total,
+             idem_store_leases{status}, idem_store_dead_letters{state},
+             idem_store_conflicts, idem_store_oldest_marker_timestamp_seconds;
+             the outbox's idem_outbox_pending, idem_outbox_failing,
+             idem_outbox_published and idem_outbox_oldest_pending_age_seconds;
+             and the Go runtime's metrics of this process
+  /          a read-only page: the same per-handler counts as 'idem stats',
+             the outbox, and the oldest parked dead letters
+  /healthz   200 when the store answers, 503 otherwise
+
+The live counters of your consumers (outcomes, errors, verdicts, durations)
+come from the metrics package's hook in your own processes; serve adds what
+only the store knows. The page changes nothing: replay and discard with
+'idem dlq'. It has no authentication, so it listens on the loopback
+interface by default; put it behind your own proxy to expose it.
+SIGINT or SIGTERM stops it gracefully (exit 0).
+
+` + dsnHelp,
+		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			sf := addStoreFlags(fs)
+			addr := fs.String("addr", "127.0.0.1:9464", "`address` to listen on")
+			refresh := fs.Duration("refresh", 15*time.Second, "read the store for /metrics at most once per `interval`; scrapes in between get the last reading")
+			readTimeout := fs.Duration("read-timeout", 10*time.Second, "bound on one read of the store for /metrics or the page (`duration`); counting takes about 0.2 s per million markers on Postgres")
+			return func(ctx context.Context, e *env, args []string) error {
+				if err := noArgs(args); err != nil {
+					return err
+				}
+				if *refresh < 0 {
+					return usagef("--refresh %s is negative", *refresh)
+				}
+				if *readTimeout <= 0 {
+					return usagef("--read-timeout %s must be positive", *readTimeout)
+				}
+				s, err := sf.open(ctx, e)
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				ln, err := net.Listen("tcp", *addr)
+				if err != nil {
+					return fmt.Errorf("listen: %w", err)
+				}
+				fmt.Fprintf(e.stdout, "idem serve: %s on http://%s (metrics at /metrics)\n", s, ln.Addr())
+				return serve(ctx, ln, newServeMux(s, *refresh, *readTimeout))
+			}
+		},
+	}
+}
+
+// serve runs h on ln until ctx ends, then shuts down gracefully.
+func serve(ctx context.Context, ln net.Listener, h http.Handler) error {
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ln) }()
+	select {
+	case err := <-done:
+		return fmt.Errorf("serve: %w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		return fmt.Errorf("shut down: %w", err)
+	}
+	if err := <-done; !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("serve: %w", err)
+	}
+	return nil
+}
+
+// newServeMux routes serve's endpoints for s; /metrics reads the store at
+// most once per refresh, and each read of the store is bounded by timeout.
+func newServeMux(s *store, refresh, timeout time.Duration) *http.ServeMux {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(newStoreCollector(s, refresh, timeout), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), serveHealthTimeout)
+		defer cancel()
+		if _, _, err := s.schemaVersion(ctx); err != nil {
+			http.Error(w, "store unavailable: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, r *http.Request) { servePage(w, r, s, timeout) })
+	return mux
+}
+
+// storeCollector reads the store's state for scrapes, at most once per
+// refresh: counting the markers scans the table, and a scrape interval is
+// not the operator's choice of database load.
+type storeCollector struct {
+	s       *store
+	refresh time.Duration
+	timeout time.Duration
+
+	mu   sync.Mutex
+	read time.Time // when last is from; zero before the first read
+	last storeReading
+
+	up, markers, duplicates, stale, leases        *prometheus.Desc
+	deadLetters, conflicts, oldestMarker          *prometheus.Desc
+	outboxPending, outboxFailing, outboxPublished *prometheus.Desc
+	outboxAge                                     *prometheus.Desc
+}
+
+// storeReading is one read of the store.
+type storeReading struct {
+	handlers []*handlerStats
+	outbox   *outboxReport // nil for a schema from before the outbox
+	err      error
+}
+
+// readStore reads the per-handler counts and the outbox.
+func readStore(ctx context.Context, s *store) storeReading {
+	var r storeReading
+	var version int
+	if r.handlers, version, r.err = collectStats(ctx, s); r.err == nil && version >= outboxSchemaVersion {
+		r.outbox, r.err = readOutbox(ctx, s, time.Now())
+	}
+	return r
+}
+
+func newStoreCollector(s *store, refresh, timeout time.Duration) *storeCollector {
+	h := []string{"handler"}
+	return &storeCollector{
+		s:               s,
+		refresh:         refresh,
+		timeout:         timeout,
+		up:              prometheus.NewDesc("idem_store_up", "1 if the last read of idem's tables succeeded, else 0.", nil, nil),
+		markers:         prometheus.NewDesc("idem_store_markers", "Markers stored (messages applied, or done in lease mode) since the last cleanup.", h, nil),
+		duplicates:      prometheus.NewDesc("idem_store_duplicates_total", "Redeliveries skipped, as flushed by StatsRecorder hooks.", h, nil),
+		stale:           prometheus.NewDesc("idem_store_stale_total", "Deliveries the ordering guard skipped as stale, as flushed by StatsRecorder hooks.", h, nil),
+		leases:          prometheus.NewDesc("idem_store_leases", "Lease-mode messages by status: in_flight (running now) or failed (waiting for a retry or failed for good).", []string{"handler", "status"}, nil),
+		deadLetters:     prometheus.NewDesc("idem_store_dead_letters", "Dead letters kept, by state: parked (waiting for an operator) or all.", []string{"handler", "state"}, nil),
+		conflicts:       prometheus.NewDesc("idem_store_conflicts", "Dead letters whose message ID arrived with a different payload.", h, nil),
+		oldestMarker:    prometheus.NewDesc("idem_store_oldest_marker_timestamp_seconds", "When the oldest marker was written (about the retention when cleanup runs).", h, nil),
+		outboxPending:   prometheus.NewDesc("idem_outbox_pending", "Outbox rows waiting for the relay.", nil, nil),
+		outboxFailing:   prometheus.NewDesc("idem_outbox_failing", "Pending outbox rows with at least one failed publish.", nil, nil),
+		outboxPublished: prometheus.NewDesc("idem_outbox_published", "Published outbox rows waiting for cleanup.", nil, nil),
+		outboxAge:       prometheus.NewDesc("idem_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox row (0 when none): the relay's lag.", nil, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.up, c.markers, c.duplicates, c.stale, c.leases, c.deadLetters, c.conflicts, c.oldestMarker,
+		c.outboxPending, c.outboxFailing, c.outboxPublished, c.outboxAge} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector. A store that cannot be read
+// yields idem_store_up 0, not a failed scrape, so the outage can alert.
+func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
+	r := c.reading()
+	if r.err != nil {
+		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 1)
+	for _, st := range r.handlers {
+		ch <- prometheus.MustNewConstMetric(c.markers, prometheus.GaugeValue, float64(st.Applied), st.Handler)
+		ch <- prometheus.MustNewConstMetric(c.duplicates, prometheus.CounterValue, float64(st.Duplicates), st.Handler)
+		ch <- prometheus.MustNewConstMetric(c.stale, prometheus.CounterValue, float64(st.Stale), st.Handler)
+		ch <- prometheus.MustNewConstMetric(c.leases, prometheus.GaugeValue, float64(st.InFlight), st.Handler, "in_flight")
+		ch <- prometheus.MustNewConstMetric(c.leases, prometheus.GaugeValue, float64(st.Failed), st.Handler, "failed")
+		ch <- prometheus.MustNewConstMetric(c.deadLetters, prometheus.GaugeValue, float64(st.DeadParked), st.Handler, "parked")
+		ch <- prometheus.MustNewConstMetric(c.deadLetters, prometheus.GaugeValue, float64(st.DeadTotal), st.Handler, "all")
+		ch <- prometheus.MustNewConstMetric(c.conflicts, prometheus.GaugeValue, float64(st.Conflicts), st.Handler)
+		if st.OldestMarker != nil {
+			ch <- prometheus.MustNewConstMetric(c.oldestMarker, prometheus.GaugeValue, float64(st.OldestMarker.UnixMicro())/1e6, st.Handler)
+		}
+	}
+	if ob := r.outbox; ob != nil {
+		ch <- prometheus.MustNewConstMetric(c.outboxPending, prometheus.GaugeValue, float64(ob.Pending))
+		ch <- prometheus.MustNewConstMetric(c.outboxFailing, prometheus.GaugeValue, float64(ob.Failing))
+		ch <- prometheus.MustNewConstMetric(c.outboxPublished, prometheus.GaugeValue, float64(ob.Published))
+		ch <- prometheus.MustNewConstMetric(c.outboxAge, prometheus.GaugeValue, float64(ob.AgeSeconds))
+	}
+}
+
+// reading returns the last reading if it is younger than refresh, else
+// reads the store again. Concurrent scrapes wait for one read.
+func (c *storeCollector) reading() storeReading {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.read.IsZero() && time.Since(c.read) < c.refresh {
+		return c.last
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	defer cancel()
+	c.last, c.read = readStore(ctx, c.s), time.Now()
+	return c.last
+}
+
+// pageData is what the admin page shows.
+type pageData struct {
+	Store       string
+	Now         time.Time
+	Err         string
+	Handlers    []*handlerStats
+	Outbox      *outboxReport
+	DeadLetters []driver.DeadLetter
+	Limit       int
+}
+
+func servePage(w http.ResponseWriter, r *http.Request, s *store, timeout time.Duration) {
+	ctx, cancel := context.WithTimeout(r.Context(), timeout)
+	defer cancel()
+	d := pageData{Store: s.String(), Now: time.Now().UTC().Truncate(time.Second), Limit: servePageDeadLetters}
+	rd := readStore(ctx, s)
+	d.Handlers, d.Outbox = rd.handlers, rd.outbox
+	err := rd.err
+	if dl, ok := s.idemDriver().(driver.DeadLetterStore); ok && err == nil {
+		d.DeadLetters, err = dl.DeadLetterList(ctx, &driver.DeadLetterFilter{State: driver.DeadLetterParked, Limit: servePageDeadLetters})
+	}
+	if err != nil {
+		d.Err = err.Error()
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'")
+	if d.Err != "" {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}
+	if err := pageTemplate.Execute(w, d); err != nil {
+		// The header is out; all that is left is to stop writing.
+		return
+	}
+}
+
+var pageTemplate = template.Must(template.New("page").Funcs(template.FuncMap{
+	"clip": clip,
+	"when": func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
+}).Parse(`<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>idem · {{.Store}}</title>
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}
+th,td{border-bottom:1px solid #ddd;padding:.3em .8em;text-align:right}
+th:first-child,td:first-child,td.text{text-align:left}
+.err{color:#a00}.muted{color:#777}
+</style></head><body>
+<h1>idem</h1>
+<p class="muted">{{.Store}} · {{when .Now}} · <a href="/metrics">metrics</a></p>
+{{if .Err}}<p class="err">The store could not be read: {{.Err}}</p>{{end}}
+<h2>Handlers</h2>
+{{if .Handlers}}<table>
+<tr><th>handler</th><th>applied</th><th>duplicates</th><th>stale</th><th>in flight</th><th>failed</th><th>dead letters (parked / all)</th><th>conflicts</th><th>oldest marker</th></tr>
+{{range .Handlers}}<tr><td>{{.Handler}}</td><td>{{.Applied}}</td><td>{{.Duplicates}}</td><td>{{.Stale}}</td><td>{{.InFlight}}</td><td>{{.Failed}}</td><td>{{.DeadParked}} / {{.DeadTotal}}</td><td>{{.Conflicts}}</td><td>{{if .OldestMarker}}{{when .OldestMarker.UTC}}{{else}}-{{end}}</td></tr>
+{{end}}</table>{{else}}<p class="muted">No markers or dead letters stored yet.</p>{{end}}
+{{with .Outbox}}<h2>Outbox</h2>
+<table>
+<tr><th>pending</th><th>oldest pending</th><th>failing</th><th>published, awaiting cleanup</th></tr>
+<tr><td>{{.Pending}}</td><td>{{if .OldestPending}}{{when .OldestPending.UTC}} ({{.AgeSeconds}} s ago){{else}}-{{end}}</td><td>{{.Failing}}</td><td>{{.Published}}</td></tr>
+</table>{{if .LastError}}<p class="err">last publish error: {{.LastError}}</p>{{end}}{{end}}
+<h2>Parked dead letters</h2>
+{{if .DeadLetters}}<p class="muted">The oldest {{len .DeadLetters}} (at most {{.Limit}}). Replay or discard them with <code>idem dlq</code>.</p>
+<table>
+<tr><th>id</th><th>handler</th><th>message ID</th><th>class</th><th>attempts</th><th>last failed</th><th>error</th></tr>
+{{range .DeadLetters}}<tr><td>{{.ID}}</td><td class="text">{{.Handler}}</td><td class="text">{{if .MessageID}}{{.MessageID}}{{else}}-{{end}}</td><td class="text">{{.Class}}</td><td>{{.Attempts}}</td><td>{{when .LastFailed}}</td><td class="text">{{clip .Error 160}}</td></tr>
+{{end}}</table>{{else}}<p class="muted">None parked.</p>{{end}}
+</body></html>
+`))
