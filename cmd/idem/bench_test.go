@@ -10,7 +10,7 @@ import (
 // SQLite file and checks the JSON figures are consistent.
 func TestBenchJSONReportsRatios(t *testing.T) {
 	t.Parallel()
-	code, out, errOut := runCLI(t, "bench", "--json", "--cases", "per-message,batch-100", "--rounds", "1", "--round", "200ms", "--workers", "2")
+	code, out, errOut := runCLI(t, "bench", "--json", "--cases", "per-message,batch-100,batch-1000-per-event", "--rounds", "1", "--round", "200ms", "--workers", "2")
 	if code != exitOK {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
@@ -18,8 +18,9 @@ func TestBenchJSONReportsRatios(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &results); err != nil {
 		t.Fatalf("output is not JSON: %v\n%s", err, out)
 	}
-	if len(results) != 2 || results[0].Case != "per-message" || results[1].BatchSize != 100 {
-		t.Fatalf("results %+v, want per-message then batch-100", results)
+	if len(results) != 3 || results[0].Case != "per-message" || results[1].BatchSize != 100 ||
+		results[2].Case != "batch-1000-per-event" || results[2].BatchSize != 1000 {
+		t.Fatalf("results %+v, want per-message, batch-100, batch-1000-per-event", results)
 	}
 	for _, r := range results {
 		if r.Store != "sqlite" || r.Plain <= 0 || r.Idem <= 0 {

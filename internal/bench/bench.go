@@ -126,6 +126,99 @@ func versionOnlyHandler[TTx any](h *idem.Handler[TTx]) *idem.Handler[TTx] {
 	return &v
 }
 
+// Case is one workload shape of the standard set.
+type Case struct {
+	// Name identifies the case, for example "batch-1000".
+	Name string
+	// BatchSize is as in Workload: 0 is the per-message API.
+	BatchSize int
+	// VersionOnly runs the idempotent variant in version-only mode (see
+	// VersionOnly); BatchSize is then 0.
+	VersionOnly bool
+	// PerEvent applies a batch one statement per event (see PerEvent).
+	PerEvent bool
+}
+
+// Cases returns the standard cases in the order they run.
+func Cases() []Case {
+	return []Case{
+		{Name: "per-message"},
+		{Name: "version-only", VersionOnly: true},
+		{Name: "batch-100", BatchSize: 100},
+		{Name: "batch-1000", BatchSize: 1000},
+		{Name: "batch-1000-per-event", BatchSize: 1000, PerEvent: true},
+	}
+}
+
+// Target returns t adapted to the case: t itself, or t in version-only or
+// per-event mode.
+func (c Case) Target(t Target) (Target, error) {
+	switch {
+	case c.VersionOnly:
+		return VersionOnly(t)
+	case c.PerEvent:
+		return PerEvent(t)
+	}
+	return t, nil
+}
+
+// PerEventTarget is implemented by targets whose batch variants can apply a
+// batch's events one statement each, as a consumer that loops over a poll's
+// records does, instead of one set-based statement over the aggregated
+// balances. The marker insert is the same set-based statement either way.
+type PerEventTarget interface {
+	// PlainBatchPerEvent applies msgs in one transaction without idem,
+	// one upsert per event.
+	PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error
+	// IdemBatchPerEvent applies msgs with Processor.ProcessBatch, the
+	// handler running one upsert per new event. An outcome other than
+	// Applied is an error.
+	IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error
+}
+
+// PerEvent returns t with its batch variants applying one statement per
+// event, or an error if t does not support it. Its per-message methods are
+// t's.
+func PerEvent(t Target) (Target, error) {
+	pt, ok := t.(PerEventTarget)
+	if !ok {
+		return nil, fmt.Errorf("bench: %s does not support per-event batches", t.Name())
+	}
+	return perEvent{Target: t, pt: pt}, nil
+}
+
+type perEvent struct {
+	Target
+	pt PerEventTarget
+}
+
+func (p perEvent) Name() string { return p.Target.Name() + "/per-event" }
+
+func (p perEvent) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
+	return p.pt.PlainBatchPerEvent(ctx, msgs)
+}
+
+func (p perEvent) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
+	return p.pt.IdemBatchPerEvent(ctx, msgs)
+}
+
+// perEventHandler returns a copy of h whose ApplyBatch calls h.Apply for
+// each message in turn.
+func perEventHandler[TTx any](h *idem.Handler[TTx]) *idem.Handler[TTx] {
+	e := *h
+	e.Name = h.Name + ".per_event"
+	apply := h.Apply
+	e.ApplyBatch = func(ctx context.Context, tx TTx, msgs []*idem.Message) error {
+		for _, m := range msgs {
+			if err := apply(ctx, tx, m); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return &e
+}
+
 // checkApplied1 returns an error unless out is Applied.
 func checkApplied1(msg *idem.Message, out idem.Outcome, err error) error {
 	if err != nil {

@@ -28,6 +28,7 @@ type PostgresTarget struct {
 	proc          *idem.Processor[postgres.Tx]
 	h             *idem.Handler[postgres.Tx]
 	vh            *idem.Handler[postgres.Tx]
+	eh            *idem.Handler[postgres.Tx]
 	upsertOne     string
 	upsertMany    string
 }
@@ -90,6 +91,7 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 		},
 	}
 	t.vh = versionOnlyHandler(t.h)
+	t.eh = perEventHandler(t.h)
 	return nil
 }
 
@@ -202,4 +204,25 @@ WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND starts_with(ta
 func (t *PostgresTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
 	out, err := t.proc.Process(ctx, t.vh, msg)
 	return checkApplied1(msg, out, err)
+}
+
+// PlainBatchPerEvent implements PerEventTarget.
+func (t *PostgresTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	return t.inTx(ctx, func(tx pgx.Tx) error {
+		for _, m := range msgs {
+			if err := t.applyOne(ctx, tx, m); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// IdemBatchPerEvent implements PerEventTarget.
+func (t *PostgresTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	outs, err := t.proc.ProcessBatch(ctx, t.eh, msgs)
+	if err != nil {
+		return err
+	}
+	return checkApplied(msgs, outs)
 }

@@ -30,6 +30,7 @@ type SQLiteTarget struct {
 	proc   *idem.Processor[*sql.Tx]
 	h      *idem.Handler[*sql.Tx]
 	vh     *idem.Handler[*sql.Tx]
+	eh     *idem.Handler[*sql.Tx]
 	upsert *sql.Stmt
 }
 
@@ -81,6 +82,7 @@ ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`); err != 
 		},
 	}
 	t.vh = versionOnlyHandler(t.h)
+	t.eh = perEventHandler(t.h)
 	return nil
 }
 
@@ -200,4 +202,25 @@ func checkApplied(msgs []*idem.Message, outs []idem.Outcome) error {
 func (t *SQLiteTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
 	out, err := t.proc.Process(ctx, t.vh, msg)
 	return checkApplied1(msg, out, err)
+}
+
+// PlainBatchPerEvent implements PerEventTarget.
+func (t *SQLiteTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	return t.inTx(ctx, func(tx *sql.Tx) error {
+		for _, m := range msgs {
+			if err := t.applyOne(ctx, tx, m); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// IdemBatchPerEvent implements PerEventTarget.
+func (t *SQLiteTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	outs, err := t.proc.ProcessBatch(ctx, t.eh, msgs)
+	if err != nil {
+		return err
+	}
+	return checkApplied(msgs, outs)
 }

@@ -16,28 +16,8 @@ import (
 	"github.com/idemhq/idem/internal/bench"
 )
 
-// Case is one benchmarked workload shape.
-type Case struct {
-	// Name is the sub-benchmark name.
-	Name string
-	// Workers and BatchSize are as in bench.Workload.
-	Workers, BatchSize int
-	// VersionOnly runs the idempotent variant in version-only mode (see
-	// bench.VersionOnly); BatchSize must then be 0.
-	VersionOnly bool
-}
-
-// Cases returns the standard cases: one event per transaction with 4
-// workers, in marker and in version-only mode, and batches of 100 and of
-// 1,000 events with 4 workers.
-func Cases() []Case {
-	return []Case{
-		{Name: "per-message", Workers: 4, BatchSize: 0},
-		{Name: "version-only", Workers: 4, BatchSize: 0, VersionOnly: true},
-		{Name: "batch-100", Workers: 4, BatchSize: 100},
-		{Name: "batch-1000", Workers: 4, BatchSize: 1000},
-	}
-}
+// workers is the number of concurrent workers of every case.
+const workers = 4
 
 // Options tunes Run. The zero value gives the defaults.
 type Options struct {
@@ -65,14 +45,11 @@ func Run(b *testing.B, t bench.Target, opts *Options) {
 		roundDur = 500 * time.Millisecond
 	}
 	ctx := context.Background()
-	for _, c := range Cases() {
-		w := bench.Workload{Workers: c.Workers, BatchSize: c.BatchSize, Accounts: opts.Accounts}
-		t := t
-		if c.VersionOnly {
-			var err error
-			if t, err = bench.VersionOnly(t); err != nil {
-				b.Fatal(err)
-			}
+	for _, c := range bench.Cases() {
+		w := bench.Workload{Workers: workers, BatchSize: c.BatchSize, Accounts: opts.Accounts}
+		t, err := c.Target(t)
+		if err != nil {
+			b.Fatal(err)
 		}
 		b.Run(c.Name, func(b *testing.B) {
 			for _, v := range []bench.Variant{bench.Plain, bench.Idem} {
