@@ -93,8 +93,7 @@ func (e *Env) Consumer(ordering bool) idem.DeliveryHandler {
 			v, _ := e.applied.LoadOrStore(m.AggregateID, &[]int64{})
 			*v.(*[]int64) = append(*v.(*[]int64), m.Seq)
 		}
-		_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt)
-		return err
+		return credit(ctx, tx, acct, amt)
 	}}
 	if ordering {
 		h.Ordering = &idem.Ordering{Gap: idem.GapWait, WaitFor: time.Minute}
@@ -116,22 +115,17 @@ func (e *Env) Consumer(ordering bool) idem.DeliveryHandler {
 // new credits with one upsert per account (a poison payload fails the
 // batch permanently, so its deliveries are decided one by one), counting
 // Duplicate verdicts in Dups.
-func (e *Env) BatchConsumer() idem.BatchDeliveryHandler {
+func (e *Env) BatchConsumer() idem.BatchDeliveryHandler { return e.batchConsumer(false) }
+
+// batchConsumer is BatchConsumer; perEvent applies one upsert per credit
+// instead of one per account (see applyCredits).
+func (e *Env) batchConsumer(perEvent bool) idem.BatchDeliveryHandler {
 	h := &idem.Handler[*sql.Tx]{Name: "balances", ApplyBatch: func(ctx context.Context, tx *sql.Tx, msgs []*idem.Message) error {
-		sums := map[string]int64{}
-		for _, m := range msgs {
-			acct, amt, err := idemtest.DecodeCredit(m.Payload)
-			if err != nil {
-				return idem.Permanent(err)
-			}
-			sums[acct] += amt
+		payloads := make([][]byte, len(msgs))
+		for i, m := range msgs {
+			payloads[i] = m.Payload
 		}
-		for acct, amt := range sums {
-			if _, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt); err != nil {
-				return err
-			}
-		}
-		return nil
+		return applyCredits(ctx, tx, payloads, perEvent)
 	}}
 	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
 	if err != nil {
@@ -162,6 +156,39 @@ func (b *countingBatch) HandleDeliveries(ctx context.Context, ds []*idem.Deliver
 		}
 	}
 	return vs
+}
+
+// credit adds amt to acct's balance.
+func credit(ctx context.Context, tx *sql.Tx, acct string, amt int64) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt)
+	return err
+}
+
+// applyCredits applies a batch's credit payloads in tx: summed per account,
+// one upsert per account, or with perEvent one upsert per credit, as a loop
+// over a poll's records does. A payload that does not decode fails the
+// batch permanently.
+func applyCredits(ctx context.Context, tx *sql.Tx, payloads [][]byte, perEvent bool) error {
+	sums := map[string]int64{}
+	for _, p := range payloads {
+		acct, amt, err := idemtest.DecodeCredit(p)
+		if err != nil {
+			return idem.Permanent(err)
+		}
+		if perEvent {
+			if err := credit(ctx, tx, acct, amt); err != nil {
+				return err
+			}
+			continue
+		}
+		sums[acct] += amt
+	}
+	for acct, amt := range sums {
+		if err := credit(ctx, tx, acct, amt); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // WaitMarkers waits until n messages are applied.

@@ -3,7 +3,6 @@ package adaptertest
 import (
 	"context"
 	"slices"
-	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -13,18 +12,21 @@ import (
 	"github.com/idemhq/idem/idemtest"
 )
 
-// BenchEndToEnd runs EndToEnd one message at a time and in batches of 100,
-// each on SQLite at synchronous=FULL (sqlite.Open's default: every commit
+// BenchEndToEnd runs EndToEnd one message at a time and in batches of 100
+// (the handler summing a batch's credits per account, or applying each
+// credit with its own upsert), each on SQLite at synchronous=FULL (sqlite.Open's default: every commit
 // waits for fsync) and at synchronous=NORMAL (no fsync per commit, so
 // CPU-bound: idem's own work shows undiluted).
 func BenchEndToEnd(b *testing.B, newBroker func(testing.TB) Broker) {
 	for _, synchronous := range []string{"FULL", "NORMAL"} {
-		for _, batch := range []int{1, 100} {
-			name := "per-message"
-			if batch > 1 {
-				name = "batch-" + strconv.Itoa(batch)
-			}
-			b.Run(strings.ToLower(synchronous)+"/"+name, func(b *testing.B) { EndToEnd(b, newBroker, batch, synchronous) })
+		for _, c := range []struct {
+			name     string
+			batch    int
+			perEvent bool
+		}{{"per-message", 1, false}, {"batch-100", 100, false}, {"batch-100-per-event", 100, true}} {
+			b.Run(strings.ToLower(synchronous)+"/"+c.name, func(b *testing.B) {
+				EndToEnd(b, newBroker, synchronous, c.batch, c.perEvent)
+			})
 		}
 	}
 }
@@ -41,17 +43,18 @@ const endToEndRounds = 3
 // reports the median rate of each and their ratio, idem/plain. batch 1
 // decides one message at a time; above 1 the adapter hands over batches of
 // up to batch and both handlers commit a batch's upserts in one transaction
-// (idem adds its markers to it).
-func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, batch int, synchronous string) {
+// (idem adds its markers to it): one upsert per account, or with perEvent
+// one per message.
+func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, synchronous string, batch int, perEvent bool) {
 	n := max(b.N, 500)
 	rate := func(withIdem bool) float64 {
 		br, e := newBroker(b), newEnv(b, synchronous)
 		events := idemtest.Events(n)
 		br.Publish(b, Messages(events), 0)
 		var handled atomic.Int64
-		var h idem.BatchDeliveryHandler = &plainBatch{e: e}
+		var h idem.BatchDeliveryHandler = &plainBatch{e: e, perEvent: perEvent}
 		if withIdem {
-			h = e.BatchConsumer()
+			h = e.batchConsumer(perEvent)
 		}
 		counted := &countedBatch{next: h, n: &handled}
 		start := time.Now()
@@ -88,7 +91,10 @@ func median(xs []float64) float64 {
 }
 
 // plainBatch is the baseline: the same upserts without idem.
-type plainBatch struct{ e *Env }
+type plainBatch struct {
+	e        *Env
+	perEvent bool
+}
 
 func (p *plainBatch) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
 	return p.HandleDeliveries(ctx, []*idem.Delivery{d})[0]
@@ -96,14 +102,11 @@ func (p *plainBatch) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.
 
 func (p *plainBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) []idem.Verdict {
 	vs := make([]idem.Verdict, len(ds))
-	sums := map[string]int64{}
+	payloads := make([][]byte, 0, len(ds))
 	for i, d := range ds {
 		vs[i] = idem.Verdict{Ack: true, Outcome: idem.Applied}
-		if d.Msg == nil {
-			continue
-		}
-		if acct, amt, err := idemtest.DecodeCredit(d.Msg.Payload); err == nil {
-			sums[acct] += amt
+		if d.Msg != nil {
+			payloads = append(payloads, d.Msg.Payload)
 		}
 	}
 	err := func() error {
@@ -112,10 +115,8 @@ func (p *plainBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) 
 			return err
 		}
 		defer tx.Rollback()
-		for acct, amt := range sums {
-			if _, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt); err != nil {
-				return err
-			}
+		if err := applyCredits(ctx, tx, payloads, p.perEvent); err != nil {
+			return err
 		}
 		return tx.Commit()
 	}()
