@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -176,9 +175,7 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 		results = append(results, r)
 	}
 	if cfg.json {
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(results)
+		return writeJSON(e.stdout, results)
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "case\tstore\tworkers\tplain events/s\tidem events/s\tratio\t")

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -139,9 +138,7 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 		}
 	}
 	if asJSON {
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(rep)
+		return writeJSON(e.stdout, rep)
 	}
 	if !dryRun {
 		fmt.Fprintf(e.stdout, "Deleted %s processed before %s in %d batch(es) (%s, slowest batch %s).\n",

@@ -257,9 +257,7 @@ func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		for i, d := range dls {
 			out[i] = toJSON(d, false)
 		}
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(out)
+		return writeJSON(e.stdout, out)
 	}
 	if len(dls) == 0 {
 		fmt.Fprintln(e.stdout, "No dead letters match.")
@@ -300,9 +298,7 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		for _, h := range hist {
 			j.History = append(j.History, historyJSON{At: h.At.UTC(), State: h.State, Actor: h.Actor, Outcome: h.Outcome})
 		}
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(j)
+		return writeJSON(e.stdout, j)
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 	for _, kv := range [][2]string{

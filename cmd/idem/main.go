@@ -28,6 +28,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -256,4 +257,11 @@ func noArgs(args []string) error {
 		return usagef("unexpected argument %q (this command takes only flags)", args[0])
 	}
 	return nil
+}
+
+// writeJSON writes v to w as indented JSON, the form of every --json output.
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
 }

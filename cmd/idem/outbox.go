@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -77,9 +76,7 @@ func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now
 		return err
 	}
 	if asJSON {
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		return enc.Encode(rep)
+		return writeJSON(w, rep)
 	}
 	fmt.Fprintf(w, "pending         %d\n", rep.Pending)
 	if rep.OldestPending != nil {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"sort"
@@ -69,9 +68,7 @@ func runStats(ctx context.Context, e *env, s *store, asJSON bool) error {
 		return err
 	}
 	if asJSON {
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(list)
+		return writeJSON(e.stdout, list)
 	}
 	if len(list) == 0 {
 		fmt.Fprintln(e.stdout, "No markers or dead letters stored yet.")
