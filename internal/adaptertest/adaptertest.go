@@ -121,11 +121,7 @@ func (e *Env) BatchConsumer() idem.BatchDeliveryHandler { return e.batchConsumer
 // instead of one per account (see applyCredits).
 func (e *Env) batchConsumer(perEvent bool) idem.BatchDeliveryHandler {
 	h := &idem.Handler[*sql.Tx]{Name: "balances", ApplyBatch: func(ctx context.Context, tx *sql.Tx, msgs []*idem.Message) error {
-		payloads := make([][]byte, len(msgs))
-		for i, m := range msgs {
-			payloads[i] = m.Payload
-		}
-		return applyCredits(ctx, tx, payloads, perEvent)
+		return applyCreditsTx(ctx, tx, payloadsOf(msgs), perEvent)
 	}}
 	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
 	if err != nil {
@@ -164,11 +160,11 @@ func credit(ctx context.Context, tx *sql.Tx, acct string, amt int64) error {
 	return err
 }
 
-// applyCredits applies a batch's credit payloads in tx: summed per account,
-// one upsert per account, or with perEvent one upsert per credit, as a loop
-// over a poll's records does. A payload that does not decode fails the
+// applyCredits applies a batch's credit payloads with credit: summed per
+// account, one call per account, or with perEvent one call per credit, as a
+// loop over a poll's records does. A payload that does not decode fails the
 // batch permanently.
-func applyCredits(ctx context.Context, tx *sql.Tx, payloads [][]byte, perEvent bool) error {
+func applyCredits(payloads [][]byte, perEvent bool, credit func(acct string, amt int64) error) error {
 	sums := map[string]int64{}
 	for _, p := range payloads {
 		acct, amt, err := idemtest.DecodeCredit(p)
@@ -176,7 +172,7 @@ func applyCredits(ctx context.Context, tx *sql.Tx, payloads [][]byte, perEvent b
 			return idem.Permanent(err)
 		}
 		if perEvent {
-			if err := credit(ctx, tx, acct, amt); err != nil {
+			if err := credit(acct, amt); err != nil {
 				return err
 			}
 			continue
@@ -184,11 +180,25 @@ func applyCredits(ctx context.Context, tx *sql.Tx, payloads [][]byte, perEvent b
 		sums[acct] += amt
 	}
 	for acct, amt := range sums {
-		if err := credit(ctx, tx, acct, amt); err != nil {
+		if err := credit(acct, amt); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// applyCreditsTx is applyCredits in a SQLite transaction.
+func applyCreditsTx(ctx context.Context, tx *sql.Tx, payloads [][]byte, perEvent bool) error {
+	return applyCredits(payloads, perEvent, func(acct string, amt int64) error { return credit(ctx, tx, acct, amt) })
+}
+
+// payloadsOf returns the messages' payloads.
+func payloadsOf(msgs []*idem.Message) [][]byte {
+	out := make([][]byte, len(msgs))
+	for i, m := range msgs {
+		out[i] = m.Payload
+	}
+	return out
 }
 
 // WaitMarkers waits until n messages are applied.

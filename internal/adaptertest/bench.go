@@ -8,54 +8,79 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/sqlident"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
 )
 
 // BenchEndToEnd runs EndToEnd one message at a time and in batches of 100
 // (the handler summing a batch's credits per account, or applying each
-// credit with its own upsert), each on SQLite at synchronous=FULL (sqlite.Open's default: every commit
-// waits for fsync) and at synchronous=NORMAL (no fsync per commit, so
-// CPU-bound: idem's own work shows undiluted).
+// credit with its own upsert), on three stores: SQLite at synchronous=FULL
+// (sqlite.Open's default: every commit waits for fsync), SQLite at
+// synchronous=NORMAL (no fsync per commit, so CPU-bound: idem's own work
+// shows undiluted) and the Postgres server testenv finds.
 func BenchEndToEnd(b *testing.B, newBroker func(testing.TB) Broker) {
-	for _, synchronous := range []string{"FULL", "NORMAL"} {
+	for _, store := range []string{StoreSQLiteFull, StoreSQLiteNormal, StorePostgres} {
 		for _, c := range []struct {
 			name     string
 			batch    int
 			perEvent bool
 		}{{"per-message", 1, false}, {"batch-100", 100, false}, {"batch-100-per-event", 100, true}} {
-			b.Run(strings.ToLower(synchronous)+"/"+c.name, func(b *testing.B) {
-				EndToEnd(b, newBroker, synchronous, c.batch, c.perEvent)
+			b.Run(store+"/"+c.name, func(b *testing.B) {
+				EndToEnd(b, newBroker, store, c.batch, c.perEvent)
 			})
 		}
 	}
 }
 
+// The stores EndToEnd consumes into.
+const (
+	StoreSQLiteFull   = "full"     // SQLite, synchronous=FULL
+	StoreSQLiteNormal = "normal"   // SQLite, synchronous=NORMAL
+	StorePostgres     = "postgres" // Postgres, synchronous_commit as the server has it
+)
+
 // endToEndRounds is how many times EndToEnd measures each handler,
 // alternating plain and idem, so that a slow spell of the disk or the
 // machine falls on both.
-const endToEndRounds = 3
+const endToEndRounds = 5
 
-// EndToEnd publishes max(b.N, 500) new messages and consumes them into
-// SQLite (at the given synchronous setting) on a fresh broker, with a plain
-// handler (the balance upserts in a transaction, then the ack) and through
-// idem.Consumer, alternating the two for endToEndRounds rounds each. It
-// reports the median rate of each and their ratio, idem/plain. batch 1
-// decides one message at a time; above 1 the adapter hands over batches of
-// up to batch and both handlers commit a batch's upserts in one transaction
-// (idem adds its markers to it): one upsert per account, or with perEvent
-// one per message.
-func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, synchronous string, batch int, perEvent bool) {
+// EndToEnd publishes max(b.N, 500) new messages and consumes them into the
+// store on a fresh broker, with a plain handler (the balance upserts in a
+// transaction, then the ack) and through idem.Consumer, alternating the two
+// for endToEndRounds rounds each. It reports the median rate of each and
+// their ratio, idem/plain. batch 1 decides one message at a time; above 1
+// the adapter hands over batches of up to batch and both handlers commit a
+// batch's upserts in one transaction (idem adds its markers to it): one
+// upsert per account, or with perEvent one per message.
+func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, store string, batch int, perEvent bool) {
 	n := max(b.N, 500)
+	var pool *pgxpool.Pool
+	if store == StorePostgres {
+		pool = testenv.PostgresPool(b, 4)
+	}
 	rate := func(withIdem bool) float64 {
-		br, e := newBroker(b), newEnv(b, synchronous)
+		br := newBroker(b)
+		var h idem.BatchDeliveryHandler
+		switch store {
+		case StorePostgres:
+			h = newPostgresStore(b, pool).handler(b, withIdem, perEvent)
+		case StoreSQLiteFull, StoreSQLiteNormal:
+			e := newEnv(b, strings.ToUpper(store))
+			h = plainSQLite(e, perEvent)
+			if withIdem {
+				h = e.batchConsumer(perEvent)
+			}
+		default:
+			b.Fatalf("unknown store %q", store)
+		}
 		events := idemtest.Events(n)
 		br.Publish(b, Messages(events), 0)
 		var handled atomic.Int64
-		var h idem.BatchDeliveryHandler = &plainBatch{e: e, perEvent: perEvent}
-		if withIdem {
-			h = e.batchConsumer(perEvent)
-		}
 		counted := &countedBatch{next: h, n: &handled}
 		start := time.Now()
 		var kill func()
@@ -90,17 +115,15 @@ func median(xs []float64) float64 {
 	return s[len(s)/2]
 }
 
-// plainBatch is the baseline: the same upserts without idem.
-type plainBatch struct {
-	e        *Env
-	perEvent bool
-}
+// plainHandler is the baseline: it applies a batch's payloads without idem
+// and acknowledges them all, or retries them all when that fails.
+type plainHandler func(ctx context.Context, payloads [][]byte) error
 
-func (p *plainBatch) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
+func (p plainHandler) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
 	return p.HandleDeliveries(ctx, []*idem.Delivery{d})[0]
 }
 
-func (p *plainBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) []idem.Verdict {
+func (p plainHandler) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) []idem.Verdict {
 	vs := make([]idem.Verdict, len(ds))
 	payloads := make([][]byte, 0, len(ds))
 	for i, d := range ds {
@@ -109,23 +132,27 @@ func (p *plainBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery) 
 			payloads = append(payloads, d.Msg.Payload)
 		}
 	}
-	err := func() error {
-		tx, err := p.e.DB.BeginTx(ctx, nil)
-		if err != nil {
-			return err
-		}
-		defer tx.Rollback()
-		if err := applyCredits(ctx, tx, payloads, p.perEvent); err != nil {
-			return err
-		}
-		return tx.Commit()
-	}()
-	if err != nil {
+	if err := p(ctx, payloads); err != nil {
 		for i := range vs {
 			vs[i] = idem.Verdict{RetryAfter: time.Millisecond, Err: err}
 		}
 	}
 	return vs
+}
+
+// plainSQLite is the baseline on e's SQLite store.
+func plainSQLite(e *Env, perEvent bool) plainHandler {
+	return func(ctx context.Context, payloads [][]byte) error {
+		tx, err := e.DB.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback()
+		if err := applyCreditsTx(ctx, tx, payloads, perEvent); err != nil {
+			return err
+		}
+		return tx.Commit()
+	}
 }
 
 // countedBatch counts the deliveries its handler settled.
@@ -150,4 +177,67 @@ func (c *countedBatch) HandleDeliveries(ctx context.Context, ds []*idem.Delivery
 		}
 	}
 	return vs
+}
+
+// postgresStore is a fresh schema holding idem's tables and a balances
+// table.
+type postgresStore struct {
+	pool   *pgxpool.Pool
+	drv    *postgres.Driver
+	upsert string
+}
+
+func newPostgresStore(b testing.TB, pool *pgxpool.Pool) *postgresStore {
+	b.Helper()
+	ctx := context.Background()
+	schema := testenv.FreshSchema(b, pool)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		b.Fatal(err)
+	}
+	balances := sqlident.Qualified(schema, "balances")
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+balances+` (account text PRIMARY KEY, amount bigint NOT NULL)`); err != nil {
+		b.Fatal(err)
+	}
+	return &postgresStore{pool: pool, drv: drv, upsert: `INSERT INTO ` + balances +
+		` AS b VALUES ($1, $2) ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`}
+}
+
+// handler returns the plain handler or idem's consumer over the same
+// credits.
+func (s *postgresStore) handler(b testing.TB, withIdem, perEvent bool) idem.BatchDeliveryHandler {
+	apply := func(ctx context.Context, tx postgres.Tx, payloads [][]byte) error {
+		return applyCredits(payloads, perEvent, func(acct string, amt int64) error {
+			_, err := tx.Exec(ctx, s.upsert, acct, amt)
+			return err
+		})
+	}
+	if !withIdem {
+		return plainHandler(func(ctx context.Context, payloads [][]byte) error {
+			tx, err := s.pool.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+			if err := apply(ctx, tx, payloads); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		})
+	}
+	proc, err := idem.NewProcessor(s.drv, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	h := &idem.Handler[postgres.Tx]{Name: "balances", ApplyBatch: func(ctx context.Context, tx postgres.Tx, msgs []*idem.Message) error {
+		return apply(ctx, tx, payloadsOf(msgs))
+	}}
+	c, err := idem.NewConsumer(proc, h, s.drv, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return c
 }
