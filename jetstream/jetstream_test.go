@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	natsjs "github.com/nats-io/nats.go/jetstream"
 
@@ -19,21 +18,6 @@ import (
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/jetstream"
 )
-
-// embedded starts an in-process NATS server with JetStream.
-func embedded(t testing.TB) string {
-	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("embedded NATS did not start")
-	}
-	t.Cleanup(ns.Shutdown)
-	return ns.ClientURL()
-}
 
 // broker is adaptertest.Broker on one JetStream stream.
 type broker struct {
@@ -163,7 +147,7 @@ func (b *broker) StartCrashing(t testing.TB, h idem.DeliveryHandler) <-chan stru
 func TestAdapterSuite(t *testing.T) {
 	t.Run("embedded", func(t *testing.T) {
 		t.Parallel()
-		adaptertest.Run(t, func(t testing.TB) adaptertest.Broker { return newBroker(t, embedded(t)) })
+		adaptertest.Run(t, func(t testing.TB) adaptertest.Broker { return newBroker(t, testenv.EmbeddedNATS(t)) })
 	})
 	t.Run("server", func(t *testing.T) {
 		t.Parallel()

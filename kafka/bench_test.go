@@ -7,9 +7,10 @@ import (
 )
 
 // BenchmarkEndToEnd produces records to an in-process kfake cluster and
-// consumes them into SQLite with a plain handler and through
+// consumes them with a plain handler and through
 // idem.Consumer, one record at a time and in batches of 100, reporting
-// idem/plain as the ratio, with SQLite at synchronous=FULL and NORMAL.
+// idem/plain as the ratio, into SQLite at synchronous=FULL and NORMAL and
+// into Postgres.
 //
 //	go test ./kafka -run '^$' -bench EndToEnd -benchtime 20000x
 func BenchmarkEndToEnd(b *testing.B) { adaptertest.BenchEndToEnd(b, newBroker) }

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 )
 
@@ -29,4 +30,21 @@ func NATSConn(t testing.TB) *nats.Conn {
 	}
 	t.Cleanup(nc.Close)
 	return nc
+}
+
+// EmbeddedNATS starts an in-process NATS server with JetStream, storing in
+// a temporary directory, and returns its client URL. It shuts down when t
+// ends.
+func EmbeddedNATS(t testing.TB) string {
+	t.Helper()
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("embedded NATS did not start")
+	}
+	t.Cleanup(ns.Shutdown)
+	return ns.ClientURL()
 }
