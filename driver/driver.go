@@ -62,6 +62,25 @@ type BeginMarkerManyInserter[TTx any] interface {
 	BeginMarkerInsertMany(ctx context.Context, p *MarkerInsertManyParams) (TTx, []MarkerInsertResult, error)
 }
 
+// MarkerDeleter removes markers inside a transaction. The core needs it for
+// batches of a handler with an ordering guard: a batch inserts its markers
+// first, and a message the guard then refuses (stale, or behind a gap)
+// must leave no marker, exactly as when it is processed alone and its
+// transaction rolls back.
+type MarkerDeleter[TTx any] interface {
+	// MarkerDelete deletes the markers of (Handler, each of MessageIDs)
+	// that tx inserted. IDs without a marker are ignored.
+	MarkerDelete(ctx context.Context, tx TTx, p *MarkerDeleteParams) error
+}
+
+// MarkerDeleteParams are the parameters of MarkerDeleter.MarkerDelete.
+type MarkerDeleteParams struct {
+	// Handler is the validated handler name.
+	Handler string
+	// MessageIDs are validated message IDs, unique.
+	MessageIDs []string
+}
+
 // MarkerInsertParams are the parameters of Driver.MarkerInsert.
 type MarkerInsertParams struct {
 	// Handler is the validated handler name.

@@ -80,7 +80,7 @@ type tables struct {
 }
 
 type statements struct {
-	insertMarker, selectHash, insertMarkers, selectHashes string
+	insertMarker, selectHash, insertMarkers, selectHashes, deleteMarkers string
 	// insertMarkersNew inserts a batch's markers without ON CONFLICT: the
 	// fast path for batches of new messages (see BeginMarkerInsertMany).
 	insertMarkersNew string
@@ -90,6 +90,7 @@ var (
 	_ driver.Driver[Tx]                  = (*Driver)(nil)
 	_ driver.BeginMarkerInserter[Tx]     = (*Driver)(nil)
 	_ driver.BeginMarkerManyInserter[Tx] = (*Driver)(nil)
+	_ driver.MarkerDeleter[Tx]           = (*Driver)(nil)
 	_ driver.BeginSequenceAdvancer[Tx]   = (*Driver)(nil)
 )
 
@@ -133,7 +134,8 @@ SELECT $1, m.id, m.h FROM unnest($2::text[], $3::bytea[]) AS m(id, h)
 ON CONFLICT DO NOTHING RETURNING message_id`,
 		insertMarkersNew: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash)
 SELECT $1, m.id, m.h FROM unnest($2::text[], $3::bytea[]) AS m(id, h)`,
-		selectHashes: `SELECT message_id, payload_hash FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = ANY($2::text[])`,
+		selectHashes:  `SELECT message_id, payload_hash FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = ANY($2::text[])`,
+		deleteMarkers: `DELETE FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = ANY($2::text[])`,
 	}
 	return d, nil
 }
@@ -400,6 +402,15 @@ func (d *Driver) afterInsert(ctx context.Context, tx Tx, tag pgconn.CommandTag, 
 		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: read existing marker: %w", err)
 	}
 	return driver.MarkerInsertResult{ExistingHash: existing}, nil
+}
+
+// MarkerDelete implements driver.MarkerDeleter with one statement.
+func (d *Driver) MarkerDelete(ctx context.Context, tx Tx, p *driver.MarkerDeleteParams) error {
+	if len(p.MessageIDs) == 0 {
+		return nil
+	}
+	_, err := tx.Exec(ctx, d.sql.deleteMarkers, p.Handler, p.MessageIDs)
+	return err
 }
 
 // MarkerInsertMany inserts all markers with one multi-row INSERT … ON

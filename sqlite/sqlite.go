@@ -71,7 +71,10 @@ type tables struct {
 	outbox, outboxClaims       string
 }
 
-var _ driver.Driver[*sql.Tx] = (*Driver)(nil)
+var (
+	_ driver.Driver[*sql.Tx]        = (*Driver)(nil)
+	_ driver.MarkerDeleter[*sql.Tx] = (*Driver)(nil)
+)
 
 // OpenOptions tunes Open. The zero value gives idem's defaults.
 type OpenOptions struct {
@@ -365,6 +368,25 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *sql.Tx, p *driver.Mar
 		}
 	}
 	return out, nil
+}
+
+// MarkerDelete implements driver.MarkerDeleter. It runs only when an
+// ordered batch refuses a message, so the statement is prepared per call.
+func (d *Driver) MarkerDelete(ctx context.Context, tx *sql.Tx, p *driver.MarkerDeleteParams) error {
+	if len(p.MessageIDs) == 0 {
+		return nil
+	}
+	st, err := tx.PrepareContext(ctx, `DELETE FROM `+d.tables.processed+` WHERE handler = ? AND message_id = ?`)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	for _, id := range p.MessageIDs {
+		if _, err := st.ExecContext(ctx, p.Handler, id); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // isKeyViolation reports whether err is SQLITE_CONSTRAINT_PRIMARYKEY or
