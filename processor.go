@@ -2,12 +2,14 @@ package idem
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/idemhq/idem/driver"
@@ -42,16 +44,17 @@ type Handler[TTx any] struct {
 	// both back.
 	Apply func(ctx context.Context, tx TTx, msg *Message) error
 	// ApplyBatch, when set, receives the new messages of a batch (in the
-	// order given, duplicates and conflicts removed) so it can apply them
-	// with one set-based write. When nil, batches call Apply per message.
+	// order given, duplicates and conflicts removed; under Ordering each
+	// aggregate's in sequence order) so it can apply them with one
+	// set-based write. When nil, batches call Apply per message.
 	// When only ApplyBatch is set, Process calls it with one message.
 	ApplyBatch func(ctx context.Context, tx TTx, msgs []*Message) error
 	// OnConflict is the payload-conflict policy. Default OnConflictError.
 	OnConflict ConflictPolicy
 	// Ordering, when set, turns on the per-aggregate ordering guard (and
 	// optionally version-only dedup); see Ordering. It needs a driver that
-	// implements driver.SequenceGuard. Batches refuse a handler with
-	// Ordering: ordering is decided message by message.
+	// implements driver.SequenceGuard (and, for batches outside
+	// version-only mode, driver.MarkerDeleter).
 	Ordering *Ordering
 }
 
@@ -70,6 +73,7 @@ type Processor[TTx any] struct {
 	drv         driver.Driver[TTx]
 	beginInsert driver.BeginMarkerInserter[TTx]
 	beginMany   driver.BeginMarkerManyInserter[TTx]
+	delMarkers  driver.MarkerDeleter[TTx]
 	seq         driver.SequenceGuard[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	logger      *slog.Logger
@@ -94,6 +98,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if bm, ok := drv.(driver.BeginMarkerManyInserter[TTx]); ok {
 		p.beginMany = bm
+	}
+	if md, ok := drv.(driver.MarkerDeleter[TTx]); ok {
+		p.delMarkers = md
 	}
 	if sg, ok := drv.(driver.SequenceGuard[TTx]); ok {
 		p.seq = sg
@@ -292,6 +299,15 @@ func payloadConflict(logger *slog.Logger, handler string, policy ConflictPolicy,
 // the others are Duplicate or Conflict. Either every new message and its
 // marker commit, or none do.
 //
+// With h.Ordering the guard runs too, aggregate by aggregate in sequence
+// order, and the handler sees each aggregate's messages in sequence order
+// (in the places the batch gave that aggregate's messages). A message the
+// guard refuses is Stale (or, version-only, Duplicate) and leaves no marker;
+// a message behind a gap, and every later one of its aggregate, is
+// OutcomeNone: it was not applied, and the rest of the batch committed
+// without it. Process it again later (alone, Process reports the
+// *GapError and, under GapWait, records its first sighting).
+//
 // The outcomes are parallel to msgs. The error is non-nil only when nothing
 // was committed (then the outcomes are nil): an invalid message fails the
 // whole batch with a *ValidationError before the store is touched.
@@ -299,8 +315,8 @@ func payloadConflict(logger *slog.Logger, handler string, policy ConflictPolicy,
 // error, because the rest of the batch committed.
 func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
 	start := time.Now()
-	outs, conflicts, err := p.processBatch(ctx, nil, false, h, msgs)
-	p.reportBatch(ctx, h, msgs, outs, conflicts, err, start)
+	outs, errs, err := p.processBatch(ctx, nil, false, h, msgs)
+	p.reportBatch(ctx, h, msgs, outs, errs, err, start)
 	return outs, err
 }
 
@@ -308,17 +324,104 @@ func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs
 // As with ProcessTx, on error the caller must roll tx back.
 func (p *Processor[TTx]) ProcessBatchTx(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
 	start := time.Now()
-	outs, conflicts, err := p.processBatch(ctx, &tx, true, h, msgs)
-	p.reportBatch(ctx, h, msgs, outs, conflicts, err, start)
+	outs, errs, err := p.processBatch(ctx, &tx, true, h, msgs)
+	p.reportBatch(ctx, h, msgs, outs, errs, err, start)
 	return outs, err
+}
+
+// batchGuard is a batch's ordering state: each message's guard key, and
+// whether the guard applies to it.
+type batchGuard struct {
+	keys    []string
+	guarded []bool
+}
+
+// newBatchGuard validates h's ordering setup for msgs. It returns nil when
+// h has no Ordering.
+func (p *Processor[TTx]) newBatchGuard(h *Handler[TTx], msgs []*Message) (*batchGuard, error) {
+	o := h.Ordering
+	if o == nil {
+		return nil, nil
+	}
+	if p.seq == nil {
+		return nil, fmt.Errorf("%w: handler %q has Ordering but the driver does not implement driver.SequenceGuard", ErrInvalidConfig, h.Name)
+	}
+	if !o.VersionOnly && p.delMarkers == nil {
+		return nil, fmt.Errorf("%w: handler %q has Ordering, and batches of it need a driver that implements driver.MarkerDeleter: use Process", ErrInvalidConfig, h.Name)
+	}
+	g := &batchGuard{keys: make([]string, len(msgs)), guarded: make([]bool, len(msgs))}
+	for i, m := range msgs {
+		agg, ok, err := orderingKey(h.Name, o, m)
+		if err != nil {
+			return nil, fmt.Errorf("idem: batch message %d: %w", i, err)
+		}
+		g.keys[i], g.guarded[i] = agg, ok
+	}
+	return g, nil
+}
+
+// guardBatch advances g's guard inside tx for the candidates (indexes into
+// msgs), each aggregate's in sequence order, and returns the ones it
+// refused: Stale, Duplicate (version-only) or OutcomeNone with a *GapError
+// in errs.
+func (p *Processor[TTx]) guardBatch(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message, g *batchGuard, cand []int) (refused map[int]Outcome, errs map[int]error, err error) {
+	order := slices.Clone(cand)
+	slices.SortStableFunc(order, func(a, b int) int {
+		if c := strings.Compare(g.keys[a], g.keys[b]); c != 0 {
+			return c // one lock order for all batches: no deadlock
+		}
+		return cmp.Compare(msgs[a].Seq, msgs[b].Seq)
+	})
+	for _, i := range order {
+		proceed, out, gerr := p.guard(ctx, tx, h, msgs[i], g.keys[i])
+		if proceed {
+			continue
+		}
+		if gerr != nil && !errors.Is(gerr, ErrGap) {
+			return nil, nil, gerr // the store failed
+		}
+		if refused == nil {
+			refused = make(map[int]Outcome)
+		}
+		refused[i] = out
+		if gerr != nil {
+			if errs == nil {
+				errs = make(map[int]error)
+			}
+			errs[i] = gerr
+		}
+	}
+	return refused, errs, nil
+}
+
+// inSeqOrder reorders idx (indexes into msgs, in batch order) so that the
+// guarded messages of each aggregate come in sequence order, each taking
+// one of the places its aggregate's messages had.
+func (g *batchGuard) inSeqOrder(idx []int, msgs []*Message) {
+	places := make(map[string][]int)
+	for at, i := range idx {
+		if g.guarded[i] {
+			places[g.keys[i]] = append(places[g.keys[i]], at)
+		}
+	}
+	for _, at := range places {
+		if len(at) < 2 {
+			continue
+		}
+		group := make([]int, len(at))
+		for k, a := range at {
+			group[k] = idx[a]
+		}
+		slices.SortStableFunc(group, func(a, b int) int { return cmp.Compare(msgs[a].Seq, msgs[b].Seq) })
+		for k, a := range at {
+			idx[a] = group[k]
+		}
+	}
 }
 
 func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned bool, h *Handler[TTx], msgs []*Message) ([]Outcome, map[int]error, error) {
 	if err := checkHandler(h); err != nil {
 		return nil, nil, err
-	}
-	if h.Ordering != nil {
-		return nil, nil, fmt.Errorf("%w: handler %q has Ordering, which batches do not support: use Process", ErrInvalidConfig, h.Name)
 	}
 	if len(msgs) == 0 {
 		return []Outcome{}, nil, nil
@@ -327,6 +430,13 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 		if err := m.Validate(); err != nil {
 			return nil, nil, fmt.Errorf("idem: batch message %d: %w", i, err)
 		}
+	}
+	g, err := p.newBatchGuard(h, msgs)
+	if err != nil {
+		return nil, nil, err
+	}
+	if g != nil && h.Ordering.VersionOnly {
+		return p.processBatchVersionOnly(ctx, callerTx, owned, h, msgs, g)
 	}
 
 	// First occurrence of each ID goes to the store; later occurrences are
@@ -343,15 +453,7 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 	}
 	// Sorted IDs make concurrent overlapping batches lock in one order
 	// instead of deadlocking.
-	slices.SortFunc(uniq, func(a, b int) int {
-		switch {
-		case msgs[a].ID < msgs[b].ID:
-			return -1
-		case msgs[a].ID > msgs[b].ID:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(uniq, func(a, b int) int { return strings.Compare(msgs[a].ID, msgs[b].ID) })
 	params := &driver.MarkerInsertManyParams{
 		Handler:       h.Name,
 		MessageIDs:    make([]string, len(uniq)),
@@ -365,7 +467,6 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 	var (
 		tx  TTx
 		res []driver.MarkerInsertResult
-		err error
 	)
 	switch {
 	case owned:
@@ -395,14 +496,17 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 	}
 
 	outs := make([]Outcome, len(msgs))
-	var conflicts map[int]error
+	var errs map[int]error // per message: conflicts and gaps
+	setErr := func(i int, err error) {
+		if errs == nil {
+			errs = make(map[int]error)
+		}
+		errs[i] = err
+	}
 	decide := func(i int, storedHash []byte) {
 		var err error
 		if outs[i], err = p.existing(h, msgs[i].ID, hashes[i], storedHash); err != nil {
-			if conflicts == nil {
-				conflicts = make(map[int]error)
-			}
-			conflicts[i] = err
+			setErr(i, err)
 		}
 	}
 	stored := make(map[string][]byte, len(uniq)) // hash the store holds after this batch
@@ -415,29 +519,129 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 		stored[msgs[i].ID] = res[k].ExistingHash
 		decide(i, res[k].ExistingHash)
 	}
-	fresh := make([]*Message, 0, len(uniq))
+	var refused map[int]Outcome // first occurrences the ordering guard refused
+	if g != nil {
+		var cand []int
+		for _, i := range uniq {
+			if outs[i] == Applied && g.guarded[i] {
+				cand = append(cand, i)
+			}
+		}
+		var gapErrs map[int]error
+		if refused, gapErrs, err = p.guardBatch(ctx, tx, h, msgs, g, cand); err != nil {
+			return fail(err)
+		}
+		if len(refused) > 0 {
+			del := &driver.MarkerDeleteParams{Handler: h.Name, MessageIDs: make([]string, 0, len(refused))}
+			for i, out := range refused {
+				outs[i] = out
+				del.MessageIDs = append(del.MessageIDs, msgs[i].ID)
+			}
+			slices.Sort(del.MessageIDs)
+			if err := p.delMarkers.MarkerDelete(ctx, tx, del); err != nil {
+				return fail(fmt.Errorf("idem: delete the markers of refused messages: %w", err))
+			}
+			for i, err := range gapErrs {
+				setErr(i, err)
+			}
+		}
+	}
+	fresh := make([]int, 0, len(uniq))
 	for i, m := range msgs {
-		if first[m.ID] != i {
+		if f := first[m.ID]; f != i {
+			if _, ok := refused[f]; ok {
+				// Its first occurrence left no marker: this copy shares
+				// that fate.
+				outs[i] = outs[f]
+				if err, ok := errs[f]; ok {
+					setErr(i, err)
+				}
+				continue
+			}
 			decide(i, stored[m.ID])
 			continue
 		}
 		if outs[i] == Applied {
-			fresh = append(fresh, m)
+			fresh = append(fresh, i)
 		}
 	}
-	if len(fresh) > 0 {
-		if err := callApplyBatch(ctx, h, tx, fresh); err != nil {
-			return fail(err)
+	if err := p.applyBatchCommit(ctx, tx, owned, h, msgs, fresh, g); err != nil {
+		return nil, nil, err
+	}
+	return outs, errs, nil
+}
+
+// processBatchVersionOnly is processBatch for a version-only handler: the
+// guard alone decides every message, and no marker is written.
+func (p *Processor[TTx]) processBatchVersionOnly(ctx context.Context, callerTx *TTx, owned bool, h *Handler[TTx], msgs []*Message, g *batchGuard) ([]Outcome, map[int]error, error) {
+	var tx TTx
+	if owned {
+		tx = *callerTx
+	} else {
+		var err error
+		if tx, err = p.drv.Begin(ctx); err != nil {
+			return nil, nil, fmt.Errorf("idem: begin: %w", err)
 		}
 	}
-	if !owned {
-		if len(fresh) == 0 {
+	all := make([]int, len(msgs))
+	for i := range all {
+		all[i] = i
+	}
+	refused, errs, err := p.guardBatch(ctx, tx, h, msgs, g, all)
+	if err != nil {
+		if !owned {
 			p.rollback(ctx, tx)
-		} else if err := p.drv.Commit(ctx, tx); err != nil {
-			return nil, nil, fmt.Errorf("idem: commit: %w", err)
+		}
+		return nil, nil, err
+	}
+	outs := make([]Outcome, len(msgs))
+	fresh := make([]int, 0, len(msgs))
+	for i := range msgs {
+		if out, ok := refused[i]; ok {
+			outs[i] = out
+			continue
+		}
+		outs[i] = Applied
+		fresh = append(fresh, i)
+	}
+	if err := p.applyBatchCommit(ctx, tx, owned, h, msgs, fresh, g); err != nil {
+		return nil, nil, err
+	}
+	return outs, errs, nil
+}
+
+// applyBatchCommit hands the fresh messages (indexes into msgs, in batch
+// order) to the handler, each aggregate's in sequence order when g is set,
+// and commits tx when the processor owns it; with nothing fresh it rolls
+// back instead. On error tx is rolled back (when owned) and nothing
+// committed.
+func (p *Processor[TTx]) applyBatchCommit(ctx context.Context, tx TTx, owned bool, h *Handler[TTx], msgs []*Message, fresh []int, g *batchGuard) error {
+	if len(fresh) > 0 {
+		if g != nil {
+			g.inSeqOrder(fresh, msgs)
+		}
+		batch := make([]*Message, len(fresh))
+		for k, i := range fresh {
+			batch[k] = msgs[i]
+		}
+		if err := callApplyBatch(ctx, h, tx, batch); err != nil {
+			if !owned {
+				p.rollback(ctx, tx)
+			}
+			return err
 		}
 	}
-	return outs, conflicts, nil
+	if owned {
+		return nil
+	}
+	if len(fresh) == 0 {
+		p.rollback(ctx, tx)
+		return nil
+	}
+	if err := p.drv.Commit(ctx, tx); err != nil {
+		return fmt.Errorf("idem: commit: %w", err)
+	}
+	return nil
 }
 
 func checkHandler[TTx any](h *Handler[TTx]) error {

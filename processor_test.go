@@ -13,6 +13,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
 )
@@ -324,4 +325,32 @@ func FuzzProcessBatch(f *testing.F) {
 		deliver(msgs[:int(first)%(len(msgs)+1)])
 		deliver(msgs)
 	})
+}
+
+// An ordered batch needs driver.MarkerDeleter outside version-only mode,
+// and a driver without it gets a clear error instead of a marker left
+// behind for a refused message.
+func TestOrderedBatchNeedsMarkerDeleter(t *testing.T) {
+	t.Parallel()
+	_, drv := testenv.SQLite(t, ":memory:", nil)
+	limited := struct {
+		driver.Driver[*sql.Tx]
+		driver.SequenceGuard[*sql.Tx]
+	}{drv, drv}
+	p, err := idem.NewProcessor(limited, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	msg := &idem.Message{ID: "a-1", AggregateID: "a", Seq: 1}
+	h := noop()
+	h.Ordering = &idem.Ordering{}
+	if _, err := p.ProcessBatch(ctx, h, []*idem.Message{msg}); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "MarkerDeleter") {
+		t.Fatalf("ordered batch without MarkerDeleter: %v, want ErrInvalidConfig naming it", err)
+	}
+	h.Ordering.VersionOnly = true
+	outs, err := p.ProcessBatch(ctx, h, []*idem.Message{msg})
+	if err != nil || !slices.Equal(outs, []idem.Outcome{idem.Applied}) {
+		t.Fatalf("version-only batch: (%v, %v), want applied", outs, err)
+	}
 }

@@ -37,6 +37,10 @@ func RunOrdering[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"StaleAndUnsequenced", testStaleAndUnsequenced[TTx]},
 		{"AggregateIDsByteForByteUnlessNormalized", testNormalizer[TTx]},
 		{"VersionOnly", testVersionOnly[TTx]},
+		{"BatchAppliesInSequenceOrder", testBatchOrder[TTx]},
+		{"BatchGapHoldsOnlyItsAggregate", testBatchGap[TTx]},
+		{"BatchVersionOnly", testBatchVersionOnly[TTx]},
+		{"BatchesConcurrentShuffledExactlyInOrder", func(t *testing.T, s *Store[TTx]) { testBatchesConcurrent(t, s, min(aggs, 40)) }},
 		{"AllocatorConcurrentNoDuplicatesNoGaps", testAllocator[TTx]},
 		{"OptimisticConcurrencyNoLostUpdate", testOCC[TTx]},
 		{"OptimisticConcurrencyProperty", testOCCProperty[TTx]},
@@ -407,10 +411,205 @@ func testStaleAndUnsequenced[TTx any](t *testing.T, s *Store[TTx]) {
 	out, err = p.Process(ctx, h, &idem.Message{ID: "plain", AggregateID: "a", Payload: []byte("a:plain")})
 	wantOutcome(t, "unsequenced", out, err, idem.Applied)
 	wantStates(t, s, map[string]string{"a": "a:plain"})
-	// Batches refuse ordered handlers rather than ignore the guard.
-	if _, err := p.ProcessBatch(ctx, h, []*idem.Message{seqEvent{"a", 6}.msg()}); !errors.Is(err, idem.ErrInvalidConfig) {
-		t.Fatalf("batch with Ordering: %v, want ErrInvalidConfig", err)
+	// In a batch too, a stale message leaves no marker while the rest of
+	// the batch commits.
+	for round := range 2 {
+		outs, err := p.ProcessBatch(ctx, h, []*idem.Message{stale, seqEvent{"a", 6}.msg()})
+		want := []idem.Outcome{idem.Stale, idem.Applied}
+		if round == 1 {
+			want[1] = idem.Duplicate
+		}
+		wantOutcomes(t, fmt.Sprintf("batch round %d", round), outs, err, want)
 	}
+	wantStates(t, s, map[string]string{"a": "a:6"})
+}
+
+// wantOutcomes fails t unless a batch returned want without an error.
+func wantOutcomes(t *testing.T, what string, got []idem.Outcome, err error, want []idem.Outcome) {
+	t.Helper()
+	if err != nil || !slices.Equal(got, want) {
+		t.Fatalf("%s: (%v, %v), want (%v, nil)", what, got, err, want)
+	}
+}
+
+func seqMsgs(evs ...seqEvent) []*idem.Message {
+	out := make([]*idem.Message, len(evs))
+	for i, e := range evs {
+		out[i] = e.msg()
+	}
+	return out
+}
+
+// testBatchOrder: a batch holding an aggregate's events out of order
+// applies them in sequence order, once each, beside other aggregates.
+func testBatchOrder[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	p := newProc(t, s)
+	h := appendHandler(s, &idem.Ordering{Gap: idem.GapFail})
+	outs, err := p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"a", 3}, seqEvent{"b", 2}, seqEvent{"a", 1}, seqEvent{"b", 1}, seqEvent{"a", 2}, seqEvent{"a", 1}))
+	wantOutcomes(t, "shuffled batch", outs, err, []idem.Outcome{idem.Applied, idem.Applied, idem.Applied, idem.Applied, idem.Applied, idem.Duplicate})
+	wantStates(t, s, map[string]string{"a": chain(3), "b": chain(2)})
+	// Redelivered with the next events: the old ones are duplicates.
+	outs, err = p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"a", 4}, seqEvent{"a", 2}, seqEvent{"b", 3}))
+	wantOutcomes(t, "redelivery batch", outs, err, []idem.Outcome{idem.Applied, idem.Duplicate, idem.Applied})
+	wantStates(t, s, map[string]string{"a": chain(4), "b": chain(3)})
+}
+
+// testBatchGap: events behind a gap are left undecided (OutcomeNone) with
+// no marker, the rest of the batch commits, and once the missing event
+// arrives the held ones apply.
+func testBatchGap[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	gaps := &gapRecorder{}
+	p, err := idem.NewProcessor(s.Driver, &idem.Config{Hooks: []idem.Hook{gaps}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := appendHandler(s, &idem.Ordering{Gap: idem.GapFail})
+	outs, err := p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"a", 1}, seqEvent{"a", 4}, seqEvent{"b", 1}, seqEvent{"a", 2}, seqEvent{"a", 5}, seqEvent{"a", 4}))
+	wantOutcomes(t, "batch with a gap", outs, err, []idem.Outcome{idem.Applied, idem.OutcomeNone, idem.Applied, idem.Applied, idem.OutcomeNone, idem.OutcomeNone})
+	if len(gaps.errs) != 3 {
+		t.Fatalf("hooks saw %d gap errors, want 3 (a/4 twice, a/5): %v", len(gaps.errs), gaps.errs)
+	}
+	for _, err := range gaps.errs {
+		var ge *idem.GapError
+		if !errors.As(err, &ge) || ge.AggregateID != "a" || ge.Last != 2 || (ge.Seq != 4 && ge.Seq != 5) {
+			t.Fatalf("gap error %v, want a/4 or a/5 after 2", err)
+		}
+	}
+	wantStates(t, s, map[string]string{"a": chain(2), "b": chain(1)})
+	if n, err := s.Markers(ctx, h.Name); err != nil || n != 3 {
+		t.Fatalf("%d markers (%v), want 3: the held events must leave none", n, err)
+	}
+	outs, err = p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"a", 5}, seqEvent{"a", 4}, seqEvent{"a", 3}))
+	wantOutcomes(t, "the missing event with the held ones", outs, err, []idem.Outcome{idem.Applied, idem.Applied, idem.Applied})
+	wantStates(t, s, map[string]string{"a": chain(5), "b": chain(1)})
+}
+
+// gapRecorder is a hook keeping the gap errors reported to it.
+type gapRecorder struct{ errs []error }
+
+func (g *gapRecorder) OnOutcome(_ context.Context, ev *idem.OutcomeEvent) {
+	if errors.Is(ev.Err, idem.ErrGap) {
+		g.errs = append(g.errs, ev.Err)
+	}
+}
+
+// testBatchVersionOnly: the guard alone decides a batch, with no marker.
+func testBatchVersionOnly[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	p := newProc(t, s)
+	h := appendHandler(s, &idem.Ordering{VersionOnly: true, Gap: idem.GapFail})
+	h.Name = "version-only"
+	if _, err := p.ProcessBatch(ctx, h, []*idem.Message{{ID: "no-seq", AggregateID: "a"}}); !errors.Is(err, idem.ErrInvalidMessage) {
+		t.Fatalf("version-only batch without Seq: %v, want ErrInvalidMessage", err)
+	}
+	outs, err := p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"a", 2}, seqEvent{"a", 1}, seqEvent{"a", 2}, seqEvent{"b", 1}, seqEvent{"a", 3}))
+	wantOutcomes(t, "first batch", outs, err, []idem.Outcome{idem.Applied, idem.Applied, idem.Duplicate, idem.Applied, idem.Applied})
+	outs, err = p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"a", 3}, seqEvent{"a", 2}, seqEvent{"a", 4}, seqEvent{"a", 6}))
+	wantOutcomes(t, "second batch", outs, err, []idem.Outcome{idem.Duplicate, idem.Stale, idem.Applied, idem.OutcomeNone})
+	if n, err := s.Markers(ctx, h.Name); err != nil || n != 0 {
+		t.Fatalf("version-only batches wrote %d marker rows (%v), want none", n, err)
+	}
+	wantStates(t, s, map[string]string{"a": chain(4), "b": chain(1)})
+}
+
+// testBatchesConcurrent delivers every event of aggs aggregates twice, in
+// shuffled batches, from four goroutines at once; an event a batch leaves
+// undecided (behind a gap) goes back to the queue. Every aggregate must end
+// with each of its events applied exactly once, in sequence order.
+func testBatchesConcurrent[TTx any](t *testing.T, s *Store[TTx], aggs int) {
+	ctx := context.Background()
+	p := newProc(t, s)
+	h := appendHandler(s, &idem.Ordering{Gap: idem.GapFail})
+	const per = 30
+	events := seqEvents(aggs, per)
+	r := rand.New(rand.NewPCG(7, 8))
+	queue := append(slices.Clone(events), events...)
+	r.Shuffle(len(queue), func(i, j int) { queue[i], queue[j] = queue[j], queue[i] })
+	var (
+		mu       sync.Mutex
+		busy     int
+		applied  int
+		requeued int
+		failures []error
+	)
+	// An event that can never apply (a lost predecessor) would hold its
+	// aggregate's later events forever: give up long before that.
+	maxRequeues := 50 * len(events)
+	take := func() ([]seqEvent, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		if requeued > maxRequeues {
+			return nil, false
+		}
+		if len(queue) == 0 {
+			return nil, busy > 0
+		}
+		n := min(len(queue), 1+r.IntN(40))
+		b := slices.Clone(queue[:n])
+		queue = queue[n:]
+		busy++
+		return b, true
+	}
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				b, more := take()
+				if !more {
+					return
+				}
+				if b == nil {
+					time.Sleep(time.Millisecond) // others may requeue
+					continue
+				}
+				outs, err := p.ProcessBatch(ctx, h, seqMsgs(b...))
+				mu.Lock()
+				busy--
+				switch {
+				case err != nil:
+					failures = append(failures, err)
+					queue = append(queue, b...)
+				default:
+					for i, out := range outs {
+						switch out {
+						case idem.Applied:
+							applied++
+						case idem.OutcomeNone:
+							queue = append(queue, b[i])
+							requeued++
+						}
+					}
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if requeued > maxRequeues {
+		t.Fatalf("events were held back %d times and %d never applied: an event behind a gap never became applicable", requeued, len(queue))
+	}
+	// A batch may fail on a deadlock or serialization error and be
+	// delivered again, as a broker would; anything else is a defect.
+	if len(failures) > 0 {
+		t.Logf("%d batches failed and were delivered again; first: %v", len(failures), failures[0])
+	}
+	for _, err := range failures {
+		if errors.Is(err, idem.ErrInvalidConfig) || errors.Is(err, idem.ErrInvalidMessage) {
+			t.Fatalf("batch failed: %v", err)
+		}
+	}
+	if applied != len(events) {
+		t.Fatalf("%d applied outcomes for %d unique events (%d batches failed and were redelivered)", applied, len(events), len(failures))
+	}
+	want := map[string]string{}
+	for a := range aggs {
+		want[fmt.Sprintf("agg-%03d", a)] = chain(per)
+	}
+	wantStates(t, s, want)
 }
 
 func testNormalizer[TTx any](t *testing.T, s *Store[TTx]) {
