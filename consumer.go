@@ -163,20 +163,14 @@ func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 
 // HandleDeliveries implements BatchDeliveryHandler: the valid deliveries
 // are applied with Processor.ProcessBatch, in one transaction whose
-// handler sees only the new messages; conflicts in it are dead-lettered.
-// When the batch cannot commit (a handler error, an invalid message), or
-// the handler has an ordering guard (which batches do not run), each
-// delivery goes through HandleDelivery instead, so retries and dead
-// letters are decided per message as always.
+// handler sees only the new messages. A delivery the batch did not settle
+// (a conflict, or a message behind a sequence gap) is then decided alone
+// by HandleDelivery, as is every delivery of a batch that cannot commit (a
+// handler error, an invalid message), so retries and dead letters are
+// decided per message as always.
 func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
 	vs := make([]Verdict, len(ds))
 	one := func(i int) { vs[i] = c.HandleDelivery(ctx, ds[i]) }
-	if c.h.Ordering != nil {
-		for i := range ds {
-			one(i)
-		}
-		return vs
-	}
 	var (
 		idx  []int
 		msgs []*Message
@@ -201,8 +195,9 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 		return vs
 	}
 	for j, i := range idx {
-		if outs[j] == Conflict {
-			// Decided again alone: the Conflict error and its dead letter.
+		if outs[j] == Conflict || outs[j] == OutcomeNone {
+			// Decided again alone: a conflict's dead letter, or a gap's
+			// retry (and, under GapWait, its first sighting).
 			one(i)
 			continue
 		}

@@ -84,6 +84,25 @@ func newEnv(t testing.TB, synchronous string) *Env {
 // Consumer returns an idem.Consumer crediting balances (with the ordering
 // guard when ordering), counting Duplicate verdicts in Dups.
 func (e *Env) Consumer(ordering bool) idem.DeliveryHandler {
+	c := e.creditConsumer(ordering)
+	return idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+		v := c.HandleDelivery(ctx, d)
+		if v.Outcome == idem.Duplicate {
+			e.Dups.Add(1)
+		}
+		return v
+	})
+}
+
+// OrderedBatchConsumer is Consumer(true) for batches: the ordering guard
+// runs inside each batch's transaction.
+func (e *Env) OrderedBatchConsumer() idem.BatchDeliveryHandler {
+	return &countingBatch{c: e.creditConsumer(true), dups: &e.Dups}
+}
+
+// creditConsumer is the idem.Consumer behind Consumer: one credit per
+// message, recording the sequences applied per aggregate.
+func (e *Env) creditConsumer(ordering bool) *idem.Consumer[*sql.Tx] {
 	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
 		acct, amt, err := idemtest.DecodeCredit(m.Payload)
 		if err != nil {
@@ -102,13 +121,7 @@ func (e *Env) Consumer(ordering bool) idem.DeliveryHandler {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	return idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
-		v := c.HandleDelivery(ctx, d)
-		if v.Outcome == idem.Duplicate {
-			e.Dups.Add(1)
-		}
-		return v
-	})
+	return c
 }
 
 // BatchConsumer returns an idem.Consumer whose handler applies a batch's
@@ -357,35 +370,47 @@ func Run(t *testing.T, newBroker func(t testing.TB) Broker) {
 	t.Run("OrderKeptWithGuard", func(t *testing.T) {
 		t.Parallel()
 		b, e := newBroker(t), NewEnv(t)
-		var msgs []*idem.Message
-		var events []idemtest.Event
-		for s := int64(1); s <= 20; s++ {
-			for a := range 10 {
-				ev := idemtest.Event{ID: fmt.Sprintf("agg%d-%d", a, s), Account: fmt.Sprintf("acct-%d", a), Amount: s}
-				events = append(events, ev)
-				m := ev.Message()
-				m.AggregateID, m.Seq = fmt.Sprintf("agg%d", a), s
-				msgs = append(msgs, m)
-			}
-		}
-		b.Publish(t, msgs, 7)
-		kill := b.Start(t, e.Consumer(true))
-		b.Start(t, e.Consumer(true))
-		time.Sleep(100 * time.Millisecond)
-		kill()
-		e.WaitMarkers(len(msgs))
-		for a := range 10 {
-			v, ok := e.applied.Load(fmt.Sprintf("agg%d", a))
-			if !ok {
-				t.Fatalf("agg%d: nothing applied", a)
-			}
-			got := *v.(*[]int64)
-			for i, s := range got {
-				if s != int64(i+1) || len(got) != 20 {
-					t.Fatalf("agg%d applied %v, want 1..20 in order, once each", a, got)
-				}
-			}
-		}
-		e.CheckBalances(events)
+		orderKept(t, b, e, func() func() { return b.Start(t, e.Consumer(true)) })
 	})
+	t.Run("OrderKeptWithGuardBatched", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t), NewEnv(t)
+		orderKept(t, b, e, func() func() { return b.StartBatched(t, e.OrderedBatchConsumer(), 25) })
+	})
+}
+
+// orderKept publishes 20 sequenced events of each of 10 aggregates (7%
+// published twice), runs two consumers from start, kills one after 100 ms,
+// and checks that every aggregate's events applied once each, in order.
+func orderKept(t *testing.T, b Broker, e *Env, start func() (kill func())) {
+	var msgs []*idem.Message
+	var events []idemtest.Event
+	for s := int64(1); s <= 20; s++ {
+		for a := range 10 {
+			ev := idemtest.Event{ID: fmt.Sprintf("agg%d-%d", a, s), Account: fmt.Sprintf("acct-%d", a), Amount: s}
+			events = append(events, ev)
+			m := ev.Message()
+			m.AggregateID, m.Seq = fmt.Sprintf("agg%d", a), s
+			msgs = append(msgs, m)
+		}
+	}
+	b.Publish(t, msgs, 7)
+	kill := start()
+	start()
+	time.Sleep(100 * time.Millisecond)
+	kill()
+	e.WaitMarkers(len(msgs))
+	for a := range 10 {
+		v, ok := e.applied.Load(fmt.Sprintf("agg%d", a))
+		if !ok {
+			t.Fatalf("agg%d: nothing applied", a)
+		}
+		got := *v.(*[]int64)
+		for i, s := range got {
+			if s != int64(i+1) || len(got) != 20 {
+				t.Fatalf("agg%d applied %v, want 1..20 in order, once each", a, got)
+			}
+		}
+	}
+	e.CheckBalances(events)
 }
