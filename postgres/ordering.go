@@ -16,24 +16,33 @@ var (
 )
 
 // SequenceAdvance implements driver.SequenceGuard. The in-order case is one
-// statement: an upsert whose conflict branch only fires when the stored
-// sequence is the one before (it waits on a concurrent transaction's row
-// lock and re-checks the committed value). Anything else ensures the row
+// statement (see advanceSQL) that only changes the row when the stored
+// sequence is the one before; it waits on a concurrent transaction's row
+// lock and re-checks the committed value. Anything else ensures the row
 // exists, locks it and reads it in one round trip, then decides.
 func (d *Driver) SequenceAdvance(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
 	var last int64
-	err := tx.QueryRow(ctx, d.advanceSQL(), p.Handler, p.AggregateID, p.Seq, p.AllowGap).Scan(&last)
+	q, args := d.advanceSQL(p)
+	err := tx.QueryRow(ctx, q, args...).Scan(&last)
 	return d.advanceSlow(ctx, tx, p, err)
 }
 
-// advanceSQL advances the sequence in one statement when the event is the
-// next one (or, with AllowGap, any later one) and returns a row then.
-func (d *Driver) advanceSQL() string {
-	return `INSERT INTO ` + d.t.sequences + ` AS s (handler, aggregate_id, last_seq)
-SELECT $1, $2, $3::bigint WHERE $3::bigint = 1 OR $4::boolean
+// advanceSQL is the statement that advances the sequence when the event is
+// the next one (or, with AllowGap, any later one) and returns a row then,
+// with its arguments. An event that may create the row (sequence 1, or
+// any under AllowGap) is an upsert; any other can only follow an existing
+// row, and is an UPDATE of it: an upsert would need a row to propose,
+// and could then create one past a gap.
+func (d *Driver) advanceSQL(p *driver.SequenceAdvanceParams) (string, []any) {
+	if p.Seq == 1 || p.AllowGap {
+		return `INSERT INTO ` + d.t.sequences + ` AS s (handler, aggregate_id, last_seq) VALUES ($1, $2, $3)
 ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq
 WHERE s.last_seq = excluded.last_seq - 1 OR ($4::boolean AND s.last_seq < excluded.last_seq)
-RETURNING last_seq`
+RETURNING last_seq`, []any{p.Handler, p.AggregateID, p.Seq, p.AllowGap}
+	}
+	return `UPDATE ` + d.t.sequences + ` SET last_seq = $3
+WHERE handler = $1 AND aggregate_id = $2 AND last_seq = $3 - 1
+RETURNING last_seq`, []any{p.Handler, p.AggregateID, p.Seq}
 }
 
 // BeginSequenceAdvance implements driver.BeginSequenceAdvancer: BEGIN and
@@ -47,7 +56,8 @@ func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdv
 	tx := &connTx{c: c}
 	b := &pgx.Batch{}
 	b.Queue("begin")
-	b.Queue(d.advanceSQL(), p.Handler, p.AggregateID, p.Seq, p.AllowGap)
+	q, args := d.advanceSQL(p)
+	b.Queue(q, args...)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
 	var last int64
