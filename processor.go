@@ -75,6 +75,7 @@ type Processor[TTx any] struct {
 	beginMany   driver.BeginMarkerManyInserter[TTx]
 	delMarkers  driver.MarkerDeleter[TTx]
 	seq         driver.SequenceGuard[TTx]
+	seqMany     driver.SequenceBatchAdvancer[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	logger      *slog.Logger
 	onOutcome   []HookOutcome
@@ -104,6 +105,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if sg, ok := drv.(driver.SequenceGuard[TTx]); ok {
 		p.seq = sg
+	}
+	if sm, ok := drv.(driver.SequenceBatchAdvancer[TTx]); ok {
+		p.seqMany = sm
 	}
 	if bs, ok := drv.(driver.BeginSequenceAdvancer[TTx]); ok {
 		p.beginSeq = bs
@@ -372,13 +376,14 @@ func (p *Processor[TTx]) guardBatch(ctx context.Context, tx TTx, h *Handler[TTx]
 		}
 		return cmp.Compare(msgs[a].Seq, msgs[b].Seq)
 	})
-	for _, i := range order {
-		proceed, out, gerr := p.guard(ctx, tx, h, msgs[i], g.keys[i])
+	res, err := p.advanceBatch(ctx, tx, h, msgs, g, order)
+	if err != nil {
+		return nil, nil, err
+	}
+	for k, i := range order {
+		proceed, out, gerr := p.decide(h, msgs[i], g.keys[i], res[k])
 		if proceed {
 			continue
-		}
-		if gerr != nil && !errors.Is(gerr, ErrGap) {
-			return nil, nil, gerr // the store failed
 		}
 		if refused == nil {
 			refused = make(map[int]Outcome)
@@ -392,6 +397,39 @@ func (p *Processor[TTx]) guardBatch(ctx context.Context, tx TTx, h *Handler[TTx]
 		}
 	}
 	return refused, errs, nil
+}
+
+// advanceBatch runs the guard's advance for the messages at order, in
+// turn: in one call when the driver can, else one call per message.
+func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message, g *batchGuard, order []int) ([]driver.SequenceAdvanceResult, error) {
+	res := make([]driver.SequenceAdvanceResult, len(order))
+	if p.seqMany == nil {
+		for k, i := range order {
+			r, err := p.seq.SequenceAdvance(ctx, tx, p.advanceParams(h, msgs[i], g.keys[i]))
+			if err != nil {
+				return nil, fmt.Errorf("idem: ordering guard: %w", err)
+			}
+			res[k] = r
+		}
+		return res, nil
+	}
+	mp := &driver.SequenceAdvanceManyParams{
+		Handler:      h.Name,
+		AggregateIDs: make([]string, len(order)),
+		Seqs:         make([]int64, len(order)),
+		AllowGap:     h.Ordering.Gap == GapAllow,
+	}
+	for k, i := range order {
+		mp.AggregateIDs[k], mp.Seqs[k] = g.keys[i], msgs[i].Seq
+	}
+	res, err := p.seqMany.SequenceAdvanceMany(ctx, tx, mp)
+	if err != nil {
+		return nil, fmt.Errorf("idem: ordering guard: %w", err)
+	}
+	if len(res) != len(order) {
+		return nil, fmt.Errorf("idem: driver returned %d sequence results for %d messages", len(res), len(order))
+	}
+	return res, nil
 }
 
 // inSeqOrder reorders idx (indexes into msgs, in batch order) so that the

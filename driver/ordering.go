@@ -32,6 +32,30 @@ type BeginSequenceAdvancer[TTx any] interface {
 	BeginSequenceAdvance(ctx context.Context, p *SequenceAdvanceParams) (TTx, SequenceAdvanceResult, error)
 }
 
+// SequenceBatchAdvancer is an optional fast path for batches of a handler
+// with an ordering guard: advance many sequences of one handler in as few
+// round trips as the store allows. Without it the core calls
+// SequenceAdvance once per message.
+type SequenceBatchAdvancer[TTx any] interface {
+	// SequenceAdvanceMany has the effect and the results of calling
+	// SequenceAdvance for each (AggregateIDs[i], Seqs[i]) in turn, inside
+	// tx. The entries are sorted by aggregate ID (byte order), then by
+	// sequence, so that concurrent batches lock in one order.
+	SequenceAdvanceMany(ctx context.Context, tx TTx, p *SequenceAdvanceManyParams) ([]SequenceAdvanceResult, error)
+}
+
+// SequenceAdvanceManyParams are the parameters of
+// SequenceBatchAdvancer.SequenceAdvanceMany.
+type SequenceAdvanceManyParams struct {
+	// Handler names the sequences' handler.
+	Handler string
+	// AggregateIDs and Seqs are parallel: one entry per message.
+	AggregateIDs []string
+	Seqs         []int64
+	// AllowGap is SequenceAdvanceParams.AllowGap, for every entry.
+	AllowGap bool
+}
+
 // SequenceAdvanceParams are the parameters of SequenceGuard.SequenceAdvance.
 type SequenceAdvanceParams struct {
 	// Handler and AggregateID name the sequence.
