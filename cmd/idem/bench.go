@@ -34,6 +34,9 @@ Cases:
   version-only one event per transaction, deduped by the aggregate's
                sequence alone (Ordering.VersionOnly: no marker row)
   batch-100    100 events per transaction (Processor.ProcessBatch)
+  batch-100-ordered
+               batch-100 with the ordering guard on (Ordering, GapAllow):
+               each account's sequence is advanced in the same transaction
   batch-1000   1,000 events per transaction; the handler applies them with
                one set-based upsert of the summed balances, so the marker
                insert is most of what the transaction writes

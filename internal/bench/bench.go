@@ -91,8 +91,8 @@ type VersionOnlyTarget interface {
 }
 
 // VersionOnly returns t with IdemOne running in version-only mode, or an
-// error if t does not support it. Its batch methods fail: batches do not
-// support Ordering.
+// error if t does not support it. Its batch methods fail: the case is
+// per-message.
 func VersionOnly(t Target) (Target, error) {
 	vt, ok := t.(VersionOnlyTarget)
 	if !ok {
@@ -126,6 +126,45 @@ func versionOnlyHandler[TTx any](h *idem.Handler[TTx]) *idem.Handler[TTx] {
 	return &v
 }
 
+// OrderedTarget is implemented by targets that can run the idempotent batch
+// variant with the ordering guard on (Ordering with GapAllow: each
+// account's sequence numbers grow, with gaps, as a partition's offsets
+// do).
+type OrderedTarget interface {
+	// IdemBatchOrdered applies msgs with Processor.ProcessBatch and an
+	// ordered handler. An outcome other than Applied is an error.
+	IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error
+}
+
+// Ordered returns t with IdemBatch running the ordering guard, or an error
+// if t does not support it.
+func Ordered(t Target) (Target, error) {
+	ot, ok := t.(OrderedTarget)
+	if !ok {
+		return nil, fmt.Errorf("bench: %s does not support ordered batches", t.Name())
+	}
+	return ordered{Target: t, ot: ot}, nil
+}
+
+type ordered struct {
+	Target
+	ot OrderedTarget
+}
+
+func (o ordered) Name() string { return o.Target.Name() + "/ordered" }
+
+func (o ordered) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
+	return o.ot.IdemBatchOrdered(ctx, msgs)
+}
+
+// orderedHandler returns a copy of h with the ordering guard on.
+func orderedHandler[TTx any](h *idem.Handler[TTx]) *idem.Handler[TTx] {
+	o := *h
+	o.Name = h.Name + ".ordered"
+	o.Ordering = &idem.Ordering{Gap: idem.GapAllow}
+	return &o
+}
+
 // Case is one workload shape of the standard set.
 type Case struct {
 	// Name identifies the case, for example "batch-1000".
@@ -137,6 +176,9 @@ type Case struct {
 	VersionOnly bool
 	// PerEvent applies a batch one statement per event (see PerEvent).
 	PerEvent bool
+	// Ordered runs the idempotent batch variant with the ordering guard
+	// (see Ordered).
+	Ordered bool
 }
 
 // Cases returns the standard cases in the order they run.
@@ -145,19 +187,22 @@ func Cases() []Case {
 		{Name: "per-message"},
 		{Name: "version-only", VersionOnly: true},
 		{Name: "batch-100", BatchSize: 100},
+		{Name: "batch-100-ordered", BatchSize: 100, Ordered: true},
 		{Name: "batch-1000", BatchSize: 1000},
 		{Name: "batch-1000-per-event", BatchSize: 1000, PerEvent: true},
 	}
 }
 
-// Target returns t adapted to the case: t itself, or t in version-only or
-// per-event mode.
+// Target returns t adapted to the case: t itself, or t in version-only,
+// per-event or ordered mode.
 func (c Case) Target(t Target) (Target, error) {
 	switch {
 	case c.VersionOnly:
 		return VersionOnly(t)
 	case c.PerEvent:
 		return PerEvent(t)
+	case c.Ordered:
+		return Ordered(t)
 	}
 	return t, nil
 }

@@ -29,6 +29,7 @@ type PostgresTarget struct {
 	h             *idem.Handler[postgres.Tx]
 	vh            *idem.Handler[postgres.Tx]
 	eh            *idem.Handler[postgres.Tx]
+	oh            *idem.Handler[postgres.Tx]
 	upsertOne     string
 	upsertMany    string
 }
@@ -92,6 +93,7 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 	}
 	t.vh = versionOnlyHandler(t.h)
 	t.eh = perEventHandler(t.h)
+	t.oh = orderedHandler(t.h)
 	return nil
 }
 
@@ -221,6 +223,15 @@ func (t *PostgresTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Me
 // IdemBatchPerEvent implements PerEventTarget.
 func (t *PostgresTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
 	outs, err := t.proc.ProcessBatch(ctx, t.eh, msgs)
+	if err != nil {
+		return err
+	}
+	return checkApplied(msgs, outs)
+}
+
+// IdemBatchOrdered implements OrderedTarget.
+func (t *PostgresTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
+	outs, err := t.proc.ProcessBatch(ctx, t.oh, msgs)
 	if err != nil {
 		return err
 	}

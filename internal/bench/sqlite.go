@@ -31,6 +31,7 @@ type SQLiteTarget struct {
 	h      *idem.Handler[*sql.Tx]
 	vh     *idem.Handler[*sql.Tx]
 	eh     *idem.Handler[*sql.Tx]
+	oh     *idem.Handler[*sql.Tx]
 	upsert *sql.Stmt
 }
 
@@ -83,6 +84,7 @@ ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`); err != 
 	}
 	t.vh = versionOnlyHandler(t.h)
 	t.eh = perEventHandler(t.h)
+	t.oh = orderedHandler(t.h)
 	return nil
 }
 
@@ -219,6 +221,15 @@ func (t *SQLiteTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Mess
 // IdemBatchPerEvent implements PerEventTarget.
 func (t *SQLiteTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
 	outs, err := t.proc.ProcessBatch(ctx, t.eh, msgs)
+	if err != nil {
+		return err
+	}
+	return checkApplied(msgs, outs)
+}
+
+// IdemBatchOrdered implements OrderedTarget.
+func (t *SQLiteTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
+	outs, err := t.proc.ProcessBatch(ctx, t.oh, msgs)
 	if err != nil {
 		return err
 	}
