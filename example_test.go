@@ -138,3 +138,42 @@ func ExampleProcessor_ProcessBatch() {
 	// new: [d]
 	// [duplicate applied duplicate]
 }
+
+// With an ordering guard a batch applies each aggregate's events in
+// sequence order, whatever order they arrive in. An event behind a gap is
+// left undecided (none) while the rest of the batch commits; once the
+// missing event arrives, it applies.
+func ExampleProcessor_ProcessBatch_ordering() {
+	ctx := context.Background()
+	db, _ := sqlite.Open(":memory:", nil)
+	defer db.Close()
+	drv, _ := sqlite.New(db, nil)
+	_ = drv.Migrate(ctx)
+	proc, _ := idem.NewProcessor(drv, nil)
+	h := &idem.Handler[*sql.Tx]{
+		Name:     "ledger",
+		Ordering: &idem.Ordering{Gap: idem.GapWait},
+		Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+			fmt.Printf("apply %s\n", m.ID)
+			return nil
+		},
+	}
+	ev := func(agg string, seqs ...int64) []*idem.Message {
+		out := make([]*idem.Message, len(seqs))
+		for i, q := range seqs {
+			out[i] = &idem.Message{ID: fmt.Sprintf("%s-%d", agg, q), AggregateID: agg, Seq: q}
+		}
+		return out
+	}
+	outs, _ := proc.ProcessBatch(ctx, h, ev("acct", 2, 1, 4))
+	fmt.Println(outs)
+	outs, _ = proc.ProcessBatch(ctx, h, ev("acct", 4, 3))
+	fmt.Println(outs)
+	// Output:
+	// apply acct-1
+	// apply acct-2
+	// [applied applied none]
+	// apply acct-3
+	// apply acct-4
+	// [applied applied]
+}
