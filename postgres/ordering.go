@@ -126,8 +126,9 @@ func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvan
 //  1. Lock every aggregate's row and read its last sequence, creating the
 //     missing rows at 0 (a conflict branch that changes nothing still locks
 //     the row, and a concurrent creator waits for ours or we for it). Rows
-//     are taken in the entries' byte order, the same order in every batch,
-//     so concurrent batches queue instead of deadlocking.
+//     are taken in byte order (the ORDER BY makes it explicit), the same
+//     order in every batch, so concurrent batches queue instead of
+//     deadlocking.
 //  2. Having decided every entry here, exactly as SequenceAdvance would,
 //     one after the other, write the new last sequences.
 //
@@ -141,7 +142,7 @@ func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.Seque
 	}
 	aggs := slices.Compact(slices.Clone(p.AggregateIDs))
 	rows, err := tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq)
-SELECT $1, a, 0 FROM unnest($2::text[]) AS a
+SELECT $1, a, 0 FROM unnest($2::text[]) AS a ORDER BY a COLLATE "C"
 ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = s.last_seq
 RETURNING aggregate_id, last_seq`, p.Handler, aggs)
 	if err != nil {
