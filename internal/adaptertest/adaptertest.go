@@ -128,14 +128,18 @@ func (e *Env) creditConsumer(ordering bool) *idem.Consumer[*sql.Tx] {
 // new credits with one upsert per account (a poison payload fails the
 // batch permanently, so its deliveries are decided one by one), counting
 // Duplicate verdicts in Dups.
-func (e *Env) BatchConsumer() idem.BatchDeliveryHandler { return e.batchConsumer(false) }
+func (e *Env) BatchConsumer() idem.BatchDeliveryHandler { return e.batchConsumer(false, false) }
 
 // batchConsumer is BatchConsumer; perEvent applies one upsert per credit
-// instead of one per account (see applyCredits).
-func (e *Env) batchConsumer(perEvent bool) idem.BatchDeliveryHandler {
+// instead of one per account (see applyCredits), ordered turns the
+// ordering guard on (GapFail).
+func (e *Env) batchConsumer(perEvent, ordered bool) idem.BatchDeliveryHandler {
 	h := &idem.Handler[*sql.Tx]{Name: "balances", ApplyBatch: func(ctx context.Context, tx *sql.Tx, msgs []*idem.Message) error {
 		return applyCreditsTx(ctx, tx, payloadsOf(msgs), perEvent)
 	}}
+	if ordered {
+		h.Ordering = &idem.Ordering{}
+	}
 	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
 	if err != nil {
 		e.t.Fatal(err)

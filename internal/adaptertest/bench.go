@@ -19,22 +19,41 @@ import (
 
 // BenchEndToEnd runs EndToEnd one message at a time and in batches of 100
 // (the handler summing a batch's credits per account, or applying each
-// credit with its own upsert), on three stores: SQLite at synchronous=FULL
-// (sqlite.Open's default: every commit waits for fsync), SQLite at
-// synchronous=NORMAL (no fsync per commit, so CPU-bound: idem's own work
-// shows undiluted) and the Postgres server testenv finds.
+// credit with its own upsert, or summing them behind the ordering guard),
+// on three stores: SQLite at synchronous=FULL (sqlite.Open's default:
+// every commit waits for fsync), SQLite at synchronous=NORMAL (no fsync per
+// commit, so CPU-bound: idem's own work shows undiluted) and the Postgres
+// server testenv finds.
 func BenchEndToEnd(b *testing.B, newBroker func(testing.TB) Broker) {
 	for _, store := range []string{StoreSQLiteFull, StoreSQLiteNormal, StorePostgres} {
 		for _, c := range []struct {
-			name     string
-			batch    int
-			perEvent bool
-		}{{"per-message", 1, false}, {"batch-100", 100, false}, {"batch-100-per-event", 100, true}} {
+			name string
+			Shape
+		}{
+			{"per-message", Shape{Batch: 1}},
+			{"batch-100", Shape{Batch: 100}},
+			{"batch-100-per-event", Shape{Batch: 100, PerEvent: true}},
+			{"batch-100-ordered", Shape{Batch: 100, Ordered: true}},
+		} {
 			b.Run(store+"/"+c.name, func(b *testing.B) {
-				EndToEnd(b, newBroker, store, c.batch, c.perEvent)
+				EndToEnd(b, newBroker, store, c.Shape)
 			})
 		}
 	}
+}
+
+// Shape is how EndToEnd consumes.
+type Shape struct {
+	// Batch 1 decides one message at a time; above 1 the adapter hands
+	// over batches of up to Batch and both handlers commit a batch's
+	// upserts in one transaction (idem adds its markers to it).
+	Batch int
+	// PerEvent applies one upsert per message instead of one per account.
+	PerEvent bool
+	// Ordered gives every account's messages a sequence (1, 2, … in
+	// publishing order) and idem's handler the ordering guard (GapFail):
+	// each batch also advances its accounts' sequences.
+	Ordered bool
 }
 
 // The stores EndToEnd consumes into.
@@ -52,12 +71,10 @@ const endToEndRounds = 5
 // EndToEnd publishes max(b.N, 500) new messages and consumes them into the
 // store on a fresh broker, with a plain handler (the balance upserts in a
 // transaction, then the ack) and through idem.Consumer, alternating the two
-// for endToEndRounds rounds each. It reports the median rate of each and
-// their ratio, idem/plain. batch 1 decides one message at a time; above 1
-// the adapter hands over batches of up to batch and both handlers commit a
-// batch's upserts in one transaction (idem adds its markers to it): one
-// upsert per account, or with perEvent one per message.
-func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, store string, batch int, perEvent bool) {
+// for endToEndRounds rounds each, in the given shape. It reports the median
+// rate of each and their ratio, idem/plain.
+func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, store string, shape Shape) {
+	batch, perEvent := shape.Batch, shape.PerEvent
 	n := max(b.N, 500)
 	var pool *pgxpool.Pool
 	if store == StorePostgres {
@@ -68,18 +85,26 @@ func EndToEnd(b *testing.B, newBroker func(testing.TB) Broker, store string, bat
 		var h idem.BatchDeliveryHandler
 		switch store {
 		case StorePostgres:
-			h = newPostgresStore(b, pool).handler(b, withIdem, perEvent)
+			h = newPostgresStore(b, pool).handler(b, withIdem, shape)
 		case StoreSQLiteFull, StoreSQLiteNormal:
 			e := newEnv(b, strings.ToUpper(store))
 			h = plainSQLite(e, perEvent)
 			if withIdem {
-				h = e.batchConsumer(perEvent)
+				h = e.batchConsumer(perEvent, shape.Ordered)
 			}
 		default:
 			b.Fatalf("unknown store %q", store)
 		}
 		events := idemtest.Events(n)
-		br.Publish(b, Messages(events), 0)
+		msgs := Messages(events)
+		if shape.Ordered {
+			next := map[string]int64{}
+			for _, m := range msgs {
+				next[m.AggregateID]++
+				m.Seq = next[m.AggregateID]
+			}
+		}
+		br.Publish(b, msgs, 0)
 		var handled atomic.Int64
 		counted := &countedBatch{next: h, n: &handled}
 		start := time.Now()
@@ -208,7 +233,8 @@ func newPostgresStore(b testing.TB, pool *pgxpool.Pool) *postgresStore {
 
 // handler returns the plain handler or idem's consumer over the same
 // credits.
-func (s *postgresStore) handler(b testing.TB, withIdem, perEvent bool) idem.BatchDeliveryHandler {
+func (s *postgresStore) handler(b testing.TB, withIdem bool, shape Shape) idem.BatchDeliveryHandler {
+	perEvent := shape.PerEvent
 	apply := func(ctx context.Context, tx postgres.Tx, payloads [][]byte) error {
 		return applyCredits(payloads, perEvent, func(acct string, amt int64) error {
 			_, err := tx.Exec(ctx, s.upsert, acct, amt)
@@ -235,6 +261,9 @@ func (s *postgresStore) handler(b testing.TB, withIdem, perEvent bool) idem.Batc
 	h := &idem.Handler[postgres.Tx]{Name: "balances", ApplyBatch: func(ctx context.Context, tx postgres.Tx, msgs []*idem.Message) error {
 		return apply(ctx, tx, payloadsOf(msgs))
 	}}
+	if shape.Ordered {
+		h.Ordering = &idem.Ordering{}
+	}
 	c, err := idem.NewConsumer(proc, h, s.drv, nil)
 	if err != nil {
 		b.Fatal(err)
