@@ -88,7 +88,7 @@ func (b *broker) PublishRaw(t testing.TB, value []byte) {
 
 func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, batch ...int) (*nats.Conn, *jetstream.Consumer) {
 	nc, js := b.connect(t)
-	cfg := &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: time.Second, MaxDeliver: 50}
+	cfg := &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: time.Second, MaxDeliver: 50, Logger: testenv.Logger(t)}
 	if len(batch) > 0 {
 		cfg.Batch = batch[0]
 	}
@@ -137,8 +137,9 @@ func (b *broker) StartCrashing(t testing.TB, h idem.DeliveryHandler) <-chan stru
 		return v
 	}))
 	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	go func() { _ = c.Run(ctx) }()
+	done := make(chan struct{})
+	go func() { defer close(done); _ = c.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done }) // it logs through t: end it first
 	return crashed
 }
 

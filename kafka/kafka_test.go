@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/adaptertest"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
 )
 
@@ -69,7 +70,7 @@ func (b *broker) PublishRaw(t testing.TB, value []byte) {
 
 func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, hook func(string), batch int) *kafka.Consumer {
 	c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50, FaultHook: hook, Batch: batch,
-		Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(6 * time.Second)}})
+		Logger: testenv.Logger(t), Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(6 * time.Second)}})
 	if err != nil {
 		t.Fatal(err)
 	}

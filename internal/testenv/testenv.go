@@ -11,7 +11,9 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"log/slog"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -85,4 +87,20 @@ func FreshSchema(t testing.TB, pool *pgxpool.Pool) string {
 		}
 	})
 	return schema
+}
+
+// Logger returns a logger that writes through t.Log, so that an adapter's
+// warnings (a consumer killed while it acknowledges, say) show with the
+// test that caused them, or after a benchmark's result lines, instead of in
+// the middle of them.
+func Logger(t testing.TB) *slog.Logger {
+	return slog.New(slog.NewTextHandler(tLogWriter{t}, nil))
+}
+
+type tLogWriter struct{ t testing.TB }
+
+func (w tLogWriter) Write(p []byte) (int, error) {
+	w.t.Helper()
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
 }
