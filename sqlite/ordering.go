@@ -3,6 +3,7 @@ package sqlite
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -11,8 +12,9 @@ import (
 )
 
 var (
-	_ driver.SequenceGuard[*sql.Tx] = (*Driver)(nil)
-	_ driver.VersionStore[*sql.Tx]  = (*Driver)(nil)
+	_ driver.SequenceGuard[*sql.Tx]         = (*Driver)(nil)
+	_ driver.SequenceBatchAdvancer[*sql.Tx] = (*Driver)(nil)
+	_ driver.VersionStore[*sql.Tx]          = (*Driver)(nil)
 )
 
 // SequenceAdvance implements driver.SequenceGuard. SQLite has one writer
@@ -42,6 +44,75 @@ ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = ?3`, p.Handler, p.A
 		return driver.SequenceAdvanceResult{Advanced: true}, nil
 	}
 	return driver.SequenceAdvanceResult{Last: last}, nil
+}
+
+// SequenceAdvanceMany implements driver.SequenceBatchAdvancer in two
+// statements whatever the batch size: one reads every aggregate's last
+// sequence, then, the entries decided here exactly as SequenceAdvance
+// would decide them one after the other, one upsert writes the new last
+// sequences. The arrays travel as JSON, so both statements keep one shape.
+// The transaction holds SQLite's write lock from its first write (or, if
+// the read comes first, fails to commit rather than lose an update), so no
+// other writer can move a sequence between the read and the write.
+func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceManyParams) ([]driver.SequenceAdvanceResult, error) {
+	if len(p.AggregateIDs) != len(p.Seqs) {
+		return nil, fmt.Errorf("sqlite: %d aggregate IDs for %d sequences", len(p.AggregateIDs), len(p.Seqs))
+	}
+	aggs, err := json.Marshal(p.AggregateIDs)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := tx.QueryContext(ctx, `SELECT aggregate_id, last_seq FROM `+d.tables.sequences+`
+WHERE handler = ? AND aggregate_id IN (SELECT value FROM json_each(?))`, p.Handler, string(aggs))
+	if err != nil {
+		return nil, err
+	}
+	last := make(map[string]int64, len(p.AggregateIDs))
+	for rows.Next() {
+		var (
+			agg string
+			seq int64
+		)
+		if err := rows.Scan(&agg, &seq); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		last[agg] = seq
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	out := make([]driver.SequenceAdvanceResult, len(p.Seqs))
+	changed := map[string]int64{}
+	for i, agg := range p.AggregateIDs {
+		l, seq := last[agg], p.Seqs[i]
+		if seq != l+1 && !(p.AllowGap && seq > l) {
+			out[i].Last = l
+			continue
+		}
+		out[i].Advanced = true
+		last[agg], changed[agg] = seq, seq
+	}
+	if len(changed) == 0 {
+		return out, nil
+	}
+	writes := make([][2]any, 0, len(changed))
+	for agg, seq := range changed {
+		writes = append(writes, [2]any{agg, seq})
+	}
+	enc, err := json.Marshal(writes)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.sequences+` (handler, aggregate_id, last_seq)
+SELECT ?, value ->> 0, value ->> 1 FROM json_each(?) WHERE true
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`, p.Handler, string(enc)); err != nil {
+		return nil, err
+	}
+	return out, nil
 }
 
 // GapSighting implements driver.SequenceGuard on this host's clock.
