@@ -75,7 +75,7 @@ type Processor[TTx any] struct {
 	beginMany   driver.BeginMarkerManyInserter[TTx]
 	delMarkers  driver.MarkerDeleter[TTx]
 	seq         driver.SequenceGuard[TTx]
-	seqMany     driver.SequenceBatchAdvancer[TTx]
+	seqBatch    driver.SequenceBatchStore[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	logger      *slog.Logger
 	onOutcome   []HookOutcome
@@ -106,8 +106,8 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	if sg, ok := drv.(driver.SequenceGuard[TTx]); ok {
 		p.seq = sg
 	}
-	if sm, ok := drv.(driver.SequenceBatchAdvancer[TTx]); ok {
-		p.seqMany = sm
+	if sb, ok := drv.(driver.SequenceBatchStore[TTx]); ok {
+		p.seqBatch = sb
 	}
 	if bs, ok := drv.(driver.BeginSequenceAdvancer[TTx]); ok {
 		p.beginSeq = bs
@@ -399,11 +399,14 @@ func (p *Processor[TTx]) guardBatch(ctx context.Context, tx TTx, h *Handler[TTx]
 	return refused, errs, nil
 }
 
-// advanceBatch runs the guard's advance for the messages at order, in
-// turn: in one call when the driver can, else one call per message.
+// advanceBatch runs the guard's advance for the messages at order (sorted
+// by aggregate, then sequence), in turn. With a driver.SequenceBatchStore
+// that is two calls: lock and read every aggregate's last sequence, decide
+// each message here as SequenceAdvance would, write the new ones back.
+// Otherwise it is one SequenceAdvance per message.
 func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message, g *batchGuard, order []int) ([]driver.SequenceAdvanceResult, error) {
 	res := make([]driver.SequenceAdvanceResult, len(order))
-	if p.seqMany == nil {
+	if p.seqBatch == nil {
 		for k, i := range order {
 			r, err := p.seq.SequenceAdvance(ctx, tx, p.advanceParams(h, msgs[i], g.keys[i]))
 			if err != nil {
@@ -413,21 +416,43 @@ func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TT
 		}
 		return res, nil
 	}
-	mp := &driver.SequenceAdvanceManyParams{
-		Handler:      h.Name,
-		AggregateIDs: make([]string, len(order)),
-		Seqs:         make([]int64, len(order)),
-		AllowGap:     h.Ordering.Gap == GapAllow,
+	lp := &driver.SequenceLockManyParams{Handler: h.Name}
+	for _, i := range order {
+		if n := len(lp.AggregateIDs); n == 0 || lp.AggregateIDs[n-1] != g.keys[i] {
+			lp.AggregateIDs = append(lp.AggregateIDs, g.keys[i])
+		}
 	}
-	for k, i := range order {
-		mp.AggregateIDs[k], mp.Seqs[k] = g.keys[i], msgs[i].Seq
+	lasts, err := p.seqBatch.SequenceLockMany(ctx, tx, lp)
+	if err == nil && len(lasts) != len(lp.AggregateIDs) {
+		err = fmt.Errorf("driver returned %d sequences for %d aggregates", len(lasts), len(lp.AggregateIDs))
 	}
-	res, err := p.seqMany.SequenceAdvanceMany(ctx, tx, mp)
 	if err != nil {
 		return nil, fmt.Errorf("idem: ordering guard: %w", err)
 	}
-	if len(res) != len(order) {
-		return nil, fmt.Errorf("idem: driver returned %d sequence results for %d messages", len(res), len(order))
+	allowGap := h.Ordering.Gap == GapAllow
+	set := &driver.SequenceSetManyParams{Handler: h.Name}
+	a := -1 // index of the current aggregate in lp and lasts
+	for k, i := range order {
+		if a < 0 || lp.AggregateIDs[a] != g.keys[i] {
+			a++
+		}
+		last, seq := lasts[a], msgs[i].Seq
+		if seq != last+1 && !(allowGap && seq > last) {
+			res[k].Last = last
+			continue
+		}
+		res[k].Advanced = true
+		lasts[a] = seq
+		if n := len(set.AggregateIDs); n > 0 && set.AggregateIDs[n-1] == g.keys[i] {
+			set.Seqs[n-1] = seq
+		} else {
+			set.AggregateIDs, set.Seqs = append(set.AggregateIDs, g.keys[i]), append(set.Seqs, seq)
+		}
+	}
+	if len(set.AggregateIDs) > 0 {
+		if err := p.seqBatch.SequenceSetMany(ctx, tx, set); err != nil {
+			return nil, fmt.Errorf("idem: ordering guard: %w", err)
+		}
 	}
 	return res, nil
 }

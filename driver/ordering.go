@@ -32,28 +32,43 @@ type BeginSequenceAdvancer[TTx any] interface {
 	BeginSequenceAdvance(ctx context.Context, p *SequenceAdvanceParams) (TTx, SequenceAdvanceResult, error)
 }
 
-// SequenceBatchAdvancer is an optional fast path for batches of a handler
-// with an ordering guard: advance many sequences of one handler in as few
-// round trips as the store allows. Without it the core calls
-// SequenceAdvance once per message.
-type SequenceBatchAdvancer[TTx any] interface {
-	// SequenceAdvanceMany has the effect and the results of calling
-	// SequenceAdvance for each (AggregateIDs[i], Seqs[i]) in turn, inside
-	// tx. The entries are sorted by aggregate ID (byte order), then by
-	// sequence, so that concurrent batches lock in one order.
-	SequenceAdvanceMany(ctx context.Context, tx TTx, p *SequenceAdvanceManyParams) ([]SequenceAdvanceResult, error)
+// SequenceBatchStore is an optional fast path for batches of a handler with
+// an ordering guard: read and lock many aggregates' sequences at once, and
+// write them back, so that a batch costs two statements rather than one
+// per message. The core decides each message between the two calls;
+// without this interface it calls SequenceAdvance once per message.
+type SequenceBatchStore[TTx any] interface {
+	// SequenceLockMany returns the last applied sequence of (Handler,
+	// each of AggregateIDs), 0 for one never seen, parallel to
+	// AggregateIDs, and ensures that no other transaction moves them
+	// before tx ends: it locks their rows (creating missing ones), or
+	// relies on a store-wide write lock. AggregateIDs are unique and
+	// sorted (byte order): lock them in that order, the same in every
+	// batch, so that concurrent batches queue instead of deadlocking.
+	SequenceLockMany(ctx context.Context, tx TTx, p *SequenceLockManyParams) ([]int64, error)
+	// SequenceSetMany sets the last applied sequences of aggregates that
+	// SequenceLockMany locked in tx.
+	SequenceSetMany(ctx context.Context, tx TTx, p *SequenceSetManyParams) error
 }
 
-// SequenceAdvanceManyParams are the parameters of
-// SequenceBatchAdvancer.SequenceAdvanceMany.
-type SequenceAdvanceManyParams struct {
+// SequenceLockManyParams are the parameters of
+// SequenceBatchStore.SequenceLockMany.
+type SequenceLockManyParams struct {
 	// Handler names the sequences' handler.
 	Handler string
-	// AggregateIDs and Seqs are parallel: one entry per message.
+	// AggregateIDs are unique and sorted ascending (byte order).
+	AggregateIDs []string
+}
+
+// SequenceSetManyParams are the parameters of
+// SequenceBatchStore.SequenceSetMany.
+type SequenceSetManyParams struct {
+	// Handler names the sequences' handler.
+	Handler string
+	// AggregateIDs (unique) and Seqs are parallel: the new last applied
+	// sequence of each.
 	AggregateIDs []string
 	Seqs         []int64
-	// AllowGap is SequenceAdvanceParams.AllowGap, for every entry.
-	AllowGap bool
 }
 
 // SequenceAdvanceParams are the parameters of SequenceGuard.SequenceAdvance.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 
 	"github.com/jackc/pgx/v5"
 
@@ -12,9 +11,9 @@ import (
 )
 
 var (
-	_ driver.SequenceGuard[Tx]         = (*Driver)(nil)
-	_ driver.SequenceBatchAdvancer[Tx] = (*Driver)(nil)
-	_ driver.VersionStore[Tx]          = (*Driver)(nil)
+	_ driver.SequenceGuard[Tx]      = (*Driver)(nil)
+	_ driver.SequenceBatchStore[Tx] = (*Driver)(nil)
+	_ driver.VersionStore[Tx]       = (*Driver)(nil)
 )
 
 // SequenceAdvance implements driver.SequenceGuard. The in-order case is one
@@ -119,36 +118,20 @@ func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvan
 	return driver.SequenceAdvanceResult{Last: last}, nil
 }
 
-// SequenceAdvanceMany implements driver.SequenceBatchAdvancer in two
-// statements whatever the batch size, both upserts on the primary key (so
-// no plan depends on statistics):
-//
-//  1. Lock every aggregate's row and read its last sequence, creating the
-//     missing rows at 0 (a conflict branch that changes nothing still locks
-//     the row, and a concurrent creator waits for ours or we for it). Rows
-//     are taken in byte order (the ORDER BY makes it explicit), the same
-//     order in every batch, so concurrent batches queue instead of
-//     deadlocking.
-//  2. Having decided every entry here, exactly as SequenceAdvance would,
-//     one after the other, write the new last sequences.
-//
-// The locks, held to the commit, make the decisions final.
-func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.SequenceAdvanceManyParams) ([]driver.SequenceAdvanceResult, error) {
-	if len(p.AggregateIDs) != len(p.Seqs) {
-		return nil, fmt.Errorf("postgres: %d aggregate IDs for %d sequences", len(p.AggregateIDs), len(p.Seqs))
-	}
-	if !slices.IsSorted(p.AggregateIDs) {
-		return nil, errors.New("postgres: SequenceAdvanceMany needs entries sorted by aggregate ID")
-	}
-	aggs := slices.Compact(slices.Clone(p.AggregateIDs))
+// SequenceLockMany implements driver.SequenceBatchStore with one upsert on
+// the primary key (so no plan depends on statistics) whose conflict branch
+// changes nothing: it still locks the row, and a concurrent creator of a
+// missing row waits for ours or we for it. The ORDER BY states the lock
+// order.
+func (d *Driver) SequenceLockMany(ctx context.Context, tx Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
 	rows, err := tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq)
 SELECT $1, a, 0 FROM unnest($2::text[]) AS a ORDER BY a COLLATE "C"
 ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = s.last_seq
-RETURNING aggregate_id, last_seq`, p.Handler, aggs)
+RETURNING aggregate_id, last_seq`, p.Handler, p.AggregateIDs)
 	if err != nil {
 		return nil, err
 	}
-	last := make(map[string]int64, len(aggs))
+	last := make(map[string]int64, len(p.AggregateIDs))
 	var (
 		agg string
 		seq int64
@@ -159,37 +142,24 @@ RETURNING aggregate_id, last_seq`, p.Handler, aggs)
 	}); err != nil {
 		return nil, err
 	}
-	if len(last) != len(aggs) {
-		return nil, fmt.Errorf("postgres: locked %d sequence rows for %d aggregates", len(last), len(aggs))
-	}
-	out := make([]driver.SequenceAdvanceResult, len(p.Seqs))
-	var (
-		changed []string
-		newLast []int64
-	)
-	for i, agg := range p.AggregateIDs {
-		l, seq := last[agg], p.Seqs[i]
-		if seq != l+1 && !(p.AllowGap && seq > l) {
-			out[i].Last = l
-			continue
+	out := make([]int64, len(p.AggregateIDs))
+	for i, a := range p.AggregateIDs {
+		l, ok := last[a]
+		if !ok {
+			return nil, fmt.Errorf("postgres: sequence row of %q neither locked nor created", a)
 		}
-		out[i].Advanced = true
-		last[agg] = seq
-		if n := len(changed); n > 0 && changed[n-1] == agg {
-			newLast[n-1] = seq
-		} else {
-			changed, newLast = append(changed, agg), append(newLast, seq)
-		}
-	}
-	if len(changed) == 0 {
-		return out, nil
-	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq)
-SELECT $1, u.a, u.l FROM unnest($2::text[], $3::bigint[]) AS u(a, l)
-ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`, p.Handler, changed, newLast); err != nil {
-		return nil, err
+		out[i] = l
 	}
 	return out, nil
+}
+
+// SequenceSetMany implements driver.SequenceBatchStore with one upsert on
+// the primary key; the rows are locked by this transaction already.
+func (d *Driver) SequenceSetMany(ctx context.Context, tx Tx, p *driver.SequenceSetManyParams) error {
+	_, err := tx.Exec(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq)
+SELECT $1, u.a, u.l FROM unnest($2::text[], $3::bigint[]) AS u(a, l)
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`, p.Handler, p.AggregateIDs, p.Seqs)
+	return err
 }
 
 // GapSighting implements driver.SequenceGuard on the database clock.

@@ -12,9 +12,9 @@ import (
 )
 
 var (
-	_ driver.SequenceGuard[*sql.Tx]         = (*Driver)(nil)
-	_ driver.SequenceBatchAdvancer[*sql.Tx] = (*Driver)(nil)
-	_ driver.VersionStore[*sql.Tx]          = (*Driver)(nil)
+	_ driver.SequenceGuard[*sql.Tx]      = (*Driver)(nil)
+	_ driver.SequenceBatchStore[*sql.Tx] = (*Driver)(nil)
+	_ driver.VersionStore[*sql.Tx]       = (*Driver)(nil)
 )
 
 // SequenceAdvance implements driver.SequenceGuard. SQLite has one writer
@@ -46,18 +46,12 @@ ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = ?3`, p.Handler, p.A
 	return driver.SequenceAdvanceResult{Last: last}, nil
 }
 
-// SequenceAdvanceMany implements driver.SequenceBatchAdvancer in two
-// statements whatever the batch size: one reads every aggregate's last
-// sequence, then, the entries decided here exactly as SequenceAdvance
-// would decide them one after the other, one upsert writes the new last
-// sequences. The arrays travel as JSON, so both statements keep one shape.
-// The transaction holds SQLite's write lock from its first write (or, if
-// the read comes first, fails to commit rather than lose an update), so no
-// other writer can move a sequence between the read and the write.
-func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceManyParams) ([]driver.SequenceAdvanceResult, error) {
-	if len(p.AggregateIDs) != len(p.Seqs) {
-		return nil, fmt.Errorf("sqlite: %d aggregate IDs for %d sequences", len(p.AggregateIDs), len(p.Seqs))
-	}
+// SequenceLockMany implements driver.SequenceBatchStore with one read, the
+// aggregate IDs passed as JSON so that the statement keeps one shape. The
+// transaction's SQLite write lock, held from its first write (or, if this
+// read comes first, making the commit fail rather than lose an update),
+// keeps other writers from moving the sequences until it ends.
+func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
 	aggs, err := json.Marshal(p.AggregateIDs)
 	if err != nil {
 		return nil, err
@@ -85,34 +79,31 @@ WHERE handler = ? AND aggregate_id IN (SELECT value FROM json_each(?))`, p.Handl
 	if err := rows.Err(); err != nil {
 		return nil, err
 	}
-	out := make([]driver.SequenceAdvanceResult, len(p.Seqs))
-	changed := map[string]int64{}
-	for i, agg := range p.AggregateIDs {
-		l, seq := last[agg], p.Seqs[i]
-		if seq != l+1 && !(p.AllowGap && seq > l) {
-			out[i].Last = l
-			continue
-		}
-		out[i].Advanced = true
-		last[agg], changed[agg] = seq, seq
-	}
-	if len(changed) == 0 {
-		return out, nil
-	}
-	writes := make([][2]any, 0, len(changed))
-	for agg, seq := range changed {
-		writes = append(writes, [2]any{agg, seq})
-	}
-	enc, err := json.Marshal(writes)
-	if err != nil {
-		return nil, err
-	}
-	if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.sequences+` (handler, aggregate_id, last_seq)
-SELECT ?, value ->> 0, value ->> 1 FROM json_each(?) WHERE true
-ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`, p.Handler, string(enc)); err != nil {
-		return nil, err
+	out := make([]int64, len(p.AggregateIDs))
+	for i, a := range p.AggregateIDs {
+		out[i] = last[a] // 0 when never seen
 	}
 	return out, nil
+}
+
+// SequenceSetMany implements driver.SequenceBatchStore with one upsert, the
+// pairs passed as JSON.
+func (d *Driver) SequenceSetMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceSetManyParams) error {
+	if len(p.AggregateIDs) != len(p.Seqs) {
+		return fmt.Errorf("sqlite: %d aggregate IDs for %d sequences", len(p.AggregateIDs), len(p.Seqs))
+	}
+	pairs := make([][2]any, len(p.AggregateIDs))
+	for i, a := range p.AggregateIDs {
+		pairs[i] = [2]any{a, p.Seqs[i]}
+	}
+	enc, err := json.Marshal(pairs)
+	if err != nil {
+		return err
+	}
+	_, err = tx.ExecContext(ctx, `INSERT INTO `+d.tables.sequences+` (handler, aggregate_id, last_seq)
+SELECT ?, value ->> 0, value ->> 1 FROM json_each(?) WHERE true
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`, p.Handler, string(enc))
+	return err
 }
 
 // GapSighting implements driver.SequenceGuard on this host's clock.
