@@ -164,11 +164,7 @@ func (t *PostgresTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) e
 
 // IdemBatch implements Target.
 func (t *PostgresTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
-	outs, err := t.proc.ProcessBatch(ctx, t.h, msgs)
-	if err != nil {
-		return err
-	}
-	return checkApplied(msgs, outs)
+	return processBatch(ctx, t.proc, t.h, msgs)
 }
 
 // Close drops the tables the target created, and the schema if
@@ -222,18 +218,10 @@ func (t *PostgresTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Me
 
 // IdemBatchPerEvent implements PerEventTarget.
 func (t *PostgresTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	outs, err := t.proc.ProcessBatch(ctx, t.eh, msgs)
-	if err != nil {
-		return err
-	}
-	return checkApplied(msgs, outs)
+	return processBatch(ctx, t.proc, t.eh, msgs)
 }
 
 // IdemBatchOrdered implements OrderedTarget.
 func (t *PostgresTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
-	outs, err := t.proc.ProcessBatch(ctx, t.oh, msgs)
-	if err != nil {
-		return err
-	}
-	return checkApplied(msgs, outs)
+	return processBatch(ctx, t.proc, t.oh, msgs)
 }

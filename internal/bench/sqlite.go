@@ -161,11 +161,7 @@ func (t *SQLiteTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) err
 
 // IdemBatch implements Target.
 func (t *SQLiteTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
-	outs, err := t.proc.ProcessBatch(ctx, t.h, msgs)
-	if err != nil {
-		return err
-	}
-	return checkApplied(msgs, outs)
+	return processBatch(ctx, t.proc, t.h, msgs)
 }
 
 // Close closes the database and, with RemoveOnClose, deletes its files.
@@ -185,6 +181,16 @@ func (t *SQLiteTarget) Close() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// processBatch applies msgs with p.ProcessBatch and h, and reports an
+// error unless every outcome is Applied.
+func processBatch[TTx any](ctx context.Context, p *idem.Processor[TTx], h *idem.Handler[TTx], msgs []*idem.Message) error {
+	outs, err := p.ProcessBatch(ctx, h, msgs)
+	if err != nil {
+		return err
+	}
+	return checkApplied(msgs, outs)
 }
 
 // checkApplied reports an error unless every outcome is Applied.
@@ -220,18 +226,10 @@ func (t *SQLiteTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Mess
 
 // IdemBatchPerEvent implements PerEventTarget.
 func (t *SQLiteTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	outs, err := t.proc.ProcessBatch(ctx, t.eh, msgs)
-	if err != nil {
-		return err
-	}
-	return checkApplied(msgs, outs)
+	return processBatch(ctx, t.proc, t.eh, msgs)
 }
 
 // IdemBatchOrdered implements OrderedTarget.
 func (t *SQLiteTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
-	outs, err := t.proc.ProcessBatch(ctx, t.oh, msgs)
-	if err != nil {
-		return err
-	}
-	return checkApplied(msgs, outs)
+	return processBatch(ctx, t.proc, t.oh, msgs)
 }
