@@ -329,10 +329,28 @@ type Result struct {
 	// Elapsed is the wall time from the start of the first transaction to
 	// the end of the last.
 	Elapsed time.Duration
+	// Window is the run's Duration for a timed run, else zero.
+	Window time.Duration
+	// WindowEvents estimates the events applied within Window: every
+	// transaction that ended in it, and of each transaction still running
+	// when it closed, the share of its events that its time inside the
+	// window represents.
+	WindowEvents float64
 }
 
-// Rate returns the throughput in events per second.
+// Rate returns the throughput in events per second: WindowEvents over
+// Window for a timed run, else Events over Elapsed.
+//
+// A timed run lets each worker finish the transaction it is in when time
+// is up, so the last workers run on alone, on a machine the others have
+// left idle. Events over Elapsed counts that tail, and the more so the
+// longer a transaction is against the run: with 500ms rounds of
+// 1,000-event transactions the ratio came out 0.05–0.1 higher than with
+// 3s rounds. The window counts only the time when every worker was busy.
 func (r Result) Rate() float64 {
+	if r.Window > 0 {
+		return r.WindowEvents / r.Window.Seconds()
+	}
 	if r.Elapsed <= 0 {
 		return 0
 	}
@@ -396,6 +414,8 @@ func Run(ctx context.Context, t Target, v Variant, w Workload) (Result, error) {
 		}
 		return lo, hi, true
 	}
+	// Each worker's share of WindowEvents, written by that worker only.
+	inWindow := make([]float64, w.Workers)
 	for i := range w.Workers {
 		wg.Add(1)
 		go func() {
@@ -407,6 +427,7 @@ func Run(ctx context.Context, t Target, v Variant, w Workload) (Result, error) {
 					return
 				}
 				msgs := g.messages(lo, hi)
+				t0 := time.Now()
 				var err error
 				switch {
 				case w.BatchSize == 0 && v == Plain:
@@ -423,6 +444,7 @@ func Run(ctx context.Context, t Target, v Variant, w Workload) (Result, error) {
 					return
 				}
 				applied.Add(hi - lo)
+				inWindow[i] += windowShare(float64(hi-lo), t0, time.Now(), deadline)
 			}
 		}()
 	}
@@ -431,7 +453,30 @@ func Run(ctx context.Context, t Target, v Variant, w Workload) (Result, error) {
 	if err := context.Cause(ctx); err != nil {
 		return Result{}, err
 	}
-	return Result{Variant: v, Events: int(applied.Load()), Elapsed: elapsed}, nil
+	res := Result{Variant: v, Events: int(applied.Load()), Elapsed: elapsed}
+	if !deadline.IsZero() {
+		res.Window = w.Duration
+		for _, n := range inWindow {
+			res.WindowEvents += n
+		}
+	}
+	return res, nil
+}
+
+// windowShare returns the part of a transaction's n events that falls
+// before deadline, for a transaction that ran from t0 to t1: all of them
+// if it ended in time, none if it began after, else the fraction of its
+// time before the deadline. A zero deadline means no window.
+func windowShare(n float64, t0, t1, deadline time.Time) float64 {
+	switch {
+	case deadline.IsZero():
+		return 0
+	case !t1.After(deadline):
+		return n
+	case !t0.Before(deadline):
+		return 0
+	}
+	return n * float64(deadline.Sub(t0)) / float64(t1.Sub(t0))
 }
 
 // runPrefix returns a random prefix that makes a run's message IDs unique
