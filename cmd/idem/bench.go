@@ -26,10 +26,12 @@ func benchCommand() *command {
 		help: `Bench measures what idem costs on your database. For each case it runs the
 same account-balance upsert twice, alternating in rounds: once in a plain
 transaction, once through idem (marker insert, duplicate check, commit). It
-prints the median events/s of both and their ratio; 1.00 means idem is free.
-Every event has a new message ID, so every event pays the marker insert.
-A round's rate counts the events of its duration only: of a transaction
-still running when time is up, the share that ran in time.
+prints the median events/s of both and the median of the rounds' idem/plain
+ratios (each round runs the two back to back, so a pair shares the disk's
+state); 1.00 means idem is free. Every event has a new message ID, so every
+event pays the marker insert. A round's rate counts the events of its
+duration only: of a transaction still running when time is up, the share
+that ran in time.
 
 Cases:
   per-message  one event per transaction (Processor.Process)

@@ -25,7 +25,13 @@ type CompareOptions struct {
 type Comparison struct {
 	// Plain and Idem are the median throughputs, in events per second.
 	Plain, Idem float64
-	// Ratio is Idem / Plain: 1 means idem costs nothing.
+	// Ratio is the median over the rounds of the round's idem rate
+	// divided by its plain rate: 1 means idem costs nothing. Each round
+	// runs the two back to back, so a pair shares the machine's state
+	// (the disk's fsync latency drifts over seconds here), and its ratio
+	// cancels what the pair shares. Over six runs on the 2-core machine
+	// it halved the spread of the per-message figure against Idem / Plain
+	// (standard deviation 0.033 against 0.057) at the same mean.
 	Ratio float64
 	// PlainRounds and IdemRounds are the results of every round, in the
 	// order they ran.
@@ -77,23 +83,36 @@ func Compare(ctx context.Context, t Target, opts CompareOptions) (Comparison, er
 	if c.Plain == 0 {
 		return c, errors.New("bench: the plain variant applied no events")
 	}
-	c.Ratio = c.Idem / c.Plain
+	pairs := make([]float64, rounds)
+	for r := range rounds {
+		p := c.PlainRounds[r].Rate()
+		if p == 0 {
+			return c, fmt.Errorf("bench: round %d: the plain variant applied no events", r+1)
+		}
+		pairs[r] = c.IdemRounds[r].Rate() / p
+	}
+	c.Ratio = median(pairs)
 	return c, nil
 }
 
 // medianRate returns the median of the results' rates.
 func medianRate(rs []Result) float64 {
-	if len(rs) == 0 {
-		return 0
-	}
 	rates := make([]float64, len(rs))
 	for i, r := range rs {
 		rates[i] = r.Rate()
 	}
-	slices.Sort(rates)
-	n := len(rates)
-	if n%2 == 1 {
-		return rates[n/2]
+	return median(rates)
+}
+
+// median returns the median of xs, reordering them; 0 if there are none.
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
 	}
-	return (rates[n/2-1] + rates[n/2]) / 2
+	slices.Sort(xs)
+	n := len(xs)
+	if n%2 == 1 {
+		return xs[n/2]
+	}
+	return (xs[n/2-1] + xs[n/2]) / 2
 }

@@ -4,7 +4,8 @@
 // For each case it runs three sub-benchmarks: plain and idem apply b.N
 // events and report events/s (ns/op is the time per event), and ratio runs
 // bench.Compare, alternating both variants in rounds, and reports the
-// median rates and idem/plain as the ratio metric.
+// median rates and the median of the rounds' idem/plain ratios as the
+// ratio metric.
 package benchtest
 
 import (
