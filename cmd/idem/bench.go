@@ -26,12 +26,12 @@ func benchCommand() *command {
 		help: `Bench measures what idem costs on your database. For each case it runs the
 same account-balance upsert twice, alternating in rounds: once in a plain
 transaction, once through idem (marker insert, duplicate check, commit). It
-prints the median events/s of both and the median of the rounds' idem/plain
+prints the median events/s of both, the median of the rounds' idem/plain
 ratios (each round runs the two back to back, so a pair shares the disk's
-state); 1.00 means idem is free. Every event has a new message ID, so every
-event pays the marker insert. A round's rate counts the events of its
-duration only: of a transaction still running when time is up, the share
-that ran in time.
+state; 1.00 means idem is free) and the lowest and highest of those ratios.
+Every event has a new message ID, so every event pays the marker insert. A
+round's rate counts the events of its duration only: of a transaction still
+running when time is up, the share that ran in time.
 
 Cases:
   per-message  one event per transaction (Processor.Process)
@@ -185,12 +185,34 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 		return writeJSON(e.stdout, results)
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "case\tstore\tworkers\tplain events/s\tidem events/s\tratio\t")
+	fmt.Fprintln(tw, "case\tstore\tworkers\tplain events/s\tidem events/s\tratio\trounds\t")
 	for _, r := range results {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.2f\t\n", r.Case, r.Store, r.Workers,
-			groupThousands(r.Plain), groupThousands(r.Idem), r.Ratio)
+		lo, hi := r.roundRatios()
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.2f\t%.2f-%.2f\t\n", r.Case, r.Store, r.Workers,
+			groupThousands(r.Plain), groupThousands(r.Idem), r.Ratio, lo, hi)
 	}
 	return tw.Flush()
+}
+
+// roundRatios returns the lowest and the highest idem/plain ratio of r's
+// rounds: the spread behind the median, printed so that a reader sees the
+// noise before trusting a second decimal.
+func (r benchResult) roundRatios() (lo, hi float64) {
+	seen := false
+	for i := range min(len(r.PlainRuns), len(r.IdemRuns)) {
+		if r.PlainRuns[i] <= 0 {
+			continue
+		}
+		x := r.IdemRuns[i] / r.PlainRuns[i]
+		if !seen || x < lo {
+			lo = x
+		}
+		if !seen || x > hi {
+			hi = x
+		}
+		seen = true
+	}
+	return lo, hi
 }
 
 // openBenchTarget opens the benchmark target for cfg.dsn, or a temporary

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -48,5 +49,37 @@ func TestBenchRejectsUnknownCase(t *testing.T) {
 	code, _, errOut := runCLI(t, "bench", "--cases", "batch-7")
 	if code != exitUsage || !strings.Contains(errOut, `unknown case "batch-7"`) {
 		t.Fatalf("exit %d, stderr %q; want a usage error naming the case", code, errOut)
+	}
+}
+
+// TestBenchRoundRatios checks the spread printed beside the median: the
+// lowest and highest idem/plain of the rounds, skipping a round whose plain
+// variant applied nothing.
+func TestBenchRoundRatios(t *testing.T) {
+	r := benchResult{PlainRuns: []float64{0, 100, 200, 400}, IdemRuns: []float64{50, 90, 150, 320}}
+	if lo, hi := r.roundRatios(); lo != 0.75 || hi != 0.9 {
+		t.Errorf("roundRatios = %v, %v; want 0.75, 0.9", lo, hi)
+	}
+}
+
+// TestBenchTablePrintsRoundSpread runs a very short benchmark and checks
+// the table has the rounds column with a low-high range, aligned.
+func TestBenchTablePrintsRoundSpread(t *testing.T) {
+	t.Parallel()
+	code, out, errOut := runCLI(t, "bench", "--cases", "per-message", "--rounds", "2", "--round", "100ms", "--workers", "2")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
+	if len(lines) != 2 || !strings.HasSuffix(strings.Join(strings.Fields(lines[0]), " "), "ratio rounds") {
+		t.Fatalf("table:\n%s\nwant a header ending in ratio, rounds and one row", out)
+	}
+	f := strings.Fields(lines[1])
+	var lo, hi float64
+	if _, err := fmt.Sscanf(f[len(f)-1], "%f-%f", &lo, &hi); err != nil || lo <= 0 || lo > hi {
+		t.Errorf("rounds cell %q: want low-high with 0 < low <= high (%v)", f[len(f)-1], err)
+	}
+	if len(lines[0]) != len(lines[1]) {
+		t.Errorf("header and row widths differ, columns misaligned:\n%s", out)
 	}
 }
