@@ -1,0 +1,68 @@
+package testenv
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// DefaultRedisURL is used when IDEM_REDIS_URL is unset.
+const DefaultRedisURL = "redis://127.0.0.1:6379/0"
+
+// RedisURL returns IDEM_REDIS_URL or the default.
+func RedisURL() string {
+	if u := os.Getenv("IDEM_REDIS_URL"); u != "" {
+		return u
+	}
+	return DefaultRedisURL
+}
+
+// Redis connects to the Redis server at RedisURL, skipping loudly when it is
+// unreachable, and returns the client with a key prefix unique to the test
+// ("idemtest:<random>:"). Every key under that prefix is deleted, and the
+// client closed, when the test ends.
+func Redis(t testing.TB) (*redis.Client, string) {
+	t.Helper()
+	opts, err := redis.ParseURL(RedisURL())
+	if err != nil {
+		t.Fatalf("IDEM_REDIS_URL: %v", err)
+	}
+	opts.PoolSize = 64
+	c := redis.NewClient(opts)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	if err := c.Ping(ctx).Err(); err != nil {
+		c.Close()
+		Unavailable(t, "Redis", RedisURL(), err)
+	}
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	prefix := "idemtest:" + hex.EncodeToString(b) + ":"
+	t.Cleanup(func() {
+		defer c.Close()
+		ctx := context.Background()
+		iter := c.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+		var keys []string
+		for iter.Next(ctx) {
+			keys = append(keys, iter.Val())
+		}
+		if err := iter.Err(); err != nil {
+			t.Errorf("scan %s*: %v", prefix, err)
+			return
+		}
+		for len(keys) > 0 {
+			n := min(len(keys), 1000)
+			if err := c.Del(ctx, keys[:n]...).Err(); err != nil {
+				t.Errorf("delete %s*: %v", prefix, err)
+				return
+			}
+			keys = keys[n:]
+		}
+	})
+	return c, prefix
+}
