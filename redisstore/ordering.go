@@ -47,7 +47,7 @@ func (d *Driver) lastSeqs(ctx context.Context, tx *Tx, handler string, aggs []st
 		idx = append(idx, i)
 	}
 	if len(keys) > 0 {
-		if _, err := tx.acquire(ctx, keys, locks, false); err != nil {
+		if err := tx.lockValues(ctx, keys, locks); err != nil {
 			return nil, fmt.Errorf("redisstore: lock sequences of %q: %w", handler, err)
 		}
 		for k, i := range idx {

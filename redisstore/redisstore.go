@@ -16,25 +16,27 @@
 //
 // # How a marker is taken
 //
-// Each (handler, message ID) has two keys: the marker, which holds the
-// payload hash once a transaction applied the message, and a lock, taken
-// with SET NX PX when a transaction starts on the message. The transaction
-// WATCHes the marker before it looks at it, and its EXEC writes the marker
-// and deletes the lock. So:
+// A transaction takes a message by setting its marker, with SET NX PX, to
+// a pending value of its own that expires after Config.LockTTL; it then
+// WATCHes the marker and reads it back, all in one round trip. Its EXEC
+// replaces the pending value with the payload hash. So:
 //
-//   - a redelivery after commit finds the marker: Duplicate (or Conflict if
-//     the payload hash differs), and the handler is not called;
-//   - a concurrent delivery of the same ID finds the lock, waits until the
-//     first transaction ends, then finds the marker (Duplicate) or the lock
-//     gone (the first rolled back: it applies);
-//   - a process that dies mid-transaction leaves only its lock, which expires
-//     after Config.LockTTL; then the message can be applied again;
-//   - a transaction that outlives its lock cannot double-apply: whoever
-//     applies the message meanwhile writes the marker, which the slow
-//     transaction WATCHes, so its EXEC aborts.
+//   - a redelivery after commit finds the hash: Duplicate (or Conflict if
+//     it differs), and the handler is not called;
+//   - a concurrent delivery of the same ID finds the pending value, waits
+//     until the first transaction ends, then finds the hash (Duplicate) or
+//     no marker (the first rolled back: it applies);
+//   - a process that dies mid-transaction leaves only the pending value,
+//     which expires after LockTTL; then the message can be applied again;
+//   - a transaction that outlives its LockTTL cannot double-apply: whoever
+//     takes the message over sets the marker, which the slow transaction
+//     WATCHes, so its EXEC aborts.
 //
-// A batch takes its locks in message-ID order and waits at the first one
-// another transaction holds, so overlapping batches cannot deadlock.
+// A batch takes its markers in message-ID order; where one is held by
+// another transaction it lets go of those after it and waits, so
+// overlapping batches cannot wait on each other in a cycle. Sequences of
+// the ordering guard and write-side versions hold a number that must be
+// read, so each has a lock key beside it, taken the same way by a script.
 //
 // # What Redis does and does not promise
 //
@@ -68,6 +70,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -162,15 +165,11 @@ func checkPrefix(p string) error {
 
 // MarkerKey returns the key of the marker of (handler, messageID): the
 // prefix, "m:", the handler name, "|" (never part of a handler name) and
-// the message ID. It holds the SHA-256 of the payload.
+// the message ID. Once the message is applied it holds "d:" and the
+// SHA-256 of the payload; while a transaction works on the message, "p:"
+// and that transaction's token, with an expiry of Config.LockTTL.
 func (d *Driver) MarkerKey(handler, messageID string) string {
 	return d.prefix + "m:" + handler + "|" + messageID
-}
-
-// lockKey returns the key of the lock on the marker of (handler,
-// messageID).
-func (d *Driver) lockKey(handler, messageID string) string {
-	return d.prefix + "lm:" + handler + "|" + messageID
 }
 
 // Migrate checks that the server answers. Redis needs no schema.
@@ -185,12 +184,13 @@ func (d *Driver) Migrate(ctx context.Context) error {
 // writes are queued and run at commit in one MULTI/EXEC with the markers.
 // A Tx is not safe for concurrent use.
 type Tx struct {
-	d     *Driver
-	conn  *redis.Conn
-	queue redis.Pipeliner
-	token string
-	// claims are the keys this transaction holds the lock of, by the key
-	// the lock guards (a marker or a sequence), in the order taken.
+	d       *Driver
+	conn    *redis.Conn
+	queue   redis.Pipeliner
+	token   string
+	pending string // a marker's value while this transaction holds it
+	// claims are the keys this transaction holds, by key, and in the
+	// order taken.
 	claims map[string]*claim
 	order  []*claim
 	// watching: some key is WATCHed on conn. userWatched: the caller
@@ -200,19 +200,21 @@ type Tx struct {
 	done                  bool
 }
 
-// claim is a key guarded by a lock this transaction holds: the key was
-// WATCHed before it was read, and must still read seen (absent when
-// !exists) at commit for the transaction to be valid.
+// claim is a key this transaction holds. A marker is its own lock: it
+// holds tx.pending until the commit writes it. A sequence or version has
+// a lock key beside it, holding tx.token, and must still read seen ("" for
+// absent) at commit. Either way the key was WATCHed before it was read.
 type claim struct {
-	key, lock string
-	seen      string
-	exists    bool
-	// write, when hasWrite, is what the commit stores in key. marker
-	// marks a marker (which expires after Config.MarkerTTL).
+	key  string
+	lock string // "" for a marker
+	seen string
+	// write, when hasWrite, is what the commit stores: the payload hash
+	// of a marker, the new value of a sequence or version.
 	write    []byte
 	hasWrite bool
-	marker   bool
 }
+
+func (c *claim) marker() bool { return c.lock == "" }
 
 // Conn returns the transaction's connection. Commands on it run at once:
 // use it for reads, and call Watch before reading a key the handler's
@@ -256,195 +258,201 @@ func (d *Driver) Begin(ctx context.Context) (*Tx, error) {
 		return nil, fmt.Errorf("redisstore: lock token: %w", err)
 	}
 	conn := d.client.Conn()
-	return &Tx{d: d, conn: conn, queue: conn.TxPipeline(), token: hex.EncodeToString(b[:]), claims: map[string]*claim{}}, nil
+	token := hex.EncodeToString(b[:])
+	return &Tx{d: d, conn: conn, queue: conn.TxPipeline(), token: token, pending: pendingPrefix + token, claims: map[string]*claim{}}, nil
 }
 
-// acquireScript walks (key, lock) pairs in order. In marker mode (ARGV[3]
-// "m") a key that exists is reported as 1 and its value, and its lock is
-// not taken. Otherwise the lock is taken (or, if this transaction's,
-// extended) and 0 reported with the key's value ("" when absent); if
-// another transaction holds the lock it reports 2 and stops. ARGV: token,
-// lock TTL in milliseconds, mode.
-var acquireScript = redis.NewScript(`
-local out = {}
-for i = 1, #KEYS, 2 do
-  local v = redis.call('GET', KEYS[i])
-  if v and ARGV[3] == 'm' then
-    out[#out+1] = 1
-    out[#out+1] = v
-  else
-    local l = redis.call('GET', KEYS[i+1])
-    if l == ARGV[1] then
-      redis.call('PEXPIRE', KEYS[i+1], ARGV[2])
-    elseif l or not redis.call('SET', KEYS[i+1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-      out[#out+1] = 2
-      out[#out+1] = ''
-      return out
-    end
-    out[#out+1] = 0
-    out[#out+1] = v or ''
+// A marker's value: pendingPrefix and the holder's token while a
+// transaction holds it, appliedPrefix and the payload hash once applied.
+const (
+	pendingPrefix = "p:"
+	appliedPrefix = "d:"
+)
+
+// lockScript takes the locks in KEYS in order, or extends the ones this
+// transaction holds, and returns how many it holds: all of them, or those
+// before the first one another transaction holds. ARGV: token, lock TTL in
+// milliseconds.
+var lockScript = redis.NewScript(`
+for i = 1, #KEYS do
+  local l = redis.call('GET', KEYS[i])
+  if l == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+  elseif l or not redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return i - 1
   end
 end
-return out
+return #KEYS
 `)
 
-// verifyScript checks, for (key, lock) pairs, that each key still holds
-// the value seen (ARGV[2+i], "" for absent) and each lock still holds the
-// token ARGV[1], whose expiry it extends to ARGV[2] milliseconds. It
-// returns 1 if all do.
+// verifyScript checks that this transaction still holds its claims and,
+// if ARGV[2] is not "0", extends them by that many milliseconds. ARGV:
+// token, TTL, then per claim its kind and the value it must read: "m" and
+// the pending value for a marker (one key), "s" and the value seen for a
+// sequence (two keys: it, its lock). It returns 1 if all hold.
+//
+// Extending a marker changes a key the transaction WATCHes, which would
+// abort its own EXEC: extend before the WATCH, check after it.
 var verifyScript = redis.NewScript(`
-for i = 1, #KEYS, 2 do
-  local v = redis.call('GET', KEYS[i]) or ''
-  if v ~= ARGV[2 + (i+1)/2] or redis.call('GET', KEYS[i+1]) ~= ARGV[1] then return 0 end
-  redis.call('PEXPIRE', KEYS[i+1], ARGV[2])
+local k = 1
+local ext = ARGV[2] ~= '0'
+for a = 3, #ARGV, 2 do
+  if ARGV[a] == 'm' then
+    if redis.call('GET', KEYS[k]) ~= ARGV[a+1] then return 0 end
+    if ext then redis.call('PEXPIRE', KEYS[k], ARGV[2]) end
+    k = k + 1
+  else
+    if (redis.call('GET', KEYS[k]) or '') ~= ARGV[a+1] or redis.call('GET', KEYS[k+1]) ~= ARGV[1] then return 0 end
+    if ext then redis.call('PEXPIRE', KEYS[k+1], ARGV[2]) end
+    k = k + 2
+  end
 end
 return 1
 `)
 
-// releaseScript deletes the locks in KEYS that hold the token ARGV[1].
+// setNXScript sets each key in KEYS that does not exist to ARGV[1], to
+// expire after ARGV[2] milliseconds.
+var setNXScript = redis.NewScript(`
+for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) end
+return 0
+`)
+
+// releaseScript deletes each key in KEYS whose value is the matching ARGV.
 var releaseScript = redis.NewScript(`
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
+  if redis.call('GET', KEYS[i]) == ARGV[i] then redis.call('DEL', KEYS[i]) end
 end
 return 0
 `)
 
-// acquired is what acquire found for one key.
-type acquired struct {
-	held   bool   // the lock is this transaction's
-	value  string // the key's value, "" when absent
-	exists bool
+// held returns the claims this transaction still holds, in the order
+// taken.
+func (tx *Tx) held() []*claim {
+	out := make([]*claim, 0, len(tx.claims))
+	for _, c := range tx.order {
+		if tx.claims[c.key] == c {
+			out = append(out, c)
+		}
+	}
+	return out
 }
 
-// acquire WATCHes keys, then takes their locks in order (see
-// acquireScript). Where another transaction holds a lock it waits, with
-// backoff, and tries again: the locks already taken stay held (a prefix in
-// key order, so no cycle of waits can form); the watches are dropped while
-// waiting and, on the next pass, taken again and the claims made before
-// checked unchanged. In a transaction the caller watched keys in, it does
-// not wait: it fails with ErrLockBusy.
-func (tx *Tx) acquire(ctx context.Context, keys, locks []string, markers bool) ([]acquired, error) {
+func (tx *Tx) addClaim(c *claim) {
+	tx.claims[c.key] = c
+	tx.order = append(tx.order, c)
+}
+
+// waitFor runs attempt until it is not blocked. An attempt queues its
+// commands on pipe and returns a function that reads their results and
+// reports whether another transaction holds a key it needs. While blocked
+// the transaction keeps what it holds, drops its watches and sleeps, with
+// backoff; the next attempt first watches its claims again and checks that
+// nothing moved (a lock that expired meanwhile: ErrAborted). In a
+// transaction the caller watched keys in, it does not wait: ErrLockBusy.
+func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) func() (bool, error)) error {
 	if tx.done {
-		return nil, errors.New("redisstore: transaction is finished")
-	}
-	mode := "s"
-	if markers {
-		mode = "m"
-	}
-	pairs := make([]string, 0, 2*len(keys))
-	for i, k := range keys {
-		pairs = append(pairs, k, locks[i])
+		return errors.New("redisstore: transaction is finished")
 	}
 	ttl := tx.d.lockTTL.Milliseconds()
 	wait := 200 * time.Microsecond
 	recheck := false
 	for {
 		pipe := tx.conn.Pipeline()
-		watch := keys
 		var verify *redis.Cmd
-		if recheck && len(tx.claims) > 0 {
-			// Claims of earlier calls lost their watches while this one
-			// waited: watch them again, then check nothing moved.
-			vkeys := make([]string, 0, 2*len(tx.order))
-			vargs := make([]any, 0, 2+len(tx.order))
-			vargs = append(vargs, tx.token, ttl)
-			watch = append([]string(nil), keys...)
-			for _, c := range tx.order {
-				if tx.claims[c.key] != c {
-					continue // dropped
-				}
+		if held := tx.held(); recheck && len(held) > 0 {
+			var keys, watch []string
+			args := []any{tx.token, ttl}
+			for _, c := range held {
 				watch = append(watch, c.key)
-				vkeys = append(vkeys, c.key, c.lock)
-				vargs = append(vargs, c.seen)
+				keys = append(keys, c.key)
+				if c.marker() {
+					args = append(args, "m", c.seen)
+				} else {
+					keys = append(keys, c.lock)
+					args = append(args, "s", c.seen)
+				}
 			}
+			verifyScript.EvalSha(ctx, pipe, keys, args...) // extend
 			pipe.Do(ctx, watchArgs(watch)...)
-			verify = verifyScript.EvalSha(ctx, pipe, vkeys, vargs...)
-		} else {
-			pipe.Do(ctx, watchArgs(watch)...)
+			args[1] = 0
+			verify = verifyScript.EvalSha(ctx, pipe, keys, args...) // check
 		}
-		res := acquireScript.EvalSha(ctx, pipe, pairs, tx.token, ttl, mode)
+		after := attempt(pipe)
 		_, err := pipe.Exec(ctx)
 		tx.watching = true
 		if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 			if err := loadScripts(ctx, tx.conn); err != nil {
-				return nil, err
+				return err
 			}
 			continue
 		}
 		if verify != nil {
 			if ok, err := verify.Int(); err != nil {
-				return nil, fmt.Errorf("redisstore: check claims: %w", err)
+				return fmt.Errorf("redisstore: check claims: %w", err)
 			} else if ok != 1 {
-				return nil, fmt.Errorf("redisstore: a lock of this transaction expired while it waited: %w", ErrAborted)
+				return fmt.Errorf("redisstore: a lock of this transaction expired while it waited: %w", ErrAborted)
 			}
 		}
-		vals, err := res.Slice()
-		if err != nil {
-			return nil, fmt.Errorf("redisstore: take locks: %w", err)
-		}
-		out := make([]acquired, len(keys))
-		blocked := false
-		for k := 0; 2*k+1 < len(vals); k++ {
-			code, _ := vals[2*k].(int64)
-			v, _ := vals[2*k+1].(string)
-			switch code {
-			case 0:
-				out[k] = acquired{held: true, value: v, exists: v != ""}
-				if _, ok := tx.claims[keys[k]]; !ok {
-					c := &claim{key: keys[k], lock: locks[k], seen: v, exists: v != "", marker: markers}
-					tx.claims[keys[k]] = c
-					tx.order = append(tx.order, c)
-				}
-			case 1:
-				out[k] = acquired{value: v, exists: true}
-				// A lock taken on an earlier pass expired, and another
-				// transaction applied the message meanwhile.
-				tx.dropClaim(keys[k])
-			default:
-				tx.dropClaim(keys[k])
-				blocked = true
-			}
-		}
-		if !blocked {
-			return out, nil
+		blocked, err := after()
+		if err != nil || !blocked {
+			return err
 		}
 		if tx.userWatched {
-			return nil, ErrLockBusy
+			return ErrLockBusy
 		}
 		if err := tx.conn.Do(ctx, "unwatch").Err(); err != nil {
-			return nil, fmt.Errorf("redisstore: unwatch: %w", err)
+			return fmt.Errorf("redisstore: unwatch: %w", err)
 		}
 		tx.watching, recheck = false, true
 		t := time.NewTimer(wait/2 + rand.N(wait/2+1))
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return nil, fmt.Errorf("redisstore: waiting for a concurrent transaction: %w", ctx.Err())
+			return fmt.Errorf("redisstore: waiting for a concurrent transaction: %w", ctx.Err())
 		case <-t.C:
 		}
 		wait = min(2*wait, 50*time.Millisecond)
 	}
 }
 
-// dropClaim forgets the claim on key (its lock, if still this
-// transaction's, is released at the end).
-func (tx *Tx) dropClaim(key string) {
-	c, ok := tx.claims[key]
-	if !ok {
-		return
-	}
-	delete(tx.claims, key)
-	c.hasWrite = false
-	// Keep it in order so that its lock is released with the others.
-}
-
 func loadScripts(ctx context.Context, c redis.Scripter) error {
-	for _, s := range []*redis.Script{acquireScript, verifyScript} {
+	for _, s := range []*redis.Script{lockScript, verifyScript, setNXScript} {
 		if err := s.Load(ctx, c).Err(); err != nil {
 			return fmt.Errorf("redisstore: load script: %w", err)
 		}
 	}
 	return nil
+}
+
+// lockValues locks keys (each guarded by the lock at the same index), in
+// order, and claims them with the values they hold. The keys are WATCHed
+// after their locks are taken and read after that, so a write by a holder
+// whose lock expired either shows in the value read or aborts the commit.
+func (tx *Tx) lockValues(ctx context.Context, keys, locks []string) error {
+	return tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
+		n := lockScript.EvalSha(ctx, pipe, locks, tx.token, tx.d.lockTTL.Milliseconds())
+		pipe.Do(ctx, watchArgs(keys)...)
+		gets := make([]*redis.StringCmd, len(keys))
+		for i, k := range keys {
+			gets[i] = pipe.Get(ctx, k)
+		}
+		return func() (bool, error) {
+			held, err := n.Int()
+			if err != nil {
+				return false, fmt.Errorf("redisstore: take locks: %w", err)
+			}
+			for k := range held {
+				v, err := gets[k].Result()
+				if err != nil && !errors.Is(err, redis.Nil) {
+					return false, fmt.Errorf("redisstore: read %q: %w", keys[k], err)
+				}
+				if _, ok := tx.claims[keys[k]]; !ok {
+					tx.addClaim(&claim{key: keys[k], lock: locks[k], seen: v})
+				}
+			}
+			return held < len(keys), nil
+		}
+	})
 }
 
 // MarkerInsert implements driver.Driver.
@@ -460,15 +468,18 @@ func (d *Driver) MarkerInsert(ctx context.Context, tx *Tx, p *driver.MarkerInser
 	return res[0], nil
 }
 
-// MarkerInsertMany implements driver.Driver. It WATCHes the markers, then
-// takes their locks in ID order with one script; where another transaction
-// holds a lock it waits (polling, with backoff) and tries again.
+// MarkerInsertMany implements driver.Driver in one round trip when no
+// other transaction holds any of the markers: SET NX of each marker to
+// this transaction's pending value, WATCH them, GET them. A marker that
+// holds another transaction's pending value is waited for (see waitFor);
+// the markers after it in ID order are let go meanwhile, so that
+// overlapping batches cannot wait on each other in a cycle.
 func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerInsertManyParams) ([]driver.MarkerInsertResult, error) {
 	if tx == nil {
 		return nil, errors.New("redisstore: nil transaction")
 	}
 	out := make([]driver.MarkerInsertResult, len(p.MessageIDs))
-	var keys, locks []string
+	var keys []string
 	var idx []int // position in p of each key
 	for i, id := range p.MessageIDs {
 		m := d.MarkerKey(p.Handler, id)
@@ -479,34 +490,92 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 			continue
 		}
 		keys = append(keys, m)
-		locks = append(locks, d.lockKey(p.Handler, id))
 		idx = append(idx, i)
 	}
 	if len(keys) == 0 {
 		return out, nil
 	}
-	got, err := tx.acquire(ctx, keys, locks, true)
+	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
+		if len(keys) == 1 {
+			pipe.SetNX(ctx, keys[0], tx.pending, d.lockTTL)
+		} else {
+			// One command rather than one per marker: for a batch the
+			// per-command cost, on both ends, is most of the work.
+			setNXScript.EvalSha(ctx, pipe, keys, tx.pending, d.lockTTL.Milliseconds())
+		}
+		pipe.Do(ctx, watchArgs(keys)...)
+		mget := pipe.MGet(ctx, keys...)
+		return func() (bool, error) {
+			vals, err := mget.Result()
+			if err != nil {
+				return false, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
+			}
+			if len(vals) != len(keys) {
+				return false, fmt.Errorf("redisstore: insert markers of %q: MGET returned %d values for %d keys", p.Handler, len(vals), len(keys))
+			}
+			gets := make([]string, len(vals))
+			for k, v := range vals {
+				gets[k], _ = v.(string) // nil: no marker
+			}
+			blocked := -1
+			for k, v := range gets {
+				i := idx[k]
+				switch {
+				case blocked >= 0:
+					// Past the first marker held elsewhere: let go of it
+					// below if this transaction holds it.
+				case v == tx.pending:
+					c, ok := tx.claims[keys[k]]
+					if !ok {
+						c = &claim{key: keys[k], seen: tx.pending}
+						tx.addClaim(c)
+					}
+					c.write, c.hasWrite = p.PayloadHashes[i], true
+					out[i] = driver.MarkerInsertResult{Inserted: true}
+				case strings.HasPrefix(v, appliedPrefix):
+					// Applied; if this transaction held it on an earlier
+					// pass, its hold expired and another applied it.
+					delete(tx.claims, keys[k])
+					out[i] = driver.MarkerInsertResult{ExistingHash: []byte(v[len(appliedPrefix):])}
+				case v == "" || strings.HasPrefix(v, pendingPrefix):
+					blocked = k
+				default:
+					return false, fmt.Errorf("redisstore: key %q holds %q, not an idem marker", keys[k], v)
+				}
+			}
+			if blocked < 0 {
+				return false, nil
+			}
+			var let []string
+			for k := blocked + 1; k < len(keys); k++ {
+				if gets[k] == tx.pending {
+					delete(tx.claims, keys[k])
+					let = append(let, keys[k])
+				}
+			}
+			if len(let) > 0 {
+				args := make([]any, len(let))
+				for i := range args {
+					args[i] = tx.pending
+				}
+				if err := releaseScript.Run(ctx, tx.conn, let, args...).Err(); err != nil && !errors.Is(err, redis.Nil) {
+					return false, fmt.Errorf("redisstore: let go of markers: %w", err)
+				}
+			}
+			return true, nil
+		}
+	})
 	if err != nil {
 		return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
-	}
-	for k, a := range got {
-		i := idx[k]
-		if !a.held {
-			out[i].ExistingHash = []byte(a.value)
-			continue
-		}
-		c := tx.claims[keys[k]]
-		c.write, c.hasWrite = p.PayloadHashes[i], true
-		out[i].Inserted = true
 	}
 	return out, nil
 }
 
 // MarkerDelete implements driver.MarkerDeleter: the markers this
-// transaction inserted are not written at commit.
+// transaction inserted are let go at commit instead of written.
 func (d *Driver) MarkerDelete(ctx context.Context, tx *Tx, p *driver.MarkerDeleteParams) error {
 	for _, id := range p.MessageIDs {
-		if c, ok := tx.claims[d.MarkerKey(p.Handler, id)]; ok && c.marker {
+		if c, ok := tx.claims[d.MarkerKey(p.Handler, id)]; ok && c.marker() {
 			c.hasWrite = false
 		}
 	}
@@ -514,29 +583,43 @@ func (d *Driver) MarkerDelete(ctx context.Context, tx *Tx, p *driver.MarkerDelet
 }
 
 // Commit implements driver.Driver: one MULTI/EXEC with the queued writes,
-// the markers and sequences and the release of the locks. On any error
-// the transaction is over: its locks are released and its connection
-// returned.
+// the markers, sequences and versions, and the release of the locks. On
+// any error the transaction is over: what it held is let go and its
+// connection returned.
+//
+// The writes and DELs of the claims need no check that they are still this
+// transaction's: every claimed key is WATCHed, and another transaction
+// can only have taken one over by writing it (a marker) or will only use
+// it by writing it (a sequence), which aborts this EXEC or that one.
 func (d *Driver) Commit(ctx context.Context, tx *Tx) error {
 	if tx == nil || tx.done {
 		return errors.New("redisstore: commit of a finished transaction")
 	}
-	locks := make([]string, 0, len(tx.order))
-	for _, c := range tx.order {
-		locks = append(locks, c.lock)
-		if !c.hasWrite {
-			continue
+	var dels []string
+	var mset []any // markers, when they do not expire
+	for _, c := range tx.held() {
+		switch {
+		case c.marker() && c.hasWrite:
+			v := append([]byte(appliedPrefix), c.write...)
+			if d.markerTTL > 0 {
+				tx.queue.Set(ctx, c.key, v, d.markerTTL)
+			} else {
+				mset = append(mset, c.key, v)
+			}
+		case c.marker():
+			dels = append(dels, c.key)
+		case c.hasWrite:
+			tx.queue.Set(ctx, c.key, c.write, 0)
+			dels = append(dels, c.lock)
+		default:
+			dels = append(dels, c.lock)
 		}
-		var ttl time.Duration
-		if c.marker {
-			ttl = d.markerTTL
-		}
-		tx.queue.Set(ctx, c.key, c.write, ttl)
 	}
-	if len(locks) > 0 {
-		// EVAL, not EVALSHA: inside MULTI a missing script would fail
-		// only this command, and the locks would stay until they expire.
-		releaseScript.Eval(ctx, tx.queue, locks, tx.token)
+	if len(mset) > 0 {
+		tx.queue.MSet(ctx, mset...)
+	}
+	if len(dels) > 0 {
+		tx.queue.Del(ctx, dels...)
 	}
 	if tx.queue.Len() == 0 {
 		return d.finish(ctx, tx, false)
@@ -557,9 +640,9 @@ func (d *Driver) Commit(ctx context.Context, tx *Tx) error {
 		// Only queued reads that found nothing (redis.Nil).
 		return d.finish(ctx, tx, false)
 	}
-	// The connection failed: the EXEC may or may not have run. Release the
-	// locks if still ours (a no-op if it ran), so a redelivery need not
-	// wait for them to expire.
+	// The connection failed: the EXEC may or may not have run. Let go of
+	// what is still this transaction's (nothing, if it ran), so that a
+	// redelivery need not wait for the holds to expire.
 	return errors.Join(fmt.Errorf("redisstore: commit: %w", err), d.finish(ctx, tx, true))
 }
 
@@ -585,8 +668,8 @@ func firstFailure(cmds []redis.Cmder) error {
 	return nil
 }
 
-// Rollback implements driver.Driver: it discards the queued writes,
-// releases the transaction's locks and returns its connection.
+// Rollback implements driver.Driver: it discards the queued writes, lets
+// go of what the transaction holds and returns its connection.
 func (d *Driver) Rollback(ctx context.Context, tx *Tx) error {
 	if tx == nil || tx.done {
 		return nil
@@ -594,28 +677,36 @@ func (d *Driver) Rollback(ctx context.Context, tx *Tx) error {
 	return d.finish(ctx, tx, true)
 }
 
-// finish ends tx: it releases its locks if asked, drops its watches and
-// returns its connection to the pool.
+// finish ends tx: it lets go of its claims if asked (each only if still
+// its own), drops its watches and returns its connection to the pool.
 func (d *Driver) finish(ctx context.Context, tx *Tx, release bool) error {
 	tx.done = true
 	tx.queue.Discard()
 	ctx = context.WithoutCancel(ctx)
 	var errs []error
-	release = release && len(tx.order) > 0
+	held := tx.held()
+	release = release && len(held) > 0
 	if release || tx.watching {
 		pipe := tx.conn.Pipeline()
 		if release {
-			locks := make([]string, len(tx.order))
-			for i, c := range tx.order {
-				locks[i] = c.lock
+			keys := make([]string, len(held))
+			vals := make([]any, len(held))
+			for i, c := range held {
+				if c.marker() {
+					keys[i], vals[i] = c.key, tx.pending
+				} else {
+					keys[i], vals[i] = c.lock, tx.token
+				}
 			}
-			releaseScript.Eval(ctx, pipe, locks, tx.token)
+			// EVAL, not EVALSHA: letting go must not depend on the
+			// script cache.
+			releaseScript.Eval(ctx, pipe, keys, vals...)
 		}
 		if tx.watching {
 			pipe.Do(ctx, "unwatch")
 		}
-		if _, err := pipe.Exec(ctx); err != nil {
-			errs = append(errs, fmt.Errorf("redisstore: release locks: %w", err))
+		if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+			errs = append(errs, fmt.Errorf("redisstore: release: %w", err))
 		}
 	}
 	if err := tx.conn.Close(); err != nil {

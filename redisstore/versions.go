@@ -31,7 +31,7 @@ func (d *Driver) versionClaim(ctx context.Context, tx *Tx, p *driver.VersionPara
 	if c, ok := tx.claims[k]; ok {
 		return c, nil
 	}
-	if _, err := tx.acquire(ctx, []string{k}, []string{d.versionLockKey(p)}, false); err != nil {
+	if err := tx.lockValues(ctx, []string{k}, []string{d.versionLockKey(p)}); err != nil {
 		return nil, fmt.Errorf("redisstore: lock version of %q/%q: %w", p.Stream, p.AggregateID, err)
 	}
 	return tx.claims[k], nil

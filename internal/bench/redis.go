@@ -1,0 +1,168 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/redisstore"
+)
+
+// RedisTarget is a Target on a Redis server: the balances are fields of a
+// hash, and every variant's writes run in one MULTI/EXEC (the plain ones
+// without a marker).
+type RedisTarget struct {
+	client   *redis.Client
+	prefix   string
+	balances string
+	proc     *idem.Processor[*redisstore.Tx]
+	h        *idem.Handler[*redisstore.Tx]
+	vh       *idem.Handler[*redisstore.Tx]
+	eh       *idem.Handler[*redisstore.Tx]
+	oh       *idem.Handler[*redisstore.Tx]
+}
+
+// OpenRedis returns a target whose keys all start with prefix (empty:
+// "idem_bench:"). Close deletes them. The client's pool should allow at
+// least as many connections as the workload has workers.
+func OpenRedis(ctx context.Context, client *redis.Client, prefix string) (*RedisTarget, error) {
+	if client == nil {
+		return nil, errors.New("bench: nil Redis client")
+	}
+	if prefix == "" {
+		prefix = "idem_bench:"
+	}
+	drv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix})
+	if err != nil {
+		return nil, fmt.Errorf("bench: redis driver: %w", err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		return nil, fmt.Errorf("bench: %w", err)
+	}
+	t := &RedisTarget{client: client, prefix: prefix, balances: prefix + "balances"}
+	if t.proc, err = idem.NewProcessor(drv, nil); err != nil {
+		return nil, fmt.Errorf("bench: processor: %w", err)
+	}
+	t.h = &idem.Handler[*redisstore.Tx]{
+		Name: handlerName,
+		Apply: func(ctx context.Context, tx *redisstore.Tx, msg *idem.Message) error {
+			return t.applyOne(ctx, tx.Queue(), msg)
+		},
+		ApplyBatch: func(ctx context.Context, tx *redisstore.Tx, msgs []*idem.Message) error {
+			return t.applyBatch(ctx, tx.Queue(), msgs)
+		},
+	}
+	t.vh = versionOnlyHandler(t.h)
+	t.eh = perEventHandler(t.h)
+	t.oh = orderedHandler(t.h)
+	return t, nil
+}
+
+// Name returns "redis".
+func (t *RedisTarget) Name() string { return "redis" }
+
+func (t *RedisTarget) applyOne(ctx context.Context, q redis.Cmdable, msg *idem.Message) error {
+	account, amount, err := Decode(msg)
+	if err != nil {
+		return err
+	}
+	q.HIncrBy(ctx, t.balances, account, amount)
+	return nil
+}
+
+// applyBatch queues one increment per account, of the batch's sum.
+func (t *RedisTarget) applyBatch(ctx context.Context, q redis.Cmdable, msgs []*idem.Message) error {
+	accounts, amounts, err := Aggregate(msgs)
+	if err != nil {
+		return err
+	}
+	for i, a := range accounts {
+		q.HIncrBy(ctx, t.balances, a, amounts[i])
+	}
+	return nil
+}
+
+// inMulti runs fn's queued commands in one MULTI/EXEC.
+func (t *RedisTarget) inMulti(ctx context.Context, fn func(redis.Pipeliner) error) error {
+	if _, err := t.client.TxPipelined(ctx, fn); err != nil {
+		return fmt.Errorf("bench: exec: %w", err)
+	}
+	return nil
+}
+
+// PlainOne implements Target.
+func (t *RedisTarget) PlainOne(ctx context.Context, msg *idem.Message) error {
+	return t.inMulti(ctx, func(p redis.Pipeliner) error { return t.applyOne(ctx, p, msg) })
+}
+
+// IdemOne implements Target.
+func (t *RedisTarget) IdemOne(ctx context.Context, msg *idem.Message) error {
+	out, err := t.proc.Process(ctx, t.h, msg)
+	return checkApplied1(msg, out, err)
+}
+
+// PlainBatch implements Target.
+func (t *RedisTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
+	return t.inMulti(ctx, func(p redis.Pipeliner) error { return t.applyBatch(ctx, p, msgs) })
+}
+
+// IdemBatch implements Target.
+func (t *RedisTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.proc, t.h, msgs)
+}
+
+// IdemOneVersionOnly implements VersionOnlyTarget.
+func (t *RedisTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
+	out, err := t.proc.Process(ctx, t.vh, msg)
+	return checkApplied1(msg, out, err)
+}
+
+// PlainBatchPerEvent implements PerEventTarget.
+func (t *RedisTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	return t.inMulti(ctx, func(p redis.Pipeliner) error {
+		for _, m := range msgs {
+			if err := t.applyOne(ctx, p, m); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// IdemBatchPerEvent implements PerEventTarget.
+func (t *RedisTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.proc, t.eh, msgs)
+}
+
+// IdemBatchOrdered implements OrderedTarget.
+func (t *RedisTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.proc, t.oh, msgs)
+}
+
+// Close deletes every key under the target's prefix. It does not close
+// the client.
+func (t *RedisTarget) Close(ctx context.Context) error {
+	iter := t.client.Scan(ctx, 0, t.prefix+"*", 1000).Iterator()
+	var keys []string
+	for iter.Next(ctx) {
+		keys = append(keys, iter.Val())
+		if len(keys) == 1000 {
+			if err := t.client.Unlink(ctx, keys...).Err(); err != nil {
+				return fmt.Errorf("bench: delete keys: %w", err)
+			}
+			keys = keys[:0]
+		}
+	}
+	if err := iter.Err(); err != nil {
+		return fmt.Errorf("bench: scan keys: %w", err)
+	}
+	if len(keys) > 0 {
+		if err := t.client.Unlink(ctx, keys...).Err(); err != nil {
+			return fmt.Errorf("bench: delete keys: %w", err)
+		}
+	}
+	return nil
+}
