@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem/internal/bench"
 )
@@ -51,13 +52,16 @@ Cases:
 Without --dsn (and IDEM_DSN) the benchmark runs on a temporary SQLite file
 with idem's defaults (WAL, synchronous=FULL). On PostgreSQL it creates its
 tables, all prefixed idem_bench_, in --schema (default idem_bench), and
-drops them afterwards; a schema it created is dropped too.
+drops them afterwards; a schema it created is dropped too. On Redis the
+plain variant is the same writes in a MULTI/EXEC without markers; every
+key starts with idem_bench: and is deleted afterwards.
 
 ` + dsnHelp + `
 
 Examples:
   idem bench
   idem bench --dsn postgres://postgres@127.0.0.1:5432/test --cases batch-1000
+  idem bench --dsn redis://127.0.0.1:6379/0 --cases per-message,batch-100
   idem bench --json --rounds 3 --round 1s`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			var (
@@ -241,6 +245,19 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 			return nil, nil, err
 		}
 		return t, func() { t.Close() }, nil
+	case kindRedis:
+		ropts, err := redis.ParseURL(tg.dsn)
+		if err != nil {
+			return nil, nil, usagef("DSN %q: %w", redactDSN(tg.dsn), err)
+		}
+		ropts.PoolSize = max(ropts.PoolSize, cfg.workers+2)
+		client := redis.NewClient(ropts)
+		t, err := bench.OpenRedis(ctx, client, "")
+		if err != nil {
+			client.Close()
+			return nil, nil, err
+		}
+		return t, func() { t.Close(context.WithoutCancel(ctx)); client.Close() }, nil
 	default:
 		pcfg, err := pgxpool.ParseConfig(tg.dsn)
 		if err != nil {

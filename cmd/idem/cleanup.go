@@ -43,7 +43,7 @@ Examples:
   idem cleanup --retention 336h --horizon 168h
   idem cleanup --json`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-			sf := addStoreFlags(fs)
+			sf := addStoreFlags(fs, "cleanup", false)
 			var (
 				retention, horizon time.Duration
 				batch              int
@@ -82,8 +82,11 @@ Examples:
 
 // idemDriver returns the store's idem driver.
 func (s *store) idemDriver() any {
-	if s.kind == kindSQLite {
+	switch s.kind {
+	case kindSQLite:
 		return s.sqliteDrv
+	case kindRedis:
+		return s.redisDrv
 	}
 	return s.pgDrv
 }

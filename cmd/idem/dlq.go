@@ -98,7 +98,7 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 
 // defineDLQFlags defines the dlq subcommands' flags on fs.
 func defineDLQFlags(fs *flag.FlagSet) *dlqFlags {
-	f := &dlqFlags{store: addStoreFlags(fs)}
+	f := &dlqFlags{store: addStoreFlags(fs, "dlq", true)}
 	fs.StringVar(&f.handler, "handler", "", "only dead letters of this `handler`")
 	fs.StringVar(&f.group, "group", "", "only dead letters with this `fingerprint`")
 	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replayed, discarded or all (list only)")
@@ -122,10 +122,12 @@ func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *
 	if !ok {
 		return fmt.Errorf("%s has no dead-letter store", s)
 	}
-	if n, _, err := s.schemaVersion(ctx); err != nil {
-		return err
-	} else if n == 0 {
-		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+	if s.kind != kindRedis {
+		if n, _, err := s.schemaVersion(ctx); err != nil {
+			return err
+		} else if n == 0 {
+			return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+		}
 	}
 	actor := f.actor
 	for _, v := range []string{"IDEM_ACTOR", "USER"} {

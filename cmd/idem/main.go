@@ -37,6 +37,8 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Exit codes, documented in the help text.
@@ -55,11 +57,19 @@ const exitCodesHelp = `Exit codes:
 
 // main runs the command line with a context that SIGINT and SIGTERM cancel.
 func main() {
+	// go-redis logs every failed dial to stderr on its own; the command
+	// reports the failure once, with what it was doing.
+	redis.SetLogger(quietRedis{})
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
+
+// quietRedis drops go-redis's own log lines.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
 
 // env is what a command may touch outside its flags: the output streams and
 // the process environment.

@@ -30,7 +30,7 @@ docs/outbox.md):
 
 ` + dsnHelp,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-			sf := addStoreFlags(fs)
+			sf := addStoreFlags(fs, "outbox stats", false)
 			asJSON := fs.Bool("json", false, "print JSON")
 			return func(ctx context.Context, e *env, args []string) error {
 				if len(args) == 0 {

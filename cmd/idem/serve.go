@@ -53,7 +53,7 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 
 ` + dsnHelp,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-			sf := addStoreFlags(fs)
+			sf := addStoreFlags(fs, "serve", false)
 			addr := fs.String("addr", "127.0.0.1:9464", "`address` to listen on")
 			refresh := fs.Duration("refresh", 15*time.Second, "read the store for /metrics at most once per `interval`; scrapes in between get the last reading")
 			readTimeout := fs.Duration("read-timeout", 10*time.Second, "bound on one read of the store for /metrics or the page (`duration`); counting takes about 0.2 s per million markers on Postgres")

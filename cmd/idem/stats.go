@@ -31,7 +31,7 @@ func statsCommand() *command {
 
 ` + dsnHelp,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-			sf := addStoreFlags(fs)
+			sf := addStoreFlags(fs, "stats", false)
 			asJSON := fs.Bool("json", false, "print JSON")
 			return func(ctx context.Context, e *env, args []string) error {
 				if err := noArgs(args); err != nil {

@@ -10,9 +10,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem/internal/sqlident"
 	"github.com/idemhq/idem/postgres"
+	"github.com/idemhq/idem/redisstore"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -30,7 +32,8 @@ const pingTimeout = 15 * time.Second
 const dsnHelp = `DSN forms:
   postgres://user:pass@host:5432/db?sslmode=disable   PostgreSQL (also postgresql://)
   sqlite:PATH or file:PATH                            SQLite file (created if missing)
-  PATH ending in .db, .sqlite or .sqlite3             SQLite file`
+  PATH ending in .db, .sqlite or .sqlite3             SQLite file
+  redis://[:pass@]host:6379/0 (also rediss://)        Redis (redisstore; dlq, migrate and bench only)`
 
 // storeKind says which driver a DSN selects.
 type storeKind int
@@ -38,6 +41,7 @@ type storeKind int
 const (
 	kindPostgres storeKind = iota + 1
 	kindSQLite
+	kindRedis
 )
 
 // String returns the database's name.
@@ -47,6 +51,8 @@ func (k storeKind) String() string {
 		return "PostgreSQL"
 	case kindSQLite:
 		return "SQLite"
+	case kindRedis:
+		return "Redis"
 	}
 	return "unknown"
 }
@@ -54,7 +60,8 @@ func (k storeKind) String() string {
 // target is a parsed DSN.
 type target struct {
 	kind storeKind
-	// dsn is the connection string passed to pgx (PostgreSQL only).
+	// dsn is the connection string passed to pgx (PostgreSQL) or go-redis
+	// (Redis).
 	dsn string
 	// path is the database file (SQLite only).
 	path string
@@ -81,6 +88,8 @@ func parseDSN(dsn string) (target, error) {
 	switch {
 	case strings.HasPrefix(lower, "postgres://"), strings.HasPrefix(lower, "postgresql://"):
 		return target{kind: kindPostgres, dsn: dsn}, nil
+	case strings.HasPrefix(lower, "redis://"), strings.HasPrefix(lower, "rediss://"):
+		return target{kind: kindRedis, dsn: dsn}, nil
 	case strings.HasPrefix(lower, "sqlite:"):
 		// sqlite:///abs/path and sqlite://rel/path are accepted too.
 		return sqliteTarget(dsn, strings.TrimPrefix(dsn[len("sqlite:"):], "//"))
@@ -122,14 +131,19 @@ func redactDSN(dsn string) string {
 // storeFlags are the flags shared by every command that opens a store.
 type storeFlags struct {
 	dsn, schema, prefix string
+	// redis is set by the commands that work on a Redis store too.
+	redis bool
+	// command names the command, for the error that refuses Redis.
+	command string
 }
 
-// addStoreFlags defines --dsn, --schema and --prefix on fs.
-func addStoreFlags(fs *flag.FlagSet) *storeFlags {
-	f := &storeFlags{}
+// addStoreFlags defines --dsn, --schema and --prefix on fs for command,
+// which accepts a Redis DSN if redis is set.
+func addStoreFlags(fs *flag.FlagSet, command string, redis bool) *storeFlags {
+	f := &storeFlags{command: command, redis: redis}
 	fs.StringVar(&f.dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+")")
 	fs.StringVar(&f.schema, "schema", "", "PostgreSQL `schema` for idem's tables, created if missing (default: the connection's search_path)")
-	fs.StringVar(&f.prefix, "prefix", defaultPrefix, "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes")
+	fs.StringVar(&f.prefix, "prefix", defaultPrefix, "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (Redis: of its keys, default \"idem:\")")
 	return f
 }
 
@@ -142,6 +156,11 @@ func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
 	}
 	if f.prefix == "" {
 		return nil, usagef("--prefix is empty: idem's tables always carry a prefix (the default is %q)", defaultPrefix)
+	}
+	if !f.redis {
+		if t, err := parseDSN(dsn); err == nil && t.kind == kindRedis {
+			return nil, usagef("%s reads SQL stores (SQLite, PostgreSQL) only; on Redis, use dlq, migrate or bench", f.command)
+		}
 	}
 	return openStore(ctx, dsn, storeOptions{Schema: f.schema, Prefix: f.prefix})
 }
@@ -162,6 +181,15 @@ type storeOptions struct {
 func (o *storeOptions) check(t target) error {
 	if o.Prefix == "" {
 		o.Prefix = defaultPrefix
+	}
+	if t.kind == kindRedis {
+		if o.Schema != "" {
+			return usagef("--schema applies only to PostgreSQL; Redis keys take a --prefix")
+		}
+		if o.Prefix == defaultPrefix {
+			o.Prefix = "" // redisstore's default, "idem:"
+		}
+		return nil // redisstore.New checks the prefix
 	}
 	if err := sqlident.Check("--prefix", o.Prefix, false); err != nil {
 		return &usageError{err: err}
@@ -186,6 +214,9 @@ type store struct {
 
 	pgPool *pgxpool.Pool
 	pgDrv  *postgres.Driver
+
+	redisClient *redis.Client
+	redisDrv    *redisstore.Driver
 }
 
 // openStore parses dsn, validates opts and opens the database with idem's
@@ -228,6 +259,23 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 			s.Close()
 			return nil, fmt.Errorf("PostgreSQL driver: %w", err)
 		}
+	case kindRedis:
+		ropts, err := redis.ParseURL(t.dsn)
+		if err != nil {
+			return nil, usagef("bad Redis DSN: %w", err)
+		}
+		s.redisClient = redis.NewClient(ropts)
+		if s.redisDrv, err = redisstore.New(s.redisClient, &redisstore.Config{Prefix: opts.Prefix}); err != nil {
+			s.Close()
+			return nil, &usageError{err: err}
+		}
+		pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+		err = s.redisDrv.Migrate(pctx)
+		cancel()
+		if err != nil {
+			s.Close()
+			return nil, fmt.Errorf("connect to %s: %w", s, err)
+		}
 	}
 	return s, nil
 }
@@ -239,6 +287,9 @@ func (s *store) Close() {
 	}
 	if s.pgPool != nil {
 		s.pgPool.Close()
+	}
+	if s.redisClient != nil {
+		s.redisClient.Close()
 	}
 }
 
@@ -253,6 +304,12 @@ func (s *store) String() string {
 			return fmt.Sprintf("PostgreSQL %s@%s:%d/%s", c.User, c.Host, c.Port, c.Database)
 		}
 		return "PostgreSQL " + redactDSN(s.dsn)
+	case kindRedis:
+		if s.redisClient != nil {
+			o := s.redisClient.Options()
+			return fmt.Sprintf("Redis %s/%d", o.Addr, o.DB)
+		}
+		return "Redis " + redactDSN(s.dsn)
 	}
 	return "unknown store"
 }
@@ -264,6 +321,8 @@ func (s *store) Migrate(ctx context.Context) error {
 		return s.sqliteDrv.Migrate(ctx)
 	case kindPostgres:
 		return s.pgDrv.Migrate(ctx)
+	case kindRedis:
+		return s.redisDrv.Migrate(ctx)
 	}
 	return fmt.Errorf("migrate: unsupported store %s", s)
 }
