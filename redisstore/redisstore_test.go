@@ -80,6 +80,17 @@ func openStore(t testing.TB, cfg *redisstore.Config) (*idemtest.Store[*redisstor
 	}, c, prefix
 }
 
+// openProc is openStore with the driver and a processor over it.
+func openProc(t testing.TB, cfg *redisstore.Config) (*idemtest.Store[*redisstore.Tx], *redis.Client, string, *redisstore.Driver, *idem.Processor[*redisstore.Tx]) {
+	s, c, prefix := openStore(t, cfg)
+	drv := s.Driver.(*redisstore.Driver)
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, c, prefix, drv, proc
+}
+
 func scan(ctx context.Context, c *redis.Client, pattern string) ([]string, error) {
 	var keys []string
 	iter := c.Scan(ctx, 0, pattern, 1000).Iterator()
@@ -207,12 +218,7 @@ func TestCrashedTransactionsLockExpires(t *testing.T) {
 func TestSlowTransactionCannotDoubleApply(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	s, c, prefix := openStore(t, &redisstore.Config{LockTTL: 100 * time.Millisecond})
-	drv := s.Driver.(*redisstore.Driver)
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, c, prefix, _, proc := openProc(t, &redisstore.Config{LockTTL: 100 * time.Millisecond})
 	msg := idemtest.Event{ID: "evt-1", Account: "acct-1", Amount: 5}.Message()
 	inSlow, release := make(chan struct{}), make(chan struct{})
 	slow := &idem.Handler[*redisstore.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
@@ -250,12 +256,7 @@ func TestSlowTransactionCannotDoubleApply(t *testing.T) {
 func TestWatchedReadAbortsOnConcurrentChange(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	s, c, prefix := openStore(t, nil)
-	drv := s.Driver.(*redisstore.Driver)
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, c, prefix, _, proc := openProc(t, nil)
 	key := prefix + "max"
 	var interfere atomic.Bool
 	interfere.Store(true)
@@ -291,19 +292,14 @@ func TestWatchedReadAbortsOnConcurrentChange(t *testing.T) {
 func TestFailedQueuedCommandIsReported(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	s, c, prefix := openStore(t, nil)
-	drv := s.Driver.(*redisstore.Driver)
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, c, prefix, drv, proc := openProc(t, nil)
 	if err := c.Set(ctx, prefix+"str", "x", 0).Err(); err != nil {
 		t.Fatal(err)
 	}
 	h := &idem.Handler[*redisstore.Tx]{Name: "bad", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
 		return tx.Queue().HIncrBy(ctx, prefix+"str", "f", 1).Err() // WRONGTYPE at EXEC
 	}}
-	_, err = proc.Process(ctx, h, &idem.Message{ID: "m-1"})
+	_, err := proc.Process(ctx, h, &idem.Message{ID: "m-1"})
 	if !errors.Is(err, redisstore.ErrExecPartial) {
 		t.Fatalf("got %v; want ErrExecPartial", err)
 	}
@@ -315,12 +311,7 @@ func TestFailedQueuedCommandIsReported(t *testing.T) {
 func TestMarkerTTL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	s, c, _ := openStore(t, &redisstore.Config{MarkerTTL: time.Hour})
-	drv := s.Driver.(*redisstore.Driver)
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, c, _, drv, proc := openProc(t, &redisstore.Config{MarkerTTL: time.Hour})
 	msg := idemtest.Event{ID: "evt-1", Account: "a", Amount: 1}.Message()
 	if _, err := proc.Process(ctx, idemtest.CreditHandler(s, "balances", nil), msg); err != nil {
 		t.Fatal(err)
