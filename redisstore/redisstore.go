@@ -251,7 +251,8 @@ func watchArgs(keys []string) []any {
 }
 
 // Begin implements driver.Driver. It takes a connection from the client's
-// pool, which it holds until Commit or Rollback.
+// pool, which it holds until Commit or Rollback (WATCH state lives on a
+// connection): size the pool to the number of messages processed at once.
 func (d *Driver) Begin(ctx context.Context) (*Tx, error) {
 	var b [16]byte
 	if _, err := crand.Read(b[:]); err != nil {
