@@ -54,13 +54,14 @@
 // always where that matters. Replication is asynchronous: a failover can
 // lose acknowledged writes.
 //
-// Redis Cluster runs MULTI/EXEC only on keys of one hash slot. Put a hash
-// tag in Config.Prefix (for example "idem:{balances}:") and in the keys the
-// handler writes.
+// New takes a *redis.Client: one server, or a primary found through
+// Sentinel (redis.NewFailoverClient). Redis Cluster is not supported: its
+// MULTI/EXEC covers the keys of one hash slot only.
 //
-// The driver implements atomic mode, the dead-letter store and the stats
-// counters, so an idem.Consumer (and the Kafka and JetStream adapters) can
-// run on Redis alone. It has no ordering guard, lease mode or outbox.
+// The driver implements atomic mode with batches, the ordering guard
+// (version-only mode included), write-side versions, the dead-letter store
+// and the stats counters, so an idem.Consumer (and the Kafka and JetStream
+// adapters) can run on Redis alone. It has no lease mode or outbox.
 package redisstore
 
 import (
