@@ -1,0 +1,135 @@
+package jetstream_test
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/adaptertest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/redisstore"
+)
+
+// redisEnv is a Consumer crediting balances in a Redis hash through
+// redisstore, with its dead letters and counters in the same Redis.
+type redisEnv struct {
+	t        *testing.T
+	drv      *redisstore.Driver
+	stats    *idem.StatsRecorder // counts duplicates into the same Redis
+	balances func(ctx context.Context) (map[string]int64, error)
+	consumer *idem.Consumer[*redisstore.Tx]
+}
+
+func newRedisEnv(t *testing.T) *redisEnv {
+	client, prefix := testenv.Redis(t)
+	drv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix, LockTTL: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stats, err := idem.NewStatsRecorder(drv, testenv.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, &idem.Config{Hooks: []idem.Hook{stats}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := prefix + "balances"
+	h := &idem.Handler[*redisstore.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+		acct, amt, err := idemtest.DecodeCredit(m.Payload)
+		if err != nil {
+			return idem.Permanent(err)
+		}
+		return tx.Queue().HIncrBy(ctx, key, acct, amt).Err()
+	}}
+	c, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &redisEnv{t: t, drv: drv, stats: stats, consumer: c, balances: func(ctx context.Context) (map[string]int64, error) {
+		m, err := client.HGetAll(ctx, key).Result()
+		if err != nil {
+			return nil, err
+		}
+		out := make(map[string]int64, len(m))
+		for k, v := range m {
+			if out[k], err = strconv.ParseInt(v, 10, 64); err != nil {
+				return nil, err
+			}
+		}
+		return out, nil
+	}}
+}
+
+// waitExact waits until the balances equal those of the unique intended
+// events and at least minDups deliveries were counted as duplicates.
+func (e *redisEnv) waitExact(events []idemtest.Event, minDups int64) {
+	e.t.Helper()
+	want := idemtest.Expected(events)
+	ctx := context.Background()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		got, err := e.balances(ctx)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		if err := e.stats.Flush(ctx); err != nil {
+			e.t.Fatal(err)
+		}
+		stats, err := e.drv.StatsRead(ctx)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		dups := stats["balances"].Duplicates
+		exact := len(got) == len(want)
+		for a, w := range want {
+			exact = exact && got[a] == w
+		}
+		if exact && dups >= minDups {
+			return
+		}
+		for a, w := range want {
+			if got[a] > w {
+				e.t.Fatalf("%s = %d, above the %d of the unique events: applied twice", a, got[a], w)
+			}
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("after 60 s: balances %v, want %v; %d duplicates counted, want ≥ %d", got, want, dups, minDups)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestRedisStoreEndToEnd runs a Consumer on redisstore behind the
+// JetStream adapter, on an embedded server: a consumer killed before its
+// ack, then three consumers on one durable with one killed mid-stream and
+// 10% of the messages published twice. The balances must come out exactly
+// as the unique events say, with the redeliveries seen as duplicates.
+func TestRedisStoreEndToEnd(t *testing.T) {
+	t.Parallel()
+	t.Run("CrashBeforeAck", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t, testenv.EmbeddedNATS(t)), newRedisEnv(t)
+		events := idemtest.Events(600)
+		b.Publish(t, adaptertest.Messages(events), 0)
+		<-b.StartCrashing(t, e.consumer)
+		b.Start(t, e.consumer)
+		e.waitExact(events, 1)
+	})
+	t.Run("ThreeConsumersOneKilled", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t, testenv.EmbeddedNATS(t)), newRedisEnv(t)
+		events := idemtest.Events(1500)
+		b.Publish(t, adaptertest.Messages(events), 10)
+		kills := make([]func(), 3)
+		for i := range kills {
+			kills[i] = b.Start(t, e.consumer)
+		}
+		time.Sleep(50 * time.Millisecond)
+		kills[1]()
+		e.waitExact(events, 150) // every tenth published twice
+	})
+}
