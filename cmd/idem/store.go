@@ -131,16 +131,16 @@ func redactDSN(dsn string) string {
 // storeFlags are the flags shared by every command that opens a store.
 type storeFlags struct {
 	dsn, schema, prefix string
-	// redis is set by the commands that work on a Redis store too.
-	redis bool
+	// redisOK is set by the commands that work on a Redis store too.
+	redisOK bool
 	// command names the command, for the error that refuses Redis.
 	command string
 }
 
 // addStoreFlags defines --dsn, --schema and --prefix on fs for command,
-// which accepts a Redis DSN if redis is set.
-func addStoreFlags(fs *flag.FlagSet, command string, redis bool) *storeFlags {
-	f := &storeFlags{command: command, redis: redis}
+// which accepts a Redis DSN if redisOK is set.
+func addStoreFlags(fs *flag.FlagSet, command string, redisOK bool) *storeFlags {
+	f := &storeFlags{command: command, redisOK: redisOK}
 	fs.StringVar(&f.dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+")")
 	fs.StringVar(&f.schema, "schema", "", "PostgreSQL `schema` for idem's tables, created if missing (default: the connection's search_path)")
 	fs.StringVar(&f.prefix, "prefix", defaultPrefix, "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (Redis: of its keys, default \"idem:\")")
@@ -157,7 +157,7 @@ func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
 	if f.prefix == "" {
 		return nil, usagef("--prefix is empty: idem's tables always carry a prefix (the default is %q)", defaultPrefix)
 	}
-	if !f.redis {
+	if !f.redisOK {
 		if t, err := parseDSN(dsn); err == nil && t.kind == kindRedis {
 			return nil, usagef("%s reads SQL stores (SQLite, PostgreSQL) only; on Redis, use dlq, migrate or bench", f.command)
 		}
