@@ -48,6 +48,10 @@ Cases:
   batch-1000-per-event
                1,000 events per transaction, the handler running one upsert
                per event, as a loop over a poll's records does
+  batch-1000-version-only
+               batch-1000 deduped by each account's sequence alone: the
+               batch's accounts' sequences are read and advanced with one
+               statement each, and no marker row is written
 
 Without --dsn (and IDEM_DSN) the benchmark runs on a temporary SQLite file
 with idem's defaults (WAL, synchronous=FULL). On PostgreSQL it creates its

@@ -198,6 +198,11 @@ WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND starts_with(ta
 	return errors.Join(errs...)
 }
 
+// IdemBatchVersionOnly implements VersionOnlyTarget.
+func (t *PostgresTarget) IdemBatchVersionOnly(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.proc, t.vh, msgs)
+}
+
 // IdemOneVersionOnly implements VersionOnlyTarget.
 func (t *PostgresTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
 	out, err := t.proc.Process(ctx, t.vh, msg)

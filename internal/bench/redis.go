@@ -114,6 +114,11 @@ func (t *RedisTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error
 	return processBatch(ctx, t.proc, t.h, msgs)
 }
 
+// IdemBatchVersionOnly implements VersionOnlyTarget.
+func (t *RedisTarget) IdemBatchVersionOnly(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.proc, t.vh, msgs)
+}
+
 // IdemOneVersionOnly implements VersionOnlyTarget.
 func (t *RedisTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
 	out, err := t.proc.Process(ctx, t.vh, msg)

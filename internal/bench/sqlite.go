@@ -206,6 +206,11 @@ func checkApplied(msgs []*idem.Message, outs []idem.Outcome) error {
 	return nil
 }
 
+// IdemBatchVersionOnly implements VersionOnlyTarget.
+func (t *SQLiteTarget) IdemBatchVersionOnly(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.proc, t.vh, msgs)
+}
+
 // IdemOneVersionOnly implements VersionOnlyTarget.
 func (t *SQLiteTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
 	out, err := t.proc.Process(ctx, t.vh, msg)

@@ -1,0 +1,55 @@
+package bench_test
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+
+	"github.com/idemhq/idem/internal/bench"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// runCases runs every standard case, both variants, for a fixed number of
+// events against t. A variant fails if any message is not Applied, so this
+// checks that each case's handlers and transaction shapes work at all.
+func runCases(t *testing.T, target bench.Target) {
+	ctx := context.Background()
+	for _, c := range bench.Cases() {
+		ct, err := c.Target(target)
+		if err != nil {
+			t.Fatalf("%s: %v", c.Name, err)
+		}
+		for _, v := range []bench.Variant{bench.Plain, bench.Idem} {
+			const events = 1000
+			res, err := bench.Run(ctx, ct, v, bench.Workload{Workers: 2, BatchSize: c.BatchSize, Events: events})
+			if err != nil {
+				t.Fatalf("%s/%s: %v", c.Name, v, err)
+			}
+			if res.Events != events {
+				t.Errorf("%s/%s: %d events applied, want %d", c.Name, v, res.Events, events)
+			}
+		}
+	}
+}
+
+func TestEveryCaseRunsOnSQLite(t *testing.T) {
+	t.Parallel()
+	target, err := bench.OpenSQLite(context.Background(), filepath.Join(t.TempDir(), "bench.db"),
+		&bench.SQLiteOptions{Open: &sqlite.OpenOptions{Synchronous: "NORMAL"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { target.Close() })
+	runCases(t, target)
+}
+
+func TestEveryCaseRunsOnRedis(t *testing.T) {
+	t.Parallel()
+	client, prefix := testenv.Redis(t)
+	target, err := bench.OpenRedis(context.Background(), client, prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCases(t, target)
+}
