@@ -53,3 +53,19 @@ func TestEveryCaseRunsOnRedis(t *testing.T) {
 	}
 	runCases(t, target)
 }
+
+func TestEveryCaseRunsOnPostgres(t *testing.T) {
+	t.Parallel()
+	pool := testenv.PostgresPool(t, 4)
+	ctx := context.Background()
+	target, err := bench.OpenPostgres(ctx, pool, &bench.PostgresOptions{Schema: testenv.FreshSchema(t, pool)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := target.Close(ctx); err != nil {
+			t.Error(err)
+		}
+	})
+	runCases(t, target)
+}
