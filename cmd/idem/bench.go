@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -156,6 +157,9 @@ type benchResult struct {
 	Ratio     float64   `json:"ratio"`
 	PlainRuns []float64 `json:"plain_rounds"`
 	IdemRuns  []float64 `json:"idem_rounds"`
+	// RoundRatios are the rounds' idem/plain ratios; Ratio is their
+	// median.
+	RoundRatios []float64 `json:"round_ratios"`
 }
 
 // runBench opens the target the DSN names and runs the selected cases.
@@ -182,7 +186,7 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 			return fmt.Errorf("case %s: %w", c.Name, err)
 		}
 		r := benchResult{Case: c.Name, Store: target.Name(), Workers: cfg.workers, BatchSize: c.BatchSize,
-			Plain: cmp.Plain, Idem: cmp.Idem, Ratio: cmp.Ratio}
+			Plain: cmp.Plain, Idem: cmp.Idem, Ratio: cmp.Ratio, RoundRatios: cmp.RoundRatios}
 		for i := range cmp.PlainRounds {
 			r.PlainRuns = append(r.PlainRuns, cmp.PlainRounds[i].Rate())
 			r.IdemRuns = append(r.IdemRuns, cmp.IdemRounds[i].Rate())
@@ -206,21 +210,10 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 // rounds: the spread behind the median, printed so that a reader sees the
 // noise before trusting a second decimal.
 func (r benchResult) roundRatios() (lo, hi float64) {
-	seen := false
-	for i := range min(len(r.PlainRuns), len(r.IdemRuns)) {
-		if r.PlainRuns[i] <= 0 {
-			continue
-		}
-		x := r.IdemRuns[i] / r.PlainRuns[i]
-		if !seen || x < lo {
-			lo = x
-		}
-		if !seen || x > hi {
-			hi = x
-		}
-		seen = true
+	if len(r.RoundRatios) == 0 {
+		return 0, 0
 	}
-	return lo, hi
+	return slices.Min(r.RoundRatios), slices.Max(r.RoundRatios)
 }
 
 // openBenchTarget opens the benchmark target for cfg.dsn, or a temporary

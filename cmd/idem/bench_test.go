@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -36,6 +37,9 @@ func TestBenchJSONReportsRatios(t *testing.T) {
 		for i := range pairs {
 			pairs[i] = r.IdemRuns[i] / r.PlainRuns[i]
 		}
+		if len(r.RoundRatios) != 3 || math.Abs(r.RoundRatios[2]-pairs[2]) > 1e-9 {
+			t.Errorf("%s: round ratios %v, want the rounds' idem/plain %v", r.Case, r.RoundRatios, pairs)
+		}
 		slices.Sort(pairs)
 		if got := pairs[1]; got-r.Ratio > 1e-9 || r.Ratio-got > 1e-9 {
 			t.Errorf("%s: ratio %v, want the median round ratio %v (rounds %v)", r.Case, r.Ratio, got, pairs)
@@ -53,10 +57,9 @@ func TestBenchRejectsUnknownCase(t *testing.T) {
 }
 
 // TestBenchRoundRatios checks the spread printed beside the median: the
-// lowest and highest idem/plain of the rounds, skipping a round whose plain
-// variant applied nothing.
+// lowest and highest of the rounds' idem/plain ratios.
 func TestBenchRoundRatios(t *testing.T) {
-	r := benchResult{PlainRuns: []float64{0, 100, 200, 400}, IdemRuns: []float64{50, 90, 150, 320}}
+	r := benchResult{RoundRatios: []float64{0.8, 0.9, 0.75}}
 	if lo, hi := r.roundRatios(); lo != 0.75 || hi != 0.9 {
 		t.Errorf("roundRatios = %v, %v; want 0.75, 0.9", lo, hi)
 	}

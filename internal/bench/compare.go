@@ -33,6 +33,9 @@ type Comparison struct {
 	// it halved the spread of the per-message figure against Idem / Plain
 	// (standard deviation 0.033 against 0.057) at the same mean.
 	Ratio float64
+	// RoundRatios are the rounds' idem/plain ratios, in the order the
+	// rounds ran; Ratio is their median.
+	RoundRatios []float64
 	// PlainRounds and IdemRounds are the results of every round, in the
 	// order they ran.
 	PlainRounds, IdemRounds []Result
@@ -91,6 +94,7 @@ func Compare(ctx context.Context, t Target, opts CompareOptions) (Comparison, er
 		}
 		pairs[r] = c.IdemRounds[r].Rate() / p
 	}
+	c.RoundRatios = slices.Clone(pairs)
 	c.Ratio = median(pairs)
 	return c, nil
 }
