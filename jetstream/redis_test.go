@@ -2,7 +2,6 @@ package jetstream_test
 
 import (
 	"context"
-	"strconv"
 	"testing"
 	"time"
 
@@ -50,17 +49,7 @@ func newRedisEnv(t *testing.T) *redisEnv {
 		t.Fatal(err)
 	}
 	return &redisEnv{t: t, drv: drv, stats: stats, consumer: c, balances: func(ctx context.Context) (map[string]int64, error) {
-		m, err := client.HGetAll(ctx, key).Result()
-		if err != nil {
-			return nil, err
-		}
-		out := make(map[string]int64, len(m))
-		for k, v := range m {
-			if out[k], err = strconv.ParseInt(v, 10, 64); err != nil {
-				return nil, err
-			}
-		}
-		return out, nil
+		return testenv.RedisInts(ctx, client, key)
 	}}
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -42,17 +41,7 @@ func openStore(t testing.TB, cfg *redisstore.Config) (*idemtest.Store[*redisstor
 			return tx.Queue().HIncrBy(ctx, balances, account, amount).Err()
 		},
 		Balances: func(ctx context.Context) (map[string]int64, error) {
-			m, err := c.HGetAll(ctx, balances).Result()
-			if err != nil {
-				return nil, err
-			}
-			out := make(map[string]int64, len(m))
-			for k, v := range m {
-				if out[k], err = strconv.ParseInt(v, 10, 64); err != nil {
-					return nil, err
-				}
-			}
-			return out, nil
+			return testenv.RedisInts(ctx, c, balances)
 		},
 		Put: func(ctx context.Context, tx *redisstore.Tx, agg, value string) error {
 			return tx.Queue().Set(ctx, prefix+"state:"+agg, value, 0).Err()

@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"os"
+	"strconv"
 	"testing"
 	"time"
 
@@ -65,4 +67,20 @@ func Redis(t testing.TB) (*redis.Client, string) {
 		}
 	})
 	return c, prefix
+}
+
+// RedisInts reads the hash at key as integers, the way tests keep balances
+// in Redis.
+func RedisInts(ctx context.Context, c *redis.Client, key string) (map[string]int64, error) {
+	m, err := c.HGetAll(ctx, key).Result()
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]int64, len(m))
+	for k, v := range m {
+		if out[k], err = strconv.ParseInt(v, 10, 64); err != nil {
+			return nil, fmt.Errorf("%s field %s: %w", key, k, err)
+		}
+	}
+	return out, nil
 }
