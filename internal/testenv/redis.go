@@ -34,14 +34,20 @@ func Redis(t testing.TB) (*redis.Client, string) {
 	if err != nil {
 		t.Fatalf("IDEM_REDIS_URL: %v", err)
 	}
-	opts.PoolSize = 64
-	c := redis.NewClient(opts)
+	// Probe once, without go-redis's retries, so that a server that is
+	// down costs a refused dial and not seconds per test.
+	po := *opts
+	po.MaxRetries, po.DialerRetries = -1, 1
+	probe := redis.NewClient(&po)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
-	if err := c.Ping(ctx).Err(); err != nil {
-		c.Close()
+	err = probe.Ping(ctx).Err()
+	probe.Close()
+	if err != nil {
 		Unavailable(t, "Redis", RedisURL(), err)
 	}
+	opts.PoolSize = 64
+	c := redis.NewClient(opts)
 	b := make([]byte, 6)
 	_, _ = rand.Read(b)
 	prefix := "idemtest:" + hex.EncodeToString(b) + ":"
