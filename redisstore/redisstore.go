@@ -146,8 +146,8 @@ func New(client *redis.Client, cfg *Config) (*Driver, error) {
 	if d.lockTTL < time.Millisecond {
 		return nil, fmt.Errorf("%w: redisstore: LockTTL %v is below 1ms", idem.ErrInvalidConfig, cfg.LockTTL)
 	}
-	if d.markerTTL < 0 {
-		return nil, fmt.Errorf("%w: redisstore: MarkerTTL %v is negative", idem.ErrInvalidConfig, cfg.MarkerTTL)
+	if d.markerTTL < 0 || (d.markerTTL > 0 && d.markerTTL < time.Millisecond) {
+		return nil, fmt.Errorf("%w: redisstore: MarkerTTL %v is neither 0 (keep) nor at least 1ms", idem.ErrInvalidConfig, cfg.MarkerTTL)
 	}
 	return d, nil
 }

@@ -124,6 +124,7 @@ func TestBadConfigRefused(t *testing.T) {
 		{Prefix: string(make([]byte, 65))},
 		{LockTTL: time.Microsecond},
 		{MarkerTTL: -time.Second},
+		{MarkerTTL: time.Microsecond},
 	} {
 		if _, err := redisstore.New(c, cfg); !errors.Is(err, idem.ErrInvalidConfig) {
 			t.Errorf("%+v: got %v, want ErrInvalidConfig", cfg, err)
