@@ -461,3 +461,32 @@ func TestExampleFlow(t *testing.T) {
 		t.Fatalf("outcomes %v, balance %d; want [applied duplicate] 25", outs, balance)
 	}
 }
+
+// A queued command Redis refuses when it is queued (wrong arity) discards
+// the whole transaction: nothing applied, no marker, and the message can
+// be applied later by a handler that gets it right.
+func TestRefusedQueuedCommandDiscardsAll(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, c, prefix, drv, proc := openProc(t, nil)
+	bad := &idem.Handler[*redisstore.Tx]{Name: "h", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+		tx.Queue().HIncrBy(ctx, prefix+"n", "f", 1)
+		return tx.Queue().Do(ctx, "hincrby", prefix+"n").Err() // too few arguments
+	}}
+	msg := &idem.Message{ID: "m-1"}
+	if out, err := proc.Process(ctx, bad, msg); err == nil || errors.Is(err, redisstore.ErrExecPartial) {
+		t.Fatalf("bad handler: %v, %v; want an error, not a partial EXEC", out, err)
+	}
+	if n, err := c.Exists(ctx, prefix+"n", drv.MarkerKey("h", "m-1")).Result(); err != nil || n != 0 {
+		t.Fatalf("%d keys written by a discarded transaction (%v)", n, err)
+	}
+	good := &idem.Handler[*redisstore.Tx]{Name: "h", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+		return tx.Queue().HIncrBy(ctx, prefix+"n", "f", 1).Err()
+	}}
+	if out, err := proc.Process(ctx, good, msg); err != nil || out != idem.Applied {
+		t.Fatalf("retry: %v, %v; want applied", out, err)
+	}
+	if got, err := c.HGet(ctx, prefix+"n", "f").Int64(); err != nil || got != 1 {
+		t.Fatalf("n.f = %d, %v; want 1", got, err)
+	}
+}
