@@ -119,6 +119,52 @@ func (v versionOnly) IdemBatch(ctx context.Context, msgs []*idem.Message) error 
 	return v.vt.IdemBatchVersionOnly(ctx, msgs)
 }
 
+// idemVariants runs a target's idempotent variants: one processor and the
+// target's handler in each mode. Every store's target embeds it, so the
+// variants differ between stores only in the handler's writes.
+type idemVariants[TTx any] struct {
+	proc          *idem.Processor[TTx]
+	h, vh, eh, oh *idem.Handler[TTx]
+}
+
+// newIdemVariants derives the version-only, per-event and ordered
+// handlers from h.
+func newIdemVariants[TTx any](proc *idem.Processor[TTx], h *idem.Handler[TTx]) idemVariants[TTx] {
+	return idemVariants[TTx]{proc: proc, h: h, vh: versionOnlyHandler(h), eh: perEventHandler(h), oh: orderedHandler(h)}
+}
+
+// IdemOne implements Target.
+func (v idemVariants[TTx]) IdemOne(ctx context.Context, msg *idem.Message) error {
+	out, err := v.proc.Process(ctx, v.h, msg)
+	return checkApplied1(msg, out, err)
+}
+
+// IdemBatch implements Target.
+func (v idemVariants[TTx]) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, v.proc, v.h, msgs)
+}
+
+// IdemOneVersionOnly implements VersionOnlyTarget.
+func (v idemVariants[TTx]) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
+	out, err := v.proc.Process(ctx, v.vh, msg)
+	return checkApplied1(msg, out, err)
+}
+
+// IdemBatchVersionOnly implements VersionOnlyTarget.
+func (v idemVariants[TTx]) IdemBatchVersionOnly(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, v.proc, v.vh, msgs)
+}
+
+// IdemBatchPerEvent implements PerEventTarget.
+func (v idemVariants[TTx]) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, v.proc, v.eh, msgs)
+}
+
+// IdemBatchOrdered implements OrderedTarget.
+func (v idemVariants[TTx]) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, v.proc, v.oh, msgs)
+}
+
 // versionOnlyHandler returns a version-only copy of h: it dedupes by each
 // account's sequence (Seq), latest wins.
 func versionOnlyHandler[TTx any](h *idem.Handler[TTx]) *idem.Handler[TTx] {

@@ -25,13 +25,9 @@ type PostgresTarget struct {
 	pool          *pgxpool.Pool
 	schema        string
 	createdSchema bool
-	proc          *idem.Processor[postgres.Tx]
-	h             *idem.Handler[postgres.Tx]
-	vh            *idem.Handler[postgres.Tx]
-	eh            *idem.Handler[postgres.Tx]
-	oh            *idem.Handler[postgres.Tx]
-	upsertOne     string
-	upsertMany    string
+	idemVariants[postgres.Tx]
+	upsertOne  string
+	upsertMany string
 }
 
 // OpenPostgres migrates idem into opts.Schema and creates the balances
@@ -79,10 +75,11 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 	t.upsertMany = `INSERT INTO ` + balances + ` AS b (account, amount)
 SELECT a, n FROM unnest($1::text[], $2::bigint[]) AS u(a, n)
 ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
-	if t.proc, err = idem.NewProcessor(drv, nil); err != nil {
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
 		return fmt.Errorf("bench: processor: %w", err)
 	}
-	t.h = &idem.Handler[postgres.Tx]{
+	h := &idem.Handler[postgres.Tx]{
 		Name: handlerName,
 		Apply: func(ctx context.Context, tx postgres.Tx, msg *idem.Message) error {
 			return t.applyOne(ctx, tx, msg)
@@ -91,9 +88,7 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 			return t.applyBatch(ctx, tx, msgs)
 		},
 	}
-	t.vh = versionOnlyHandler(t.h)
-	t.eh = perEventHandler(t.h)
-	t.oh = orderedHandler(t.h)
+	t.idemVariants = newIdemVariants(proc, h)
 	return nil
 }
 
@@ -145,26 +140,9 @@ func (t *PostgresTarget) PlainOne(ctx context.Context, msg *idem.Message) error 
 	return t.inTx(ctx, func(tx pgx.Tx) error { return t.applyOne(ctx, tx, msg) })
 }
 
-// IdemOne implements Target.
-func (t *PostgresTarget) IdemOne(ctx context.Context, msg *idem.Message) error {
-	out, err := t.proc.Process(ctx, t.h, msg)
-	if err != nil {
-		return err
-	}
-	if out != idem.Applied {
-		return fmt.Errorf("bench: message %q: outcome %v, want applied", msg.ID, out)
-	}
-	return nil
-}
-
 // PlainBatch implements Target.
 func (t *PostgresTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
 	return t.inTx(ctx, func(tx pgx.Tx) error { return t.applyBatch(ctx, tx, msgs) })
-}
-
-// IdemBatch implements Target.
-func (t *PostgresTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.h, msgs)
 }
 
 // Close drops the tables the target created, and the schema if
@@ -198,17 +176,6 @@ WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND starts_with(ta
 	return errors.Join(errs...)
 }
 
-// IdemBatchVersionOnly implements VersionOnlyTarget.
-func (t *PostgresTarget) IdemBatchVersionOnly(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.vh, msgs)
-}
-
-// IdemOneVersionOnly implements VersionOnlyTarget.
-func (t *PostgresTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
-	out, err := t.proc.Process(ctx, t.vh, msg)
-	return checkApplied1(msg, out, err)
-}
-
 // PlainBatchPerEvent implements PerEventTarget.
 func (t *PostgresTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
 	return t.inTx(ctx, func(tx pgx.Tx) error {
@@ -219,14 +186,4 @@ func (t *PostgresTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Me
 		}
 		return nil
 	})
-}
-
-// IdemBatchPerEvent implements PerEventTarget.
-func (t *PostgresTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.eh, msgs)
-}
-
-// IdemBatchOrdered implements OrderedTarget.
-func (t *PostgresTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.oh, msgs)
 }

@@ -18,11 +18,7 @@ type RedisTarget struct {
 	client   *redis.Client
 	prefix   string
 	balances string
-	proc     *idem.Processor[*redisstore.Tx]
-	h        *idem.Handler[*redisstore.Tx]
-	vh       *idem.Handler[*redisstore.Tx]
-	eh       *idem.Handler[*redisstore.Tx]
-	oh       *idem.Handler[*redisstore.Tx]
+	idemVariants[*redisstore.Tx]
 }
 
 // OpenRedis returns a target whose keys all start with prefix (empty:
@@ -43,10 +39,11 @@ func OpenRedis(ctx context.Context, client *redis.Client, prefix string) (*Redis
 		return nil, fmt.Errorf("bench: %w", err)
 	}
 	t := &RedisTarget{client: client, prefix: prefix, balances: prefix + "balances"}
-	if t.proc, err = idem.NewProcessor(drv, nil); err != nil {
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
 		return nil, fmt.Errorf("bench: processor: %w", err)
 	}
-	t.h = &idem.Handler[*redisstore.Tx]{
+	h := &idem.Handler[*redisstore.Tx]{
 		Name: handlerName,
 		Apply: func(ctx context.Context, tx *redisstore.Tx, msg *idem.Message) error {
 			return t.applyOne(ctx, tx.Queue(), msg)
@@ -55,9 +52,7 @@ func OpenRedis(ctx context.Context, client *redis.Client, prefix string) (*Redis
 			return t.applyBatch(ctx, tx.Queue(), msgs)
 		},
 	}
-	t.vh = versionOnlyHandler(t.h)
-	t.eh = perEventHandler(t.h)
-	t.oh = orderedHandler(t.h)
+	t.idemVariants = newIdemVariants(proc, h)
 	return t, nil
 }
 
@@ -98,31 +93,9 @@ func (t *RedisTarget) PlainOne(ctx context.Context, msg *idem.Message) error {
 	return t.inMulti(ctx, func(p redis.Pipeliner) error { return t.applyOne(ctx, p, msg) })
 }
 
-// IdemOne implements Target.
-func (t *RedisTarget) IdemOne(ctx context.Context, msg *idem.Message) error {
-	out, err := t.proc.Process(ctx, t.h, msg)
-	return checkApplied1(msg, out, err)
-}
-
 // PlainBatch implements Target.
 func (t *RedisTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
 	return t.inMulti(ctx, func(p redis.Pipeliner) error { return t.applyBatch(ctx, p, msgs) })
-}
-
-// IdemBatch implements Target.
-func (t *RedisTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.h, msgs)
-}
-
-// IdemBatchVersionOnly implements VersionOnlyTarget.
-func (t *RedisTarget) IdemBatchVersionOnly(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.vh, msgs)
-}
-
-// IdemOneVersionOnly implements VersionOnlyTarget.
-func (t *RedisTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
-	out, err := t.proc.Process(ctx, t.vh, msg)
-	return checkApplied1(msg, out, err)
 }
 
 // PlainBatchPerEvent implements PerEventTarget.
@@ -135,16 +108,6 @@ func (t *RedisTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Messa
 		}
 		return nil
 	})
-}
-
-// IdemBatchPerEvent implements PerEventTarget.
-func (t *RedisTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.eh, msgs)
-}
-
-// IdemBatchOrdered implements OrderedTarget.
-func (t *RedisTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.oh, msgs)
 }
 
 // Close deletes every key under the target's prefix. It does not close

@@ -27,11 +27,7 @@ type SQLiteTarget struct {
 	path   string
 	remove bool
 	db     *sql.DB
-	proc   *idem.Processor[*sql.Tx]
-	h      *idem.Handler[*sql.Tx]
-	vh     *idem.Handler[*sql.Tx]
-	eh     *idem.Handler[*sql.Tx]
-	oh     *idem.Handler[*sql.Tx]
+	idemVariants[*sql.Tx]
 	upsert *sql.Stmt
 }
 
@@ -70,10 +66,11 @@ func (t *SQLiteTarget) setup(ctx context.Context) error {
 ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`); err != nil {
 		return fmt.Errorf("bench: prepare upsert: %w", err)
 	}
-	if t.proc, err = idem.NewProcessor(drv, nil); err != nil {
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
 		return fmt.Errorf("bench: processor: %w", err)
 	}
-	t.h = &idem.Handler[*sql.Tx]{
+	h := &idem.Handler[*sql.Tx]{
 		Name: handlerName,
 		Apply: func(ctx context.Context, tx *sql.Tx, msg *idem.Message) error {
 			return t.applyOne(ctx, tx, msg)
@@ -82,9 +79,7 @@ ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`); err != 
 			return t.applyBatch(ctx, tx, msgs)
 		},
 	}
-	t.vh = versionOnlyHandler(t.h)
-	t.eh = perEventHandler(t.h)
-	t.oh = orderedHandler(t.h)
+	t.idemVariants = newIdemVariants(proc, h)
 	return nil
 }
 
@@ -142,26 +137,9 @@ func (t *SQLiteTarget) PlainOne(ctx context.Context, msg *idem.Message) error {
 	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyOne(ctx, tx, msg) })
 }
 
-// IdemOne implements Target.
-func (t *SQLiteTarget) IdemOne(ctx context.Context, msg *idem.Message) error {
-	out, err := t.proc.Process(ctx, t.h, msg)
-	if err != nil {
-		return err
-	}
-	if out != idem.Applied {
-		return fmt.Errorf("bench: message %q: outcome %v, want applied", msg.ID, out)
-	}
-	return nil
-}
-
 // PlainBatch implements Target.
 func (t *SQLiteTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
 	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyBatch(ctx, tx, msgs) })
-}
-
-// IdemBatch implements Target.
-func (t *SQLiteTarget) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.h, msgs)
 }
 
 // Close closes the database and, with RemoveOnClose, deletes its files.
@@ -206,17 +184,6 @@ func checkApplied(msgs []*idem.Message, outs []idem.Outcome) error {
 	return nil
 }
 
-// IdemBatchVersionOnly implements VersionOnlyTarget.
-func (t *SQLiteTarget) IdemBatchVersionOnly(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.vh, msgs)
-}
-
-// IdemOneVersionOnly implements VersionOnlyTarget.
-func (t *SQLiteTarget) IdemOneVersionOnly(ctx context.Context, msg *idem.Message) error {
-	out, err := t.proc.Process(ctx, t.vh, msg)
-	return checkApplied1(msg, out, err)
-}
-
 // PlainBatchPerEvent implements PerEventTarget.
 func (t *SQLiteTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
 	return t.inTx(ctx, func(tx *sql.Tx) error {
@@ -227,14 +194,4 @@ func (t *SQLiteTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Mess
 		}
 		return nil
 	})
-}
-
-// IdemBatchPerEvent implements PerEventTarget.
-func (t *SQLiteTarget) IdemBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.eh, msgs)
-}
-
-// IdemBatchOrdered implements OrderedTarget.
-func (t *SQLiteTarget) IdemBatchOrdered(ctx context.Context, msgs []*idem.Message) error {
-	return processBatch(ctx, t.proc, t.oh, msgs)
 }
