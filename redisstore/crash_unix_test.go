@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
@@ -56,6 +57,7 @@ func TestCrashChild(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	opts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled} // see testenv.Redis
 	drv, err := redisstore.New(redis.NewClient(opts), &redisstore.Config{Prefix: prefix, LockTTL: crashLockTTL})
 	if err != nil {
 		t.Fatal(err)

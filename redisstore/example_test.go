@@ -6,6 +6,7 @@ import (
 	"log"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/redisstore"
@@ -18,7 +19,12 @@ import (
 // but not run; TestExampleFlow runs the same steps against IDEM_REDIS_URL.)
 func Example() {
 	ctx := context.Background()
-	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"})
+	client := redis.NewClient(&redis.Options{
+		Addr: "127.0.0.1:6379",
+		// Redis before 8 has no maintenance notifications: see the
+		// package documentation.
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+	})
 	defer client.Close()
 	const prefix = "app:"
 

@@ -2,7 +2,11 @@
 // atomic mode where the marker and the handler's writes commit in one
 // MULTI/EXEC.
 //
-//	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"})
+//	client := redis.NewClient(&redis.Options{
+//		Addr: "127.0.0.1:6379",
+//		// Redis before 8: see "Connections" below.
+//		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+//	})
 //	drv, err := redisstore.New(client, &redisstore.Config{Prefix: "idem:"})
 //	proc, err := idem.NewProcessor(drv, nil)
 //
@@ -53,6 +57,16 @@
 // redelivered messages apply again). Use appendonly yes with appendfsync
 // always where that matters. Replication is asynchronous: a failover can
 // lose acknowledged writes.
+//
+// # Connections
+//
+// Each transaction holds one connection of the client's pool from Begin to
+// its end (WATCH state lives on a connection): size PoolSize to the number
+// of messages processed at once. Against a server without maintenance
+// notifications (Redis before 8), disable them in the client's options as
+// above: go-redis's default, auto, mode then rewrites the client's shared
+// options as each new connection starts, a data race once transactions
+// open connections concurrently (the race detector reports it).
 //
 // New takes a *redis.Client: one server, or a primary found through
 // Sentinel (redis.NewFailoverClient). Redis Cluster is not supported: its

@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem/internal/bench"
 )
@@ -248,6 +249,7 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 			return nil, nil, usagef("DSN %q: %w", redactDSN(tg.dsn), err)
 		}
 		ropts.PoolSize = max(ropts.PoolSize, cfg.workers+2)
+		ropts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled} // see docs/redis.md
 		client := redis.NewClient(ropts)
 		t, err := bench.OpenRedis(ctx, client, "")
 		if err != nil {

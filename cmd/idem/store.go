@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem/internal/sqlident"
 	"github.com/idemhq/idem/postgres"
@@ -264,6 +265,7 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 		if err != nil {
 			return nil, usagef("bad Redis DSN: %w", err)
 		}
+		ropts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled} // see docs/redis.md
 		s.redisClient = redis.NewClient(ropts)
 		if s.redisDrv, err = redisstore.New(s.redisClient, &redisstore.Config{Prefix: opts.Prefix}); err != nil {
 			s.Close()

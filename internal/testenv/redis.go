@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 )
 
 // DefaultRedisURL is used when IDEM_REDIS_URL is unset.
@@ -34,6 +35,10 @@ func Redis(t testing.TB) (*redis.Client, string) {
 	if err != nil {
 		t.Fatalf("IDEM_REDIS_URL: %v", err)
 	}
+	// Redis before 8 lacks maintenance notifications, and go-redis's default
+	// (auto) mode then rewrites the shared options as each connection
+	// starts: a data race once transactions open connections at once.
+	opts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
 	// Probe once, without go-redis's retries, so that a server that is
 	// down costs a refused dial and not seconds per test.
 	po := *opts
