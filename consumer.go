@@ -25,7 +25,7 @@ const (
 
 // Dead-letter classes, stored with every dead letter.
 const (
-	DeadLetterPermanent = "permanent" // the error was permanent (Permanent, validation, final gap)
+	DeadLetterPermanent = "permanent" // the error was permanent (Permanent, validation, unknown type, final gap)
 	DeadLetterConflict  = "conflict"  // same ID, different payload
 	DeadLetterDecode    = "decode"    // the broker record did not map to a message
 	DeadLetterExhausted = "exhausted" // retriable, but out of attempts
@@ -35,8 +35,8 @@ const (
 type ConsumerConfig struct {
 	// Classify decides whether a handler error is worth retrying. It is
 	// asked only about errors idem does not already know to be permanent
-	// (Permanent, validation errors, payload conflicts and final gaps
-	// always are). Default: every other error is Retriable.
+	// (Permanent, validation errors, payload conflicts, unknown types
+	// and final gaps always are). Default: every other error is Retriable.
 	Classify func(err error) Class
 	// Backoff shapes the delay before a retriable failure is delivered
 	// again: exponential with full jitter. Default: 50 ms doubling up to

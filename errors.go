@@ -138,15 +138,17 @@ func Permanent(err error) error {
 }
 
 // IsPermanent reports whether err is non-retriable: it wraps a
-// *PermanentError, a *ValidationError, a *ConflictError or a final
-// *GapError. Every other error is treated as retriable.
+// *PermanentError, a *ValidationError, a *ConflictError, an
+// *UnknownTypeError or a final *GapError. Every other error is treated as
+// retriable.
 func IsPermanent(err error) bool {
 	var (
 		pe *PermanentError
 		ve *ValidationError
 		ce *ConflictError
+		ue *UnknownTypeError
 		ge *GapError
 	)
 	return errors.As(err, &pe) || errors.As(err, &ve) || errors.As(err, &ce) ||
-		(errors.As(err, &ge) && ge.Final)
+		errors.As(err, &ue) || (errors.As(err, &ge) && ge.Final)
 }

@@ -177,3 +177,55 @@ func ExampleProcessor_ProcessBatch_ordering() {
 	// apply acct-4
 	// [applied applied]
 }
+
+// One handler for a stream of several event types. A type without a route
+// is bad input: a permanent error that a Consumer dead-letters with the
+// type in the reason, never a silent drop.
+func ExampleByType() {
+	ctx := context.Background()
+	db, _ := sqlite.Open(":memory:", nil)
+	defer db.Close()
+	drv, _ := sqlite.New(db, nil)
+	_ = drv.Migrate(ctx)
+	_, _ = db.Exec(`CREATE TABLE balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL)`)
+	proc, _ := idem.NewProcessor(drv, nil)
+
+	add := func(sign int64) func(context.Context, *sql.Tx, *idem.Message) error {
+		return func(ctx context.Context, tx *sql.Tx, msg *idem.Message) error {
+			var amount int64
+			if _, err := fmt.Sscan(string(msg.Payload), &amount); err != nil {
+				return idem.Permanent(err)
+			}
+			_, err := tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?)
+				ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, msg.AggregateID, sign*amount)
+			return err
+		}
+	}
+	accounts := &idem.Handler[*sql.Tx]{
+		Name: "accounts",
+		Apply: idem.ByType(idem.Routes[*sql.Tx]{
+			"FundsCredited": add(+1),
+			"FundsDebited":  add(-1),
+			"StatementSent": idem.Ignore[*sql.Tx], // consumed on purpose, no effect
+		}),
+	}
+
+	for _, msg := range []*idem.Message{
+		{ID: "evt-1", Type: "FundsCredited", AggregateID: "alice", Payload: []byte("100")},
+		{ID: "evt-2", Type: "FundsDebited", AggregateID: "alice", Payload: []byte("30")},
+		{ID: "evt-3", Type: "StatementSent", AggregateID: "alice"},
+		{ID: "evt-4", Type: "AccountFrozen", AggregateID: "alice"},
+	} {
+		out, err := proc.Process(ctx, accounts, msg)
+		fmt.Println(msg.Type, out, errors.Is(err, idem.ErrUnknownType), idem.IsPermanent(err))
+	}
+	var balance int64
+	_ = db.QueryRow(`SELECT amount FROM balances WHERE account = 'alice'`).Scan(&balance)
+	fmt.Println("alice:", balance)
+	// Output:
+	// FundsCredited applied false false
+	// FundsDebited applied false false
+	// StatementSent applied false false
+	// AccountFrozen none true true
+	// alice: 70
+}
