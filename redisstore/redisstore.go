@@ -397,6 +397,15 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 		_, err := pipe.Exec(ctx)
 		tx.watching = true
 		if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// The server lost its script cache (a restart, SCRIPT
+			// FLUSH). The pipeline's WATCH ran although its script did
+			// not, and a connection that writes a key it watches
+			// aborts its own EXEC: drop the watches before the retry
+			// writes those keys, and watch what is held again.
+			if err := tx.conn.Do(ctx, "unwatch").Err(); err != nil {
+				return fmt.Errorf("redisstore: unwatch: %w", err)
+			}
+			tx.watching, recheck = false, true
 			if err := loadScripts(ctx, tx.conn); err != nil {
 				return err
 			}

@@ -490,3 +490,98 @@ func TestRefusedQueuedCommandDiscardsAll(t *testing.T) {
 		t.Fatalf("n.f = %d, %v; want 1", got, err)
 	}
 }
+
+// A server that lost its script cache (a restart, SCRIPT FLUSH) answers
+// the driver's first script call with NOSCRIPT after the same pipeline
+// WATCHed the keys that script was to write. Retrying on the same
+// connection must not leave those watches behind: writing a key it watches
+// would abort the transaction's own commit. The flush is server-wide, so
+// concurrent tests meet it too, which every script call must survive.
+func TestScriptCacheLost(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s, c, _ := openStore(t, nil)
+	drv := s.Driver.(*redisstore.Driver)
+	many := func(ids ...string) *driver.MarkerInsertManyParams {
+		p := &driver.MarkerInsertManyParams{Handler: "h", MessageIDs: ids}
+		for range ids {
+			p.PayloadHashes = append(p.PayloadHashes, []byte("x"))
+		}
+		return p
+	}
+
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A claim held before the cache is lost, and a batch inserted after.
+	if res, err := drv.MarkerInsert(ctx, tx, &driver.MarkerInsertParams{Handler: "h", MessageID: "m-0", PayloadHash: []byte("x")}); err != nil || !res.Inserted {
+		t.Fatalf("first insert: %+v, %v", res, err)
+	}
+	if err := c.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	res, err := drv.MarkerInsertMany(ctx, tx, many("m-1", "m-2", "m-3"))
+	if err != nil {
+		t.Fatalf("insert after the flush: %v", err)
+	}
+	for i, r := range res {
+		if !r.Inserted {
+			t.Fatalf("marker %d not inserted: %+v", i+1, r)
+		}
+	}
+	if err := drv.Commit(ctx, tx); err != nil {
+		t.Fatalf("commit after the flush: %v", err)
+	}
+	if n, err := c.Exists(ctx, drv.MarkerKey("h", "m-0"), drv.MarkerKey("h", "m-1"), drv.MarkerKey("h", "m-2"), drv.MarkerKey("h", "m-3")).Result(); err != nil || n != 4 {
+		t.Fatalf("markers after commit: %d, %v; want 4", n, err)
+	}
+
+	// Through the processor: a batch and an ordered batch, each right
+	// after a flush, apply once.
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var events []idemtest.Event
+	want := map[string]int64{}
+	for i := range 20 {
+		e := idemtest.Event{ID: fmt.Sprintf("evt-%02d", i), Account: fmt.Sprintf("acct-%d", i%3), Amount: int64(i + 1)}
+		events = append(events, e)
+		want[e.Account] += e.Amount
+	}
+	msgs := func(es []idemtest.Event) []*idem.Message {
+		out := make([]*idem.Message, len(es))
+		for i, e := range es {
+			out[i] = e.Message()
+			out[i].Seq = int64(i + 1) // increasing per account too
+		}
+		return out
+	}
+	plain := idemtest.CreditHandler(s, "credits", nil)
+	ordered := idemtest.CreditHandler(s, "ordered", nil)
+	ordered.Ordering = &idem.Ordering{Gap: idem.GapAllow}
+	for _, h := range []*idem.Handler[*redisstore.Tx]{plain, ordered} {
+		if err := c.ScriptFlush(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		outs, err := proc.ProcessBatch(ctx, h, msgs(events))
+		if err != nil {
+			t.Fatalf("%s: batch after a flush: %v", h.Name, err)
+		}
+		for i, o := range outs {
+			if o != idem.Applied {
+				t.Fatalf("%s: event %d: %v; want Applied", h.Name, i, o)
+			}
+		}
+	}
+	got, err := s.Balances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for a, w := range want {
+		if got[a] != 2*w { // both handlers credit the same balances
+			t.Errorf("balance %s = %d; want %d", a, got[a], 2*w)
+		}
+	}
+}
