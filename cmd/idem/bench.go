@@ -54,6 +54,14 @@ Cases:
                batch-1000 deduped by each account's sequence alone: the
                batch's accounts' sequences are read and advanced with one
                statement each, and no marker row is written
+  per-message-vs-hand, batch-1000-per-event-vs-hand
+               idem against the dedupe teams write by hand instead of
+               against no dedupe: the baseline ("plain") inserts the ID
+               into a processed-events table keyed by the ID alone (no
+               handler, no payload hash, no retention index) and applies
+               the upsert when a row was added; on Redis, a Lua script
+               doing SET NX, then HINCRBY. Batches apply one upsert per
+               event on both sides
 
 Without --dsn (and IDEM_DSN) the benchmark runs on a temporary SQLite file
 with idem's defaults (WAL, synchronous=FULL). On PostgreSQL it creates its

@@ -227,6 +227,10 @@ type Case struct {
 	// Ordered runs the idempotent batch variant with the ordering guard
 	// (see Ordered).
 	Ordered bool
+	// VsHand measures idem against the hand-rolled dedupe instead of the
+	// plain transaction (see HandRolled); batches then apply one upsert
+	// per event on both sides.
+	VsHand bool
 }
 
 // Cases returns the standard cases in the order they run.
@@ -239,13 +243,17 @@ func Cases() []Case {
 		{Name: "batch-1000", BatchSize: 1000},
 		{Name: "batch-1000-per-event", BatchSize: 1000, PerEvent: true},
 		{Name: "batch-1000-version-only", BatchSize: 1000, VersionOnly: true},
+		{Name: "per-message-vs-hand", VsHand: true},
+		{Name: "batch-1000-per-event-vs-hand", BatchSize: 1000, VsHand: true},
 	}
 }
 
 // Target returns t adapted to the case: t itself, or t in version-only,
-// per-event or ordered mode.
+// per-event, ordered or hand-rolled mode.
 func (c Case) Target(t Target) (Target, error) {
 	switch {
+	case c.VsHand:
+		return HandRolled(t)
 	case c.VersionOnly:
 		return VersionOnly(t)
 	case c.PerEvent:
@@ -255,6 +263,60 @@ func (c Case) Target(t Target) (Target, error) {
 	}
 	return t, nil
 }
+
+// HandRolledTarget is implemented by targets that can run the dedupe a
+// team writes by hand before reaching for a library: a processed-events
+// table keyed by the message ID alone (no handler name, no payload hash, no
+// index for retention), the ID inserted in the business transaction before
+// the effect, and the effect applied only when that insert added a row.
+type HandRolledTarget interface {
+	// HandOne applies msg in its own transaction behind the hand-rolled
+	// dedupe.
+	HandOne(ctx context.Context, msg *idem.Message) error
+	// HandBatchPerEvent applies msgs in one transaction behind the
+	// hand-rolled dedupe, one upsert per new event.
+	HandBatchPerEvent(ctx context.Context, msgs []*idem.Message) error
+}
+
+// HandRolled returns t with the hand-rolled dedupe as its baseline: its
+// Plain variant runs HandRolledTarget's methods, and its batches apply one
+// upsert per event on both sides (as PerEvent's do). The ratio is then
+// idem's throughput relative to the code it replaces. It returns an error
+// if t supports neither.
+func HandRolled(t Target) (Target, error) {
+	ht, ok := t.(HandRolledTarget)
+	if !ok {
+		return nil, fmt.Errorf("bench: %s has no hand-rolled dedupe", t.Name())
+	}
+	pt, ok := t.(PerEventTarget)
+	if !ok {
+		return nil, fmt.Errorf("bench: %s does not support per-event batches", t.Name())
+	}
+	return handRolled{Target: t, ht: ht, pt: pt}, nil
+}
+
+type handRolled struct {
+	Target
+	ht HandRolledTarget
+	pt PerEventTarget
+}
+
+func (h handRolled) Name() string { return h.Target.Name() + "/vs-hand" }
+
+func (h handRolled) PlainOne(ctx context.Context, msg *idem.Message) error {
+	return h.ht.HandOne(ctx, msg)
+}
+
+func (h handRolled) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
+	return h.ht.HandBatchPerEvent(ctx, msgs)
+}
+
+func (h handRolled) IdemBatch(ctx context.Context, msgs []*idem.Message) error {
+	return h.pt.IdemBatchPerEvent(ctx, msgs)
+}
+
+// handTable is the hand-rolled dedupe's table (or key prefix, on Redis).
+const handTable = TablePrefix + "hand_processed"
 
 // PerEventTarget is implemented by targets whose batch variants can apply a
 // batch's events one statement each, as a consumer that loops over a poll's

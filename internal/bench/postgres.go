@@ -28,6 +28,8 @@ type PostgresTarget struct {
 	idemVariants[postgres.Tx]
 	upsertOne  string
 	upsertMany string
+	handOne    string
+	handMany   string
 }
 
 // OpenPostgres migrates idem into opts.Schema and creates the balances
@@ -70,6 +72,13 @@ func (t *PostgresTarget) setup(ctx context.Context) error {
 		` (account text PRIMARY KEY, amount bigint NOT NULL)`); err != nil {
 		return fmt.Errorf("bench: create balances table: %w", err)
 	}
+	hand := sqlident.Qualified(t.schema, handTable)
+	if _, err := t.pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+hand+
+		` (message_id text PRIMARY KEY, processed_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+		return fmt.Errorf("bench: create hand-rolled dedupe table: %w", err)
+	}
+	t.handOne = `INSERT INTO ` + hand + ` (message_id) VALUES ($1) ON CONFLICT DO NOTHING`
+	t.handMany = `INSERT INTO ` + hand + ` (message_id) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING message_id`
 	t.upsertOne = `INSERT INTO ` + balances + ` AS b (account, amount) VALUES ($1, $2)
 ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 	t.upsertMany = `INSERT INTO ` + balances + ` AS b (account, amount)
@@ -180,6 +189,57 @@ WHERE schemaname = COALESCE(NULLIF($1, ''), current_schema()) AND starts_with(ta
 func (t *PostgresTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
 	return t.inTx(ctx, func(tx pgx.Tx) error {
 		for _, m := range msgs {
+			if err := t.applyOne(ctx, tx, m); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// HandOne implements HandRolledTarget: the ID's insert, then the upsert if
+// the insert added a row, in a transaction begun with the pool's Begin.
+func (t *PostgresTarget) HandOne(ctx context.Context, msg *idem.Message) error {
+	return t.inTx(ctx, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, t.handOne, msg.ID)
+		if err != nil {
+			return fmt.Errorf("bench: insert processed ID: %w", err)
+		}
+		if tag.RowsAffected() == 0 {
+			// Every benchmark message is new: a skip here is a bug.
+			return fmt.Errorf("bench: message %q already processed", msg.ID)
+		}
+		return t.applyOne(ctx, tx, msg)
+	})
+}
+
+// HandBatchPerEvent implements HandRolledTarget: one multi-row insert of
+// the IDs returning those it added, then one upsert per added ID.
+func (t *PostgresTarget) HandBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	ids := make([]string, len(msgs))
+	for i, m := range msgs {
+		ids[i] = m.ID
+	}
+	return t.inTx(ctx, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, t.handMany, ids)
+		if err != nil {
+			return fmt.Errorf("bench: insert processed IDs: %w", err)
+		}
+		added, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return fmt.Errorf("bench: insert processed IDs: %w", err)
+		}
+		isNew := make(map[string]struct{}, len(added))
+		for _, id := range added {
+			isNew[id] = struct{}{}
+		}
+		if len(isNew) != len(msgs) { // every benchmark message is new
+			return fmt.Errorf("bench: %d of %d messages already processed", len(msgs)-len(isNew), len(msgs))
+		}
+		for _, m := range msgs {
+			if _, ok := isNew[m.ID]; !ok {
+				continue
+			}
 			if err := t.applyOne(ctx, tx, m); err != nil {
 				return err
 			}

@@ -28,7 +28,7 @@ type SQLiteTarget struct {
 	remove bool
 	db     *sql.DB
 	idemVariants[*sql.Tx]
-	upsert *sql.Stmt
+	upsert, hand *sql.Stmt
 }
 
 // OpenSQLite opens (creating if needed) the SQLite database at path with
@@ -65,6 +65,14 @@ func (t *SQLiteTarget) setup(ctx context.Context) error {
 	if t.upsert, err = t.db.PrepareContext(ctx, `INSERT INTO `+balances+` (account, amount) VALUES (?, ?)
 ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`); err != nil {
 		return fmt.Errorf("bench: prepare upsert: %w", err)
+	}
+	hand := sqlident.Quote(handTable)
+	if _, err := t.db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+hand+
+		` (message_id TEXT PRIMARY KEY, processed_at INTEGER NOT NULL DEFAULT (unixepoch())) WITHOUT ROWID`); err != nil {
+		return fmt.Errorf("bench: create hand-rolled dedupe table: %w", err)
+	}
+	if t.hand, err = t.db.PrepareContext(ctx, `INSERT INTO `+hand+` (message_id) VALUES (?) ON CONFLICT DO NOTHING`); err != nil {
+		return fmt.Errorf("bench: prepare hand-rolled insert: %w", err)
 	}
 	proc, err := idem.NewProcessor(drv, nil)
 	if err != nil {
@@ -145,8 +153,10 @@ func (t *SQLiteTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) err
 // Close closes the database and, with RemoveOnClose, deletes its files.
 func (t *SQLiteTarget) Close() error {
 	var errs []error
-	if t.upsert != nil {
-		errs = append(errs, t.upsert.Close())
+	for _, st := range []*sql.Stmt{t.upsert, t.hand} {
+		if st != nil {
+			errs = append(errs, st.Close())
+		}
 	}
 	if err := t.db.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("bench: close %s: %w", t.path, err))
@@ -189,6 +199,42 @@ func (t *SQLiteTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Mess
 	return t.inTx(ctx, func(tx *sql.Tx) error {
 		for _, m := range msgs {
 			if err := t.applyOne(ctx, tx, m); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// handApply is the hand-rolled dedupe inside tx: the ID's insert with the
+// prepared statement, then the upsert if the insert added a row.
+func (t *SQLiteTarget) handApply(ctx context.Context, tx *sql.Tx, msg *idem.Message) error {
+	r, err := tx.StmtContext(ctx, t.hand).ExecContext(ctx, msg.ID)
+	if err != nil {
+		return fmt.Errorf("bench: insert processed ID: %w", err)
+	}
+	n, err := r.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("bench: insert processed ID: %w", err)
+	}
+	if n == 0 {
+		// Every benchmark message is new: a skip here is a bug.
+		return fmt.Errorf("bench: message %q already processed", msg.ID)
+	}
+	return t.applyOne(ctx, tx, msg)
+}
+
+// HandOne implements HandRolledTarget.
+func (t *SQLiteTarget) HandOne(ctx context.Context, msg *idem.Message) error {
+	return t.inTx(ctx, func(tx *sql.Tx) error { return t.handApply(ctx, tx, msg) })
+}
+
+// HandBatchPerEvent implements HandRolledTarget: the hand-rolled dedupe
+// per message, in one transaction.
+func (t *SQLiteTarget) HandBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
+	return t.inTx(ctx, func(tx *sql.Tx) error {
+		for _, m := range msgs {
+			if err := t.handApply(ctx, tx, m); err != nil {
 				return err
 			}
 		}
