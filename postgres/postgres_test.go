@@ -27,8 +27,15 @@ func openStore(t testing.TB) *idemtest.Store[postgres.Tx] {
 
 func storeIn(t testing.TB, pool *pgxpool.Pool, schema string) *idemtest.Store[postgres.Tx] {
 	t.Helper()
+	return storeWith(t, pool, &postgres.Config{Schema: schema})
+}
+
+// storeWith is storeIn with the driver's whole configuration.
+func storeWith(t testing.TB, pool *pgxpool.Pool, cfg *postgres.Config) *idemtest.Store[postgres.Tx] {
+	t.Helper()
 	ctx := context.Background()
-	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	schema := cfg.Schema
+	drv, err := postgres.New(pool, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,6 +101,15 @@ ON CONFLICT (aggregate) DO UPDATE SET value = `+states+`.value || excluded.value
 
 func TestConformance(t *testing.T) {
 	idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
+}
+
+// The same suite with every marker insert conflict-aware, as
+// Config.ConflictAwareInserts sets it.
+func TestConformanceConflictAware(t *testing.T) {
+	idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
+		pool := testenv.PostgresPool(t, 40)
+		return storeWith(t, pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool), ConflictAwareInserts: true})
+	}})
 }
 
 func TestOrdering(t *testing.T) {
