@@ -219,7 +219,9 @@ func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 // DefaultMap reads the message ID from Nats-Msg-Id, else idem-id; the
 // aggregate from idem-aggregate, the sequence from idem-seq and the type
 // from idem-type; the payload is the message data and Stream the subject.
-// A message with neither ID header is a decode failure: JetStream's own
+// Every other header goes to Headers (its first value), so metadata such
+// as a producer's trace context (traceparent) reaches the handler and the
+// hooks. A message with neither ID header is a decode failure: JetStream's own
 // stream sequence would differ between a message and its republished copy,
 // so it cannot stand in for a producer's ID.
 func DefaultMap(m jetstream.Msg) (*idem.Message, error) {
@@ -236,6 +238,19 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 		return nil, fmt.Errorf("jetstream: message on %q has no %s or %s header", subject, HeaderMsgID, HeaderID)
 	}
 	msg := &idem.Message{ID: id, Stream: subject, Type: h.Get(HeaderType), AggregateID: h.Get(HeaderAggregate), Payload: data}
+	for k, vs := range h {
+		switch k {
+		case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType:
+			continue
+		}
+		if len(vs) == 0 {
+			continue
+		}
+		if msg.Headers == nil {
+			msg.Headers = make(map[string]string, len(h))
+		}
+		msg.Headers[k] = vs[0]
+	}
 	if s := h.Get(HeaderSeq); s != "" {
 		seq, err := strconv.ParseInt(s, 10, 64)
 		if err != nil || seq < 1 {

@@ -57,3 +57,32 @@ func FuzzDefaultMap(f *testing.F) {
 		}
 	})
 }
+
+// Headers the default mapping does not read reach the message (the first
+// value of a repeated key); idem's and JetStream's ID headers do not.
+func TestDefaultMapKeepsOtherHeaders(t *testing.T) {
+	h := nats.Header{}
+	h.Set(HeaderMsgID, "evt-1")
+	h.Set(HeaderAggregate, "acct-1")
+	h.Set("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+	h.Add("tenant", "a")
+	h.Add("tenant", "b")
+	m, err := mapMessage("credits.a", h, []byte("10"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tenant": "a"}
+	if len(m.Headers) != len(want) {
+		t.Fatalf("Headers %v, want %v", m.Headers, want)
+	}
+	for k, v := range want {
+		if m.Headers[k] != v {
+			t.Errorf("Headers[%q] = %q, want %q", k, m.Headers[k], v)
+		}
+	}
+	only := nats.Header{}
+	only.Set(HeaderID, "evt-2")
+	if m, err := mapMessage("s", only, nil); err != nil || m.Headers != nil {
+		t.Errorf("message with idem's headers only: Headers %v, %v; want nil", m, err)
+	}
+}

@@ -218,7 +218,10 @@ func (c *Consumer) handle(ctx context.Context, d *idem.Delivery, first int, wait
 
 // DefaultMap reads the message ID from the idem-id header, the aggregate
 // from the record key, the sequence from idem-seq and the type from
-// idem-type; Stream is the topic and Payload the value. A record without
+// idem-type; Stream is the topic and Payload the value. Every other header
+// goes to Headers (the last value of a repeated key), so metadata such as a
+// producer's trace context (traceparent) reaches the handler and the
+// hooks. A record without
 // idem-id is a decode failure: a topic/partition/offset fallback would give
 // a producer's retry, a new record, a new ID, hiding the duplicate.
 func DefaultMap(r *kgo.Record) (*idem.Message, error) {
@@ -235,6 +238,11 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 				return nil, fmt.Errorf("kafka: record %s/%d@%d: %s header %q is not a positive integer", r.Topic, r.Partition, r.Offset, HeaderSeq, h.Value)
 			}
 			msg.Seq = seq
+		default:
+			if msg.Headers == nil {
+				msg.Headers = make(map[string]string, len(r.Headers))
+			}
+			msg.Headers[h.Key] = string(h.Value)
 		}
 	}
 	if msg.ID == "" {

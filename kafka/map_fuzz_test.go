@@ -53,3 +53,32 @@ func FuzzDefaultMap(f *testing.F) {
 		}
 	})
 }
+
+// Headers the default mapping does not read reach the message (the last
+// value of a repeated key); idem's own do not.
+func TestDefaultMapKeepsOtherHeaders(t *testing.T) {
+	r := &kgo.Record{Topic: "credits", Key: []byte("acct-1"), Value: []byte("10"), Headers: []kgo.RecordHeader{
+		{Key: kafka.HeaderID, Value: []byte("evt-1")},
+		{Key: "traceparent", Value: []byte("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")},
+		{Key: "tenant", Value: []byte("a")},
+		{Key: "tenant", Value: []byte("b")},
+		{Key: kafka.HeaderSeq, Value: []byte("3")},
+	}}
+	m, err := kafka.DefaultMap(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tenant": "b"}
+	if len(m.Headers) != len(want) {
+		t.Fatalf("Headers %v, want %v", m.Headers, want)
+	}
+	for k, v := range want {
+		if m.Headers[k] != v {
+			t.Errorf("Headers[%q] = %q, want %q", k, m.Headers[k], v)
+		}
+	}
+	plain, err := kafka.DefaultMap(&kgo.Record{Value: []byte("1"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte("evt-2")}}})
+	if err != nil || plain.Headers != nil {
+		t.Errorf("record with idem's headers only: Headers %v, %v; want nil", plain.Headers, err)
+	}
+}
