@@ -89,6 +89,8 @@
 // # Observability
 //
 // Pass hooks in [Config.Hooks]: any value implementing [HookOutcome] is told
-// every outcome and its duration, so metrics and tracing packages plug in
-// without the core importing them.
+// every outcome and its duration, and one implementing [HookCall] runs
+// around every call with the context the call then uses, so metrics
+// (package metrics) and tracing (package tracing) plug in without the core
+// importing them.
 package idem

@@ -57,3 +57,74 @@ type VerdictEvent struct {
 	// Verdict is what the Consumer returned.
 	Verdict Verdict
 }
+
+// HookCall is called around every call of Process, ProcessTx,
+// ProcessBatch, ProcessBatchTx and LeaseProcessor.Process. OnCallStart runs
+// first, before the store is touched; the context it returns is the one the
+// call runs with, so the store, the handler and the call's other hooks see
+// it. OnCallEnd runs last, after HookOutcome, with that context. A tracing
+// hook starts a span in one and ends it in the other (package tracing).
+// Several HookCall hooks start in the order installed and end in reverse.
+// Both run on the processing goroutine: keep them fast and never block.
+type HookCall interface {
+	OnCallStart(ctx context.Context, ev *CallStart) context.Context
+	OnCallEnd(ctx context.Context, ev *CallEnd)
+}
+
+// CallStart describes a call about to run.
+type CallStart struct {
+	// Handler is the handler name (empty if the handler was nil).
+	Handler string
+	// Messages are the call's messages: one for Process, the batch for
+	// ProcessBatch. They are not validated yet and may hold nil. A hook
+	// must not modify them or keep them after OnCallStart returns.
+	Messages []*Message
+	// Lease is true for LeaseProcessor.Process.
+	Lease bool
+}
+
+// CallEnd describes a finished call.
+type CallEnd struct {
+	// Handler is the handler name (empty if the handler was nil).
+	Handler string
+	// Outcomes are the messages' outcomes, parallel to CallStart.Messages;
+	// nil when Err is set on a batch (nothing was committed).
+	Outcomes []Outcome
+	// Err is the error the call returned; for a batch that committed with
+	// conflicts, nil (the conflicts are Conflict outcomes).
+	Err error
+	// Duration is the wall time of the whole call.
+	Duration time.Duration
+}
+
+// callHooks are a processor's HookCall hooks.
+type callHooks []HookCall
+
+// start runs OnCallStart of every hook for the messages of a call (msg
+// alone when msgs is nil) and returns the context the call runs with.
+func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msgs []*Message, lease bool) context.Context {
+	if len(hs) == 0 {
+		return ctx
+	}
+	if msgs == nil {
+		msgs = []*Message{msg}
+	}
+	ev := &CallStart{Handler: handler, Messages: msgs, Lease: lease}
+	for _, h := range hs {
+		if c := h.OnCallStart(ctx, ev); c != nil {
+			ctx = c
+		}
+	}
+	return ctx
+}
+
+// end runs OnCallEnd of every hook, last installed first.
+func (hs callHooks) end(ctx context.Context, handler string, outs []Outcome, err error, start time.Time) {
+	if len(hs) == 0 {
+		return
+	}
+	ev := &CallEnd{Handler: handler, Outcomes: outs, Err: err, Duration: time.Since(start)}
+	for i := len(hs) - 1; i >= 0; i-- {
+		hs[i].OnCallEnd(ctx, ev)
+	}
+}

@@ -202,7 +202,7 @@ type LeaseConfig struct {
 	// Logger receives warnings: lost leases, failed heartbeats, payload
 	// conflicts under OnConflictWarn. Default slog.Default().
 	Logger *slog.Logger
-	// Hooks receive outcomes (HookOutcome) and lost leases
+	// Hooks receive outcomes (HookOutcome), calls (HookCall) and lost leases
 	// (HookLeaseLost). Default: none.
 	Hooks []Hook
 	// FaultHook, when set, is called at each Fault* point of every
@@ -353,6 +353,7 @@ type LeaseProcessor struct {
 	cfg       LeaseConfig
 	onOutcome []HookOutcome
 	onLost    []HookLeaseLost
+	onCall    callHooks
 }
 
 // NewLeaseProcessor returns a LeaseProcessor over drv. It does not migrate
@@ -374,8 +375,12 @@ func NewLeaseProcessor(drv driver.LeaseDriver, cfg *LeaseConfig) (*LeaseProcesso
 	for i, h := range rc.Hooks {
 		o, isOutcome := h.(HookOutcome)
 		l, isLost := h.(HookLeaseLost)
-		if !isOutcome && !isLost {
+		c, isCall := h.(HookCall)
+		if !isOutcome && !isLost && !isCall {
 			return nil, fmt.Errorf("%w: Hooks[%d] (%T) implements no Hook interface", ErrInvalidConfig, i, h)
+		}
+		if isCall {
+			p.onCall = append(p.onCall, c)
 		}
 		if isOutcome {
 			p.onOutcome = append(p.onOutcome, o)
@@ -409,7 +414,15 @@ func (p *LeaseProcessor) Config() LeaseConfig { return p.cfg }
 //     ErrFailedPermanently, validation): dead-letter those.
 func (p *LeaseProcessor) Process(ctx context.Context, h *LeaseHandler, msg *Message) (Outcome, error) {
 	start := time.Now()
+	var name string
+	if h != nil {
+		name = h.Name
+	}
+	ctx = p.onCall.start(ctx, name, msg, nil, true)
 	out, err := p.process(ctx, h, msg)
+	if len(p.onCall) > 0 {
+		defer p.onCall.end(ctx, name, []Outcome{out}, err, start)
+	}
 	if len(p.onOutcome) > 0 {
 		ev := &OutcomeEvent{Outcome: out, Err: err, Duration: time.Since(start), BatchSize: 1}
 		if h != nil {

@@ -58,12 +58,22 @@ type Handler[TTx any] struct {
 	Ordering *Ordering
 }
 
+// name is h's name, or "" for a nil handler (reported as such to hooks
+// before the call fails validation).
+func (h *Handler[TTx]) name() string {
+	if h == nil {
+		return ""
+	}
+	return h.Name
+}
+
 // Config configures a Processor. The zero value is valid.
 type Config struct {
 	// Logger receives warnings (payload conflicts under ConflictWarn,
 	// failed rollbacks). Default: slog.Default().
 	Logger *slog.Logger
-	// Hooks receive outcomes and timings; see Hook. Default: none.
+	// Hooks receive outcomes and timings (HookOutcome) and run around
+	// every call (HookCall); see Hook. Default: none.
 	Hooks []Hook
 }
 
@@ -79,6 +89,7 @@ type Processor[TTx any] struct {
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	logger      *slog.Logger
 	onOutcome   []HookOutcome
+	onCall      callHooks
 }
 
 // NewProcessor returns a Processor over drv. It does not migrate the schema;
@@ -113,11 +124,17 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 		p.beginSeq = bs
 	}
 	for i, h := range cfg.Hooks {
-		o, ok := h.(HookOutcome)
-		if !ok {
+		o, isOutcome := h.(HookOutcome)
+		c, isCall := h.(HookCall)
+		if !isOutcome && !isCall {
 			return nil, fmt.Errorf("%w: Hooks[%d] (%T) implements no Hook interface", ErrInvalidConfig, i, h)
 		}
-		p.onOutcome = append(p.onOutcome, o)
+		if isOutcome {
+			p.onOutcome = append(p.onOutcome, o)
+		}
+		if isCall {
+			p.onCall = append(p.onCall, c)
+		}
 	}
 	return p, nil
 }
@@ -131,8 +148,10 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 // retry). Invalid messages and handler names give a *ValidationError.
 func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
+	ctx = p.onCall.start(ctx, h.name(), msg, nil, false)
 	out, err := p.process(ctx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
+	p.endOne(ctx, h, out, err, start)
 	return out, err
 }
 
@@ -150,9 +169,18 @@ func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Mess
 // record the first sighting and learn whether the deadline has passed.
 func (p *Processor[TTx]) ProcessTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
+	ctx = p.onCall.start(ctx, h.name(), msg, nil, false)
 	out, err := p.processTx(ctx, tx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
+	p.endOne(ctx, h, out, err, start)
 	return out, err
+}
+
+// endOne runs the HookCall hooks' end of a single message's call.
+func (p *Processor[TTx]) endOne(ctx context.Context, h *Handler[TTx], out Outcome, err error, start time.Time) {
+	if len(p.onCall) > 0 {
+		p.onCall.end(ctx, h.name(), []Outcome{out}, err, start)
+	}
 }
 
 func (p *Processor[TTx]) process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
@@ -319,8 +347,10 @@ func payloadConflict(logger *slog.Logger, handler string, policy ConflictPolicy,
 // error, because the rest of the batch committed.
 func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
 	start := time.Now()
+	ctx = p.onCall.start(ctx, h.name(), nil, msgs, false)
 	outs, errs, err := p.processBatch(ctx, nil, false, h, msgs)
 	p.reportBatch(ctx, h, msgs, outs, errs, err, start)
+	p.onCall.end(ctx, h.name(), outs, err, start)
 	return outs, err
 }
 
@@ -328,8 +358,10 @@ func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs
 // As with ProcessTx, on error the caller must roll tx back.
 func (p *Processor[TTx]) ProcessBatchTx(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
 	start := time.Now()
+	ctx = p.onCall.start(ctx, h.name(), nil, msgs, false)
 	outs, errs, err := p.processBatch(ctx, &tx, true, h, msgs)
 	p.reportBatch(ctx, h, msgs, outs, errs, err, start)
+	p.onCall.end(ctx, h.name(), outs, err, start)
 	return outs, err
 }
 
