@@ -163,3 +163,16 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		t.Fatalf("New without JetStream: %v", err)
 	}
 }
+
+// A producer's trace context set in the message headers travels through
+// Publisher, the embedded server and DefaultMap to the processing span.
+func TestTraceContextReachesProcessingSpan(t *testing.T) {
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	nc, js := b.connect(t)
+	defer nc.Close()
+	pub, err := jetstream.NewPublisher(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	adaptertest.CheckTraceContext(t, b.stream+".orders", pub, func(h idem.DeliveryHandler) { b.Start(t, h) })
+}

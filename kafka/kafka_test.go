@@ -2,9 +2,7 @@ package kafka_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"sync"
@@ -14,15 +12,11 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
-	sdktrace "go.opentelemetry.io/otel/sdk/trace"
-	"go.opentelemetry.io/otel/sdk/trace/tracetest"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/adaptertest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
-	"github.com/idemhq/idem/tracing"
 )
 
 const topic = "credits"
@@ -130,19 +124,9 @@ func TestNewRejectsBadConfig(t *testing.T) {
 }
 
 // A producer's trace context set in the message headers travels through
-// Publisher, the broker and DefaultMap to the processing span, which
-// continues the producer's trace.
+// Publisher, kfake and DefaultMap to the processing span.
 func TestTraceContextReachesProcessingSpan(t *testing.T) {
 	b := newBroker(t).(*broker)
-	ctx := context.Background()
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	defer tp.Shutdown(ctx)
-	tr, err := tracing.New(tp, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-
 	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...))
 	if err != nil {
 		t.Fatal(err)
@@ -152,51 +136,5 @@ func TestTraceContextReachesProcessingSpan(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pctx, publish := tp.Tracer("shop").Start(ctx, "publish")
-	msg := &idem.Message{ID: "order-1", Stream: topic, AggregateID: "order-1", Payload: []byte("placed"), Headers: map[string]string{}}
-	tr.Inject(pctx, msg.Headers)
-	publish.End()
-	if err := pub.Publish(ctx, []*idem.Message{msg}); err != nil {
-		t.Fatal(err)
-	}
-
-	_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "traced.db"), nil)
-	proc, err := idem.NewProcessor(drv, &idem.Config{Hooks: []idem.Hook{tr}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	applied := make(chan trace.SpanContext, 1)
-	h := &idem.Handler[*sql.Tx]{Name: "mailer", Apply: func(ctx context.Context, _ *sql.Tx, _ *idem.Message) error {
-		applied <- trace.SpanContextFromContext(ctx)
-		return nil
-	}}
-	c, err := idem.NewConsumer(proc, h, drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.Start(t, c)
-	var got trace.SpanContext
-	select {
-	case got = <-applied:
-	case <-time.After(20 * time.Second):
-		t.Fatal("the message was not processed")
-	}
-	if got.TraceID() != publish.SpanContext().TraceID() {
-		t.Fatalf("the handler ran in trace %v, want the producer's %v", got.TraceID(), publish.SpanContext().TraceID())
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		for _, s := range rec.Ended() {
-			if s.Name() == "process mailer" {
-				if s.Parent().SpanID() != publish.SpanContext().SpanID() {
-					t.Fatalf("the processing span's parent is %v, want the producer's span %v", s.Parent().SpanID(), publish.SpanContext().SpanID())
-				}
-				return
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no processing span ended")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	adaptertest.CheckTraceContext(t, topic, pub, func(h idem.DeliveryHandler) { b.Start(t, h) })
 }
