@@ -264,6 +264,27 @@ func (c Case) Target(t Target) (Target, error) {
 	return t, nil
 }
 
+// Versus returns a target whose Plain variants are base's idempotent ones
+// and whose Idem variants are t's: Compare then gives idem on t as a ratio
+// of idem on base, an A/B of two configurations of one store in one
+// process.
+func Versus(t, base Target) Target { return versus{Target: t, base: base} }
+
+type versus struct {
+	Target
+	base Target
+}
+
+func (v versus) Name() string { return v.Target.Name() + "/vs-" + v.base.Name() }
+
+func (v versus) PlainOne(ctx context.Context, msg *idem.Message) error {
+	return v.base.IdemOne(ctx, msg)
+}
+
+func (v versus) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
+	return v.base.IdemBatch(ctx, msgs)
+}
+
 // HandRolledTarget is implemented by targets that can run the dedupe a
 // team writes by hand before reaching for a library: a processed-events
 // table keyed by the message ID alone (no handler name, no payload hash, no

@@ -18,6 +18,8 @@ type PostgresOptions struct {
 	// Schema holds the benchmark's tables. It is created if missing, and
 	// then dropped again by Close. Default: none (the search_path).
 	Schema string
+	// ConflictAwareInserts is passed to postgres.Config.
+	ConflictAwareInserts bool
 }
 
 // PostgresTarget is a Target on a PostgreSQL database.
@@ -25,6 +27,7 @@ type PostgresTarget struct {
 	pool          *pgxpool.Pool
 	schema        string
 	createdSchema bool
+	conflictAware bool
 	idemVariants[postgres.Tx]
 	upsertOne  string
 	upsertMany string
@@ -39,7 +42,7 @@ func OpenPostgres(ctx context.Context, pool *pgxpool.Pool, opts *PostgresOptions
 	if opts == nil {
 		opts = &PostgresOptions{}
 	}
-	t := &PostgresTarget{pool: pool, schema: opts.Schema}
+	t := &PostgresTarget{pool: pool, schema: opts.Schema, conflictAware: opts.ConflictAwareInserts}
 	if err := t.setup(ctx); err != nil {
 		return nil, errors.Join(err, t.Close(context.WithoutCancel(ctx)))
 	}
@@ -60,7 +63,7 @@ func (t *PostgresTarget) setup(ctx context.Context) error {
 		}
 		t.createdSchema = !exists
 	}
-	drv, err := postgres.New(t.pool, &postgres.Config{Schema: t.schema, TablePrefix: TablePrefix})
+	drv, err := postgres.New(t.pool, &postgres.Config{Schema: t.schema, TablePrefix: TablePrefix, ConflictAwareInserts: t.conflictAware})
 	if err != nil {
 		return fmt.Errorf("bench: postgres driver: %w", err)
 	}
@@ -101,8 +104,14 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 	return nil
 }
 
-// Name returns "postgres".
-func (t *PostgresTarget) Name() string { return "postgres" }
+// Name returns "postgres", or "postgres-conflict-aware" with
+// ConflictAwareInserts.
+func (t *PostgresTarget) Name() string {
+	if t.conflictAware {
+		return "postgres-conflict-aware"
+	}
+	return "postgres"
+}
 
 func (t *PostgresTarget) applyOne(ctx context.Context, tx postgres.Tx, msg *idem.Message) error {
 	account, amount, err := Decode(msg)
