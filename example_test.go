@@ -9,6 +9,7 @@ import (
 	"log"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -228,4 +229,51 @@ func ExampleByType() {
 	// StatementSent applied false false
 	// AccountFrozen none true true
 	// alice: 70
+}
+
+// Moving to idem from a hand-rolled processed-events table: import its IDs
+// as markers first, and the messages the old code processed stay processed.
+func ExampleImportMarkers() {
+	ctx := context.Background()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	// What the old code kept.
+	if _, err := db.Exec(`CREATE TABLE processed_events (event_id TEXT PRIMARY KEY);
+		INSERT INTO processed_events VALUES ('evt-1'), ('evt-2')`); err != nil {
+		log.Fatal(err)
+	}
+
+	res, err := idem.ImportMarkers(ctx, drv, "mailer", &driver.ImportSource{Table: "processed_events", Column: "event_id"}, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("imported %d of %d\n", res.Imported, res.Read)
+
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	send := &idem.Handler[*sql.Tx]{Name: "mailer", Apply: func(_ context.Context, _ *sql.Tx, msg *idem.Message) error {
+		fmt.Println("sending", msg.ID)
+		return nil
+	}}
+	for _, id := range []string{"evt-2", "evt-3"} { // a redelivery, then a new message
+		out, err := proc.Process(ctx, send, &idem.Message{ID: id, Payload: []byte("welcome")})
+		fmt.Println(id, out, err)
+	}
+	// Output:
+	// imported 2 of 2
+	// evt-2 duplicate <nil>
+	// sending evt-3
+	// evt-3 applied <nil>
 }

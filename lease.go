@@ -1,7 +1,6 @@
 package idem
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -494,7 +493,7 @@ func (p *LeaseProcessor) notClaimed(h *LeaseHandler, id string, hash []byte, row
 		// Gone between the claim and the read: try again later.
 		return InFlight, nil
 	}
-	if !bytes.Equal(row.PayloadHash, hash) {
+	if !samePayload(hash, row.PayloadHash) {
 		return payloadConflict(p.cfg.Logger, h.Name, h.OnConflict, id, hash, row.PayloadHash)
 	}
 	switch row.Status {

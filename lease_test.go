@@ -233,3 +233,28 @@ func TestLeaseStoreLostMidHandler(t *testing.T) {
 		t.Fatalf("outcome hook saw %v", hook.outcomes)
 	}
 }
+
+// A marker imported from a hand-rolled table (empty payload hash) is a
+// done row to lease mode too: any payload is a Duplicate, never a
+// conflict, and the handler does not run.
+func TestLeaseImportedMarkerIsDuplicate(t *testing.T) {
+	t.Parallel()
+	drv := leaseDriver(t)
+	ctx := context.Background()
+	if n, err := drv.InsertImportedMarkers(ctx, "uploader", []string{"file-1"}); err != nil || n != 1 {
+		t.Fatalf("import: %d, %v", n, err)
+	}
+	p, err := idem.NewLeaseProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	called := false
+	h := &idem.LeaseHandler{Name: "uploader", Call: func(context.Context, *idem.Lease, *idem.Message) error {
+		called = true
+		return nil
+	}}
+	out, err := p.Process(ctx, h, &idem.Message{ID: "file-1", Payload: []byte("anything")})
+	if err != nil || out != idem.Duplicate || called {
+		t.Errorf("imported message in lease mode: %v, %v, handler called %v; want duplicate, not called", out, err, called)
+	}
+}

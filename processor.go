@@ -307,10 +307,17 @@ func (p *Processor[TTx]) processTx(ctx context.Context, tx TTx, h *Handler[TTx],
 
 // existing decides Duplicate or Conflict for a marker that was already there.
 func (p *Processor[TTx]) existing(h *Handler[TTx], id string, received, stored []byte) (Outcome, error) {
-	if bytes.Equal(received, stored) {
+	if samePayload(received, stored) {
 		return Duplicate, nil
 	}
 	return payloadConflict(p.logger, h.Name, h.OnConflict, id, received, stored)
+}
+
+// samePayload reports whether a stored marker's payload hash accepts a
+// delivery's: equal, or empty (an imported marker, whose payload is
+// unknown; see ImportMarkers).
+func samePayload(received, stored []byte) bool {
+	return len(stored) == 0 || bytes.Equal(received, stored)
 }
 
 // payloadConflict applies policy to a message whose payload hash differs

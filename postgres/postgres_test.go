@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/postgres"
@@ -110,6 +111,31 @@ func TestConformanceConflictAware(t *testing.T) {
 		pool := testenv.PostgresPool(t, 40)
 		return storeWith(t, pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool), ConflictAwareInserts: true})
 	}})
+}
+
+func TestImportMarkers(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	src := &driver.ImportSource{Schema: schema, Table: "processed_events", Column: "event_id"}
+	table := pgx.Identifier{schema, "processed_events"}.Sanitize()
+	idemtest.CheckImport(t, s, src, func(ctx context.Context, values []string) error {
+		if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (event_id text PRIMARY KEY, processed_at timestamptz DEFAULT now())`); err != nil {
+			return err
+		}
+		_, err := pool.Exec(ctx, `INSERT INTO `+table+` (event_id) SELECT unnest($1::text[])`, values)
+		return err
+	})
+	drv := s.Driver.(*postgres.Driver)
+	for _, bad := range []*driver.ImportSource{
+		{Table: "processed_events; DROP TABLE x", Column: "event_id"},
+		{Schema: `public"`, Table: "processed_events", Column: "event_id"},
+		{Table: "processed_events", Column: ""},
+	} {
+		if _, err := drv.ImportIDs(context.Background(), bad, "", 10); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("source %+v: %v; want ErrInvalidConfig", bad, err)
+		}
+	}
 }
 
 func TestOrdering(t *testing.T) {

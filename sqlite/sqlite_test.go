@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
@@ -36,6 +37,12 @@ func openMigrated(t testing.TB, opts *sqlite.OpenOptions) (*sql.DB, *sqlite.Driv
 func openStoreWith(t testing.TB, opts *sqlite.OpenOptions) *idemtest.Store[*sql.Tx] {
 	t.Helper()
 	db, drv := openMigrated(t, opts)
+	return storeOn(t, db, drv)
+}
+
+// storeOn returns the suite's store on db, migrated for drv.
+func storeOn(t testing.TB, db *sql.DB, drv *sqlite.Driver) *idemtest.Store[*sql.Tx] {
+	t.Helper()
 	if _, err := db.Exec(`CREATE TABLE balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE states (aggregate TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID`); err != nil {
 		t.Fatal(err)
@@ -94,6 +101,32 @@ ON CONFLICT (aggregate) DO UPDATE SET value = value || excluded.value`, agg, val
 			}
 			return m, rows.Err()
 		},
+	}
+}
+
+func TestImportMarkers(t *testing.T) {
+	t.Parallel()
+	db, drv := openMigrated(t, &sqlite.OpenOptions{Synchronous: "OFF"})
+	s := storeOn(t, db, drv)
+	idemtest.CheckImport(t, s, &driver.ImportSource{Table: "processed_events", Column: "event_id"}, func(ctx context.Context, values []string) error {
+		if _, err := db.ExecContext(ctx, `CREATE TABLE processed_events (event_id TEXT PRIMARY KEY, processed_at INTEGER)`); err != nil {
+			return err
+		}
+		for _, v := range values {
+			if _, err := db.ExecContext(ctx, `INSERT INTO processed_events (event_id) VALUES (?)`, v); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	for _, src := range []*driver.ImportSource{
+		{Table: "processed_events; DROP TABLE x", Column: "event_id"},
+		{Table: "processed_events", Column: `event_id"`},
+		{Schema: "main", Table: "processed_events", Column: "event_id"},
+	} {
+		if _, err := drv.ImportIDs(context.Background(), src, "", 10); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("source %+v: %v; want ErrInvalidConfig", src, err)
+		}
 	}
 }
 

@@ -49,3 +49,19 @@ func Qualified(schema, name string) string {
 	}
 	return Quote(schema) + "." + Quote(name)
 }
+
+// Column validates a schema (optional), table and column named by
+// configuration and returns the quoted table, schema-qualified, and the
+// quoted column. what prefixes the error ("postgres: import").
+func Column(what, schema, table, column string) (qualifiedTable, quotedColumn string, err error) {
+	if err := Check(what+" schema", schema, true); err != nil {
+		return "", "", err
+	}
+	if err := Check(what+" table", table, false); err != nil {
+		return "", "", err
+	}
+	if err := Check(what+" column", column, false); err != nil {
+		return "", "", err
+	}
+	return Qualified(schema, table), Quote(column), nil
+}
