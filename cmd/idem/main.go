@@ -105,6 +105,7 @@ func commands() []*command {
 		dlqCommand(),
 		outboxCommand(),
 		cleanupCommand(),
+		importCommand(),
 		benchCommand(),
 		serveCommand(),
 	}
