@@ -355,6 +355,14 @@ type LeaseProcessor struct {
 	onCall    callHooks
 }
 
+// name is h's name, or "" for a nil handler.
+func (h *LeaseHandler) name() string {
+	if h == nil {
+		return ""
+	}
+	return h.Name
+}
+
 // NewLeaseProcessor returns a LeaseProcessor over drv. It does not migrate
 // the schema. Invalid configuration gives an error matching
 // ErrInvalidConfig.
@@ -413,20 +421,13 @@ func (p *LeaseProcessor) Config() LeaseConfig { return p.cfg }
 //     ErrFailedPermanently, validation): dead-letter those.
 func (p *LeaseProcessor) Process(ctx context.Context, h *LeaseHandler, msg *Message) (Outcome, error) {
 	start := time.Now()
-	var name string
-	if h != nil {
-		name = h.Name
-	}
-	ctx = p.onCall.start(ctx, name, msg, nil, true)
+	ctx = p.onCall.start(ctx, h.name(), msg, nil, true)
 	out, err := p.process(ctx, h, msg)
 	if len(p.onCall) > 0 {
-		defer p.onCall.end(ctx, name, []Outcome{out}, err, start)
+		defer p.onCall.end(ctx, h.name(), []Outcome{out}, err, start)
 	}
 	if len(p.onOutcome) > 0 {
-		ev := &OutcomeEvent{Outcome: out, Err: err, Duration: time.Since(start), BatchSize: 1}
-		if h != nil {
-			ev.Handler = h.Name
-		}
+		ev := &OutcomeEvent{Handler: h.name(), Outcome: out, Err: err, Duration: time.Since(start), BatchSize: 1}
 		if msg != nil {
 			ev.MessageID = msg.ID
 		}

@@ -291,13 +291,13 @@ func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 		return nil, driver.MarkerInsertResult{}, err
 	}
 	tx := &connTx{c: c}
+	insert := d.sql.insertMarkerNew
+	if d.conflictAware {
+		insert = d.sql.insertMarker
+	}
 	b := &pgx.Batch{}
 	b.Queue("begin")
-	if d.conflictAware {
-		b.Queue(d.sql.insertMarker, p.Handler, p.MessageID, p.PayloadHash)
-	} else {
-		b.Queue(d.sql.insertMarkerNew, p.Handler, p.MessageID, p.PayloadHash)
-	}
+	b.Queue(insert, p.Handler, p.MessageID, p.PayloadHash)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
 	var tag pgconn.CommandTag
@@ -307,23 +307,15 @@ func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	if err == nil && !d.conflictAware {
-		return tx, driver.MarkerInsertResult{Inserted: true}, nil
-	}
-	if err == nil {
-		res, err := d.afterInsert(ctx, tx, tag, p)
-		if err != nil {
-			_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
-			return nil, driver.MarkerInsertResult{}, err
-		}
-		return tx, res, nil
-	}
+	var res driver.MarkerInsertResult
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != "23505" {
-		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
-		return nil, driver.MarkerInsertResult{}, err
+	switch {
+	case err == nil:
+		// A plain INSERT that succeeded affected its row: no query.
+		res, err = d.afterInsert(ctx, tx, tag, p)
+	case errors.As(err, &pgErr) && pgErr.Code == "23505":
+		res, err = d.reinsertMarker(ctx, c, p)
 	}
-	res, err := d.reinsertMarker(ctx, c, p)
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, driver.MarkerInsertResult{}, err
@@ -383,32 +375,11 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 		return nil, nil, err
 	}
 	tx := &connTx{c: c}
+	if d.conflictAware {
+		return d.beginInsertManyAware(ctx, tx, p)
+	}
 	b := &pgx.Batch{}
 	b.Queue("begin")
-	if d.conflictAware {
-		b.Queue(d.sql.insertMarkers, p.Handler, p.MessageIDs, p.PayloadHashes)
-		br := c.SendBatch(ctx, b)
-		var inserted map[string]struct{}
-		_, err := br.Exec()
-		if err == nil {
-			var rows pgx.Rows
-			if rows, err = br.Query(); err == nil {
-				inserted, err = insertedIDs(rows, len(p.MessageIDs))
-			}
-		}
-		if cerr := br.Close(); err == nil {
-			err = cerr
-		}
-		var res []driver.MarkerInsertResult
-		if err == nil {
-			res, err = d.markerResults(ctx, tx, p, inserted)
-		}
-		if err != nil {
-			_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
-			return nil, nil, err
-		}
-		return tx, res, nil
-	}
 	b.Queue(d.sql.insertMarkersNew, p.Handler, p.MessageIDs, p.PayloadHashes)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
@@ -437,6 +408,36 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 		return nil, nil, err
 	}
 	res, err := d.MarkerInsertMany(ctx, tx, p)
+	if err != nil {
+		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
+		return nil, nil, err
+	}
+	return tx, res, nil
+}
+
+// beginInsertManyAware is BeginMarkerInsertMany under
+// Config.ConflictAwareInserts: BEGIN and INSERT … ON CONFLICT DO NOTHING
+// RETURNING in one round trip, then the hashes of the IDs not inserted.
+func (d *Driver) beginInsertManyAware(ctx context.Context, tx *connTx, p *driver.MarkerInsertManyParams) (Tx, []driver.MarkerInsertResult, error) {
+	b := &pgx.Batch{}
+	b.Queue("begin")
+	b.Queue(d.sql.insertMarkers, p.Handler, p.MessageIDs, p.PayloadHashes)
+	br := tx.c.SendBatch(ctx, b)
+	var inserted map[string]struct{}
+	_, err := br.Exec()
+	if err == nil {
+		var rows pgx.Rows
+		if rows, err = br.Query(); err == nil {
+			inserted, err = insertedIDs(rows, len(p.MessageIDs))
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	var res []driver.MarkerInsertResult
+	if err == nil {
+		res, err = d.markerResults(ctx, tx, p, inserted)
+	}
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, nil, err

@@ -5,8 +5,6 @@ import (
 	"database/sql"
 	"fmt"
 	"log"
-	"os"
-	"path/filepath"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -21,12 +19,7 @@ import (
 // trace, and the handler's own spans become its children.
 func Example() {
 	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "idem-tracing")
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	db, err := sqlite.Open(filepath.Join(dir, "app.db"), nil)
+	db, err := sqlite.Open(":memory:", nil)
 	if err != nil {
 		log.Fatal(err)
 	}
