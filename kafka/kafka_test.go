@@ -14,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/adaptertest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
@@ -137,4 +138,51 @@ func TestTraceContextReachesProcessingSpan(t *testing.T) {
 		t.Fatal(err)
 	}
 	adaptertest.CheckTraceContext(t, topic, pub, func(h idem.DeliveryHandler) { b.Start(t, h) })
+}
+
+// A member whose record keeps asking for a retry holds its poll, so it
+// blocks the group's next rebalance; past the rebalance timeout the
+// coordinator drops it, and the member that takes its partitions over
+// applies every record, the stuck one included, with nothing lost and
+// nothing applied twice.
+func TestStuckMemberIsDroppedNothingLost(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+	events := idemtest.Events(400)
+	msgs := adaptertest.Messages(events)
+	stuck := msgs[0].ID
+	healthy := e.Consumer(false)
+	var stuckTries, calls atomic.Int64
+	sticky := idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+		calls.Add(1)
+		if d.Msg != nil && d.Msg.ID == stuck {
+			stuckTries.Add(1)
+			return idem.Verdict{RetryAfter: 20 * time.Millisecond, Err: errors.New("dependency down")}
+		}
+		return healthy.HandleDelivery(ctx, d)
+	})
+	member := func(h idem.DeliveryHandler) func() {
+		c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50,
+			Logger: testenv.Logger(t), Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(2 * time.Second)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b.start(t, c)
+	}
+	b.Publish(t, msgs, 0)
+	killStuck := member(sticky)
+	for deadline := time.Now().Add(20 * time.Second); stuckTries.Load() < 3; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the first member never reached the stuck record (%d deliveries)", calls.Load())
+		}
+	}
+	member(healthy)
+	e.WaitMarkers(len(events))
+	e.CheckBalances(events)
+	before := stuckTries.Load()
+	time.Sleep(100 * time.Millisecond)
+	if stuckTries.Load() == before {
+		t.Fatal("the stuck member stopped retrying: it was not still holding its poll when the other member took over")
+	}
+	killStuck()
 }
