@@ -41,7 +41,8 @@ type ImportResult struct {
 // never report a Conflict. It reads the column in ascending order, Batch
 // IDs per transaction, and is safe to run again (existing markers are
 // kept) or while consumers run. Markers get the import's time as their
-// processing time, so retention prunes them from then on.
+// processing time, so retention prunes them from then on; like any other
+// marker, each counts as applied in `idem stats`.
 //
 // Run it once before the consumers switch to idem, and once more after,
 // for IDs the old code recorded in between. Values that are not valid

@@ -42,7 +42,11 @@ type Config struct {
 	Map func(m jetstream.Msg) (*idem.Message, error)
 	// MaxDeliver is the consumer's delivery limit; the last delivery is
 	// marked LastAttempt so it is dead-lettered rather than dropped.
-	// Default 20.
+	// Default 20. -1 removes the limit: a message is then redelivered
+	// until it is decided, and idem.ConsumerConfig.MaxAttempts alone
+	// turns a failure that does not pass into a dead letter. Only then is
+	// a message safe from a crash on its last delivery, which JetStream
+	// drops with no more than an advisory (see docs/jetstream.md).
 	MaxDeliver int
 	// AckWait is how long JetStream waits for an ack before redelivering.
 	// Default 30 s.
@@ -81,8 +85,8 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	if c.cfg.MaxDeliver == 0 {
 		c.cfg.MaxDeliver = 20
 	}
-	if c.cfg.MaxDeliver < 1 {
-		return nil, fmt.Errorf("%w: jetstream: MaxDeliver %d must be positive", idem.ErrInvalidConfig, c.cfg.MaxDeliver)
+	if c.cfg.MaxDeliver < -1 {
+		return nil, fmt.Errorf("%w: jetstream: MaxDeliver %d must be positive, or -1 for no limit", idem.ErrInvalidConfig, c.cfg.MaxDeliver)
 	}
 	if c.cfg.AckWait <= 0 {
 		c.cfg.AckWait = 30 * time.Second
@@ -188,7 +192,7 @@ func (c *Consumer) delivery(m jetstream.Msg) *idem.Delivery {
 	d := &idem.Delivery{Raw: m.Data(), Source: "jetstream:" + c.cfg.Stream + "/" + m.Subject()}
 	if md, err := m.Metadata(); err == nil {
 		d.Attempt = int(md.NumDelivered)
-		d.LastAttempt = d.Attempt >= c.cfg.MaxDeliver
+		d.LastAttempt = c.cfg.MaxDeliver > 0 && d.Attempt >= c.cfg.MaxDeliver
 		d.Source += "@" + strconv.FormatUint(md.Sequence.Stream, 10)
 	}
 	d.Msg, d.DecodeErr = c.cfg.Map(m)

@@ -2,6 +2,7 @@ package jetstream_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strconv"
@@ -162,6 +163,15 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	if _, err := jetstream.New(nil, &jetstream.Config{}); !errors.Is(err, idem.ErrInvalidConfig) {
 		t.Fatalf("New without JetStream: %v", err)
 	}
+	nc, js := newBroker(t, testenv.EmbeddedNATS(t)).connect(t)
+	defer nc.Close()
+	h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })
+	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, MaxDeliver: -2}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("New with MaxDeliver -2: %v", err)
+	}
+	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, MaxDeliver: -1}); err != nil {
+		t.Fatalf("New with MaxDeliver -1 (no limit): %v", err)
+	}
 }
 
 // A producer's trace context set in the message headers travels through
@@ -175,4 +185,101 @@ func TestTraceContextReachesProcessingSpan(t *testing.T) {
 		t.Fatal(err)
 	}
 	adaptertest.CheckTraceContext(t, b.stream+".orders", pub, func(h idem.DeliveryHandler) { b.Start(t, h) })
+}
+
+// runFailing runs one consumer with the given MaxDeliver and
+// idem.ConsumerConfig.MaxAttempts on a message "stuck" whose handler fails
+// its first failures deliveries, followed by five healthy messages. It
+// waits until the five are applied and returns the env and the count of
+// the stuck message's tries.
+func runFailing(t *testing.T, maxDeliver, maxAttempts int, failures int64) (*adaptertest.Env, *atomic.Int64) {
+	t.Helper()
+	b, e := newBroker(t, testenv.EmbeddedNATS(t)), adaptertest.NewEnv(t)
+	tries := new(atomic.Int64)
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		if m.ID == "stuck" && tries.Add(1) <= failures {
+			return errors.New("dependency down")
+		}
+		return nil
+	}}
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{MaxAttempts: maxAttempts,
+		Backoff: idem.Backoff{Base: time.Millisecond, Max: 2 * time.Millisecond}, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := []*idem.Message{{ID: "stuck", AggregateID: "a"}}
+	for i := range 5 {
+		msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("ok-%d", i), AggregateID: "a"})
+	}
+	b.Publish(t, msgs, 0)
+	nc, js := b.connect(t)
+	t.Cleanup(nc.Close)
+	cons, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: c, AckWait: time.Second, MaxDeliver: maxDeliver, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = cons.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	e.WaitMarkers(5)
+	return e, tries
+}
+
+// waitDeadLetter waits for the stuck message's dead letter and checks it.
+func waitDeadLetter(t *testing.T, e *adaptertest.Env, class string, attempts int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(dls) == 1 {
+			if dl := dls[0]; dl.MessageID != "stuck" || dl.Class != class || dl.Attempts != attempts {
+				t.Fatalf("dead letter %s class %s after %d attempts, want stuck, %s, %d", dl.MessageID, dl.Class, dl.Attempts, class, attempts)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d dead letters after 10 s, want the stuck message's", len(dls))
+		}
+	}
+}
+
+// The delivery that reaches MaxDeliver is dead-lettered and terminated:
+// not dropped, and not delivered again.
+func TestMaxDeliverEndsInDeadLetter(t *testing.T) {
+	t.Parallel()
+	e, tries := runFailing(t, 3, 0, 1<<30)
+	waitDeadLetter(t, e, idem.DeadLetterExhausted, 3)
+	time.Sleep(300 * time.Millisecond) // a redelivery would come within ms
+	if n := tries.Load(); n != 3 {
+		t.Fatalf("the stuck message was tried %d times, want 3 (MaxDeliver)", n)
+	}
+}
+
+// With MaxDeliver -1 JetStream redelivers past its default limit of 20
+// until the message is decided: here it succeeds on its 26th delivery.
+func TestMaxDeliverUnlimitedRedeliversUntilDecided(t *testing.T) {
+	t.Parallel()
+	e, tries := runFailing(t, -1, 0, 25)
+	e.WaitMarkers(6)
+	if n := tries.Load(); n != 26 {
+		t.Fatalf("the stuck message was tried %d times, want 26", n)
+	}
+	if dls, err := e.Drv.DeadLetterList(context.Background(), nil); err != nil || len(dls) != 0 {
+		t.Fatalf("dead letters %v (%v), want none", dls, err)
+	}
+}
+
+// With MaxDeliver -1, idem's MaxAttempts decides when a failure is a dead
+// letter.
+func TestMaxDeliverUnlimitedMaxAttemptsDeadLetters(t *testing.T) {
+	t.Parallel()
+	e, tries := runFailing(t, -1, 4, 1<<30)
+	waitDeadLetter(t, e, idem.DeadLetterExhausted, 4)
+	time.Sleep(300 * time.Millisecond)
+	if n := tries.Load(); n != 4 {
+		t.Fatalf("the stuck message was tried %d times, want 4 (MaxAttempts)", n)
+	}
 }
