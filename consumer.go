@@ -119,6 +119,7 @@ func (c *Consumer[TTx]) report(ctx context.Context, d *Delivery, v Verdict) {
 		ev.Attempt = d.Attempt
 		if d.Msg != nil {
 			ev.MessageID = d.Msg.ID
+			ev.Message = d.Msg
 		}
 	}
 	for _, hk := range c.onVerdict {
@@ -248,7 +249,7 @@ func (c *Consumer[TTx]) deadLetter(ctx context.Context, d *Delivery, class strin
 	}
 	c.cfg.Logger.Warn("idem: dead-lettered", slog.String("handler", c.h.Name), slog.String("message_id", dl.MessageID),
 		slog.Int64("dead_letter", id), slog.String("class", class), slog.String("fingerprint", dl.Fingerprint), slog.Any("error", cause))
-	return Verdict{Ack: true, DeadLettered: true, Outcome: out, Err: cause}
+	return Verdict{Ack: true, DeadLettered: true, DeadLetterClass: class, Outcome: out, Err: cause}
 }
 
 // ReplayResult counts a Replay run.

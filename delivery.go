@@ -47,6 +47,10 @@ type Verdict struct {
 	// DeadLettered is true when the delivery was recorded in the
 	// dead-letter store (Ack is then true).
 	DeadLettered bool
+	// DeadLetterClass is the dead letter's class (DeadLetterPermanent,
+	// DeadLetterConflict, DeadLetterDecode, DeadLetterExhausted) when
+	// DeadLettered.
+	DeadLetterClass string
 	// Err is the error behind a retry or a dead letter, for logs.
 	Err error
 }

@@ -56,6 +56,10 @@ type VerdictEvent struct {
 	Attempt int
 	// Verdict is what the Consumer returned.
 	Verdict Verdict
+	// Message is the delivered message, nil when the delivery could not
+	// be decoded. A hook must not modify it or keep it after OnVerdict
+	// returns.
+	Message *Message
 }
 
 // HookCall is called around every call of Process, ProcessTx,

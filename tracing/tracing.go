@@ -25,6 +25,13 @@
 //
 // and an error status when the call returned an error.
 //
+// Installed in an idem.Consumer's hooks (idem.ConsumerConfig.Hooks) as
+// well, the Tracer adds a span "dead-letter <handler>" for every delivery
+// the Consumer dead-letters, a decode failure included (which has no
+// process span): it carries idem.handler, messaging.message.id when the
+// delivery decoded, idem.attempt, idem.dead_letter.class and the error,
+// and continues the producer's trace like a single message's span.
+//
 // The producer's trace context travels in the message headers (W3C
 // traceparent and tracestate by default; Tracer.Inject writes them, for
 // example into an outbox message). A single message whose call runs
@@ -62,7 +69,8 @@ type Config struct {
 }
 
 // Tracer is an idem hook (idem.HookCall) that wraps every processing call
-// in a span. It is safe for concurrent use.
+// in a span, and a consumer hook (idem.HookVerdict) that records every dead
+// letter as a span. It is safe for concurrent use.
 type Tracer struct {
 	tracer   trace.Tracer
 	prop     propagation.TextMapPropagator
@@ -110,16 +118,9 @@ func (t *Tracer) OnCallStart(ctx context.Context, ev *idem.CallStart) context.Co
 	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
 	parent := ctx
 	if len(ev.Messages) == 1 {
-		m := ev.Messages[0]
-		if m != nil {
+		if m := ev.Messages[0]; m != nil {
 			attrs = append(attrs, attribute.String("messaging.message.id", m.ID))
-			if sc := t.producer(m); sc.IsValid() {
-				if trace.SpanContextFromContext(ctx).IsValid() {
-					opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
-				} else {
-					parent = trace.ContextWithRemoteSpanContext(ctx, sc)
-				}
-			}
+			parent, opts = t.continueProducer(ctx, m, opts)
 		}
 	} else {
 		attrs = append(attrs, attribute.Int("messaging.batch.message_count", len(ev.Messages)))
@@ -142,6 +143,47 @@ func (t *Tracer) OnCallStart(ctx context.Context, ev *idem.CallStart) context.Co
 	opts = append(opts, trace.WithAttributes(attrs...))
 	ctx, span := t.tracer.Start(parent, "process "+ev.Handler, opts...)
 	return context.WithValue(ctx, spanKey{t}, span)
+}
+
+// continueProducer makes the producer's span that m's headers carry the
+// parent of a span started from the returned context, or a link of it
+// when ctx holds a span already.
+func (t *Tracer) continueProducer(ctx context.Context, m *idem.Message, opts []trace.SpanStartOption) (context.Context, []trace.SpanStartOption) {
+	sc := t.producer(m)
+	switch {
+	case !sc.IsValid():
+		return ctx, opts
+	case trace.SpanContextFromContext(ctx).IsValid():
+		return ctx, append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
+	default:
+		return trace.ContextWithRemoteSpanContext(ctx, sc), opts
+	}
+}
+
+// OnVerdict implements idem.HookVerdict: a dead-lettered delivery gets a
+// span of its own, ended at once; other verdicts none (the process span
+// holds their outcome or error).
+func (t *Tracer) OnVerdict(ctx context.Context, ev *idem.VerdictEvent) {
+	if !ev.Verdict.DeadLettered {
+		return
+	}
+	attrs := []attribute.KeyValue{
+		attribute.String("idem.handler", ev.Handler),
+		attribute.Int("idem.attempt", ev.Attempt),
+		attribute.String("idem.dead_letter.class", ev.Verdict.DeadLetterClass),
+	}
+	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
+	parent := ctx
+	if ev.Message != nil {
+		attrs = append(attrs, attribute.String("messaging.message.id", ev.Message.ID))
+		parent, opts = t.continueProducer(ctx, ev.Message, opts)
+	}
+	_, span := t.tracer.Start(parent, "dead-letter "+ev.Handler, append(opts, trace.WithAttributes(attrs...))...)
+	if err := ev.Verdict.Err; err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
 }
 
 // producer returns the span context m's headers carry, if any. It

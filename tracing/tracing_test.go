@@ -209,6 +209,66 @@ func TestBatchSpanAndFailure(t *testing.T) {
 	}
 }
 
+// Installed in a Consumer's hooks too, the Tracer records each dead letter
+// as a span in the producer's trace, a delivery that did not decode
+// included; an applied delivery gets none.
+func TestDeadLetterSpan(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	tr, err := tracing.New(tp, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, drv := testenv.SQLite(t, ":memory:", nil)
+	proc, err := idem.NewProcessor(drv, &idem.Config{Hooks: []idem.Hook{tr}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
+		if string(m.Payload) == "frozen" {
+			return idem.Permanent(errors.New("account frozen"))
+		}
+		return nil
+	}}
+	c, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Hooks: []idem.Hook{tr}, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	headers, producer := producerHeaders(t, tp, tr)
+	ctx := context.Background()
+	for _, d := range []*idem.Delivery{
+		{Msg: &idem.Message{ID: "evt-ok", Payload: []byte("1"), Headers: headers}, Attempt: 1},
+		{Msg: &idem.Message{ID: "evt-frozen", Payload: []byte("frozen"), Headers: headers}, Attempt: 2},
+		{Raw: []byte("garbage"), DecodeErr: errors.New("no idem-id header"), Attempt: 1},
+	} {
+		if v := c.HandleDelivery(ctx, d); !v.Ack {
+			t.Fatalf("verdict %+v, want acknowledged", v)
+		}
+	}
+	var dead []sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		if s.Name() == "dead-letter balances" {
+			dead = append(dead, s)
+		}
+	}
+	if len(dead) != 2 {
+		t.Fatalf("%d dead-letter spans, want 2 (the permanent failure and the decode failure)", len(dead))
+	}
+	frozen, garbage := dead[0], dead[1]
+	a := attrs(frozen)
+	if a["messaging.message.id"].AsString() != "evt-frozen" || a["idem.dead_letter.class"].AsString() != idem.DeadLetterPermanent || a["idem.attempt"].AsInt64() != 2 {
+		t.Errorf("dead-letter span of evt-frozen: attributes %v", a)
+	}
+	if frozen.Parent().SpanID() != producer.SpanID() || frozen.Status().Code != codes.Error {
+		t.Errorf("dead-letter span of evt-frozen: parent %v, status %v; want the producer's span %v and an error", frozen.Parent().SpanID(), frozen.Status(), producer.SpanID())
+	}
+	a = attrs(garbage)
+	if _, ok := a["messaging.message.id"]; ok || a["idem.dead_letter.class"].AsString() != idem.DeadLetterDecode || garbage.Status().Code != codes.Error {
+		t.Errorf("dead-letter span of the undecodable delivery: attributes %v, status %v", a, garbage.Status())
+	}
+}
+
 func TestNewRefusesNilProvider(t *testing.T) {
 	if _, err := tracing.New(nil, nil); !errors.Is(err, idem.ErrInvalidConfig) {
 		t.Errorf("nil provider: %v; want ErrInvalidConfig", err)
