@@ -15,12 +15,19 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/sqlite"
 	"github.com/idemhq/idem/tracing"
 )
 
 // setup returns a processor on in-memory SQLite behind a Tracer, the
 // tracer provider and the recorder of its ended spans.
 func setup(t *testing.T) (*idem.Processor[*sql.Tx], *tracing.Tracer, *sdktrace.TracerProvider, *tracetest.SpanRecorder) {
+	proc, _, tr, tp, rec := setupStore(t)
+	return proc, tr, tp, rec
+}
+
+// setupStore is setup, with the store's driver.
+func setupStore(t *testing.T) (*idem.Processor[*sql.Tx], *sqlite.Driver, *tracing.Tracer, *sdktrace.TracerProvider, *tracetest.SpanRecorder) {
 	t.Helper()
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
@@ -34,7 +41,7 @@ func setup(t *testing.T) (*idem.Processor[*sql.Tx], *tracing.Tracer, *sdktrace.T
 	if err != nil {
 		t.Fatal(err)
 	}
-	return proc, tr, tp, rec
+	return proc, drv, tr, tp, rec
 }
 
 // handler records the span context its context carries per message.
@@ -213,18 +220,7 @@ func TestBatchSpanAndFailure(t *testing.T) {
 // as a span in the producer's trace, a delivery that did not decode
 // included; an applied delivery gets none.
 func TestDeadLetterSpan(t *testing.T) {
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	tr, err := tracing.New(tp, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, drv := testenv.SQLite(t, ":memory:", nil)
-	proc, err := idem.NewProcessor(drv, &idem.Config{Hooks: []idem.Hook{tr}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	proc, drv, tr, tp, rec := setupStore(t)
 	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
 		if string(m.Payload) == "frozen" {
 			return idem.Permanent(errors.New("account frozen"))
