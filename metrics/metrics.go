@@ -22,6 +22,9 @@
 //	                                           (a batch's time shared out)
 //	idem_deliveries_total{handler, verdict}    a Consumer's verdicts: acked,
 //	                                           retried or dead_lettered
+//	idem_dead_letters_total{handler, class}    a Consumer's dead letters by
+//	                                           class: permanent, conflict,
+//	                                           decode or exhausted
 //	idem_leases_lost_total{handler, op}        lease mode: leases this worker
 //	                                           lost (heartbeat, done, failed,
 //	                                           expired)
@@ -80,6 +83,7 @@ type Metrics struct {
 	errors     *prometheus.CounterVec
 	seconds    *prometheus.HistogramVec
 	deliveries *prometheus.CounterVec
+	deadLetter *prometheus.CounterVec
 	leasesLost *prometheus.CounterVec
 
 	counters  sync.Map // outcomeKey → prometheus.Counter
@@ -126,12 +130,16 @@ func New(reg prometheus.Registerer, cfg *Config) (*Metrics, error) {
 			Namespace: ns, Name: "deliveries_total", ConstLabels: cfg.ConstLabels,
 			Help: "Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, dead_lettered).",
 		}, []string{"handler", "verdict"}),
+		deadLetter: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "dead_letters_total", ConstLabels: cfg.ConstLabels,
+			Help: "Deliveries a Consumer dead-lettered, by handler and class (permanent, conflict, decode, exhausted).",
+		}, []string{"handler", "class"}),
 		leasesLost: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "leases_lost_total", ConstLabels: cfg.ConstLabels,
 			Help: "Lease mode: leases this worker lost, by handler and the operation that found out (heartbeat, done, failed, expired).",
 		}, []string{"handler", "op"}),
 	}
-	cs := []prometheus.Collector{m.messages, m.errors, m.seconds, m.deliveries, m.leasesLost}
+	cs := []prometheus.Collector{m.messages, m.errors, m.seconds, m.deliveries, m.deadLetter, m.leasesLost}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] { // all or nothing
@@ -175,6 +183,7 @@ func (m *Metrics) OnVerdict(_ context.Context, ev *idem.VerdictEvent) {
 	switch {
 	case ev.Verdict.DeadLettered:
 		verdict = VerdictDeadLettered
+		m.deadLetter.WithLabelValues(ev.Handler, ev.Verdict.DeadLetterClass).Inc()
 	case ev.Verdict.Ack:
 		verdict = VerdictAcked
 	}

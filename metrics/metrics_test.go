@@ -153,8 +153,12 @@ func TestConsumerVerdictsCounted(t *testing.T) {
 idem_deliveries_total{handler="balances",verdict="acked"} 5
 idem_deliveries_total{handler="balances",verdict="dead_lettered"} 2
 idem_deliveries_total{handler="balances",verdict="retried"} 1
+# HELP idem_dead_letters_total Deliveries a Consumer dead-lettered, by handler and class (permanent, conflict, decode, exhausted).
+# TYPE idem_dead_letters_total counter
+idem_dead_letters_total{class="decode",handler="balances"} 1
+idem_dead_letters_total{class="permanent",handler="balances"} 1
 `
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idem_deliveries_total"); err != nil {
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idem_deliveries_total", "idem_dead_letters_total"); err != nil {
 		t.Fatal(err)
 	}
 }
