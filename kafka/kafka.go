@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -36,6 +38,7 @@ type Config struct {
 	// Default: DefaultMap.
 	Map func(r *kgo.Record) (*idem.Message, error)
 	// MaxPoll bounds the records handled between two commits. Default 500.
+	// With Concurrency above 1 it does not apply: see there.
 	MaxPoll int
 	// Batch, above 1, hands a poll's records to the Handler's
 	// HandleDeliveries in chunks of up to that many when it is an
@@ -45,6 +48,18 @@ type Config struct {
 	// only up to the first record not settled. Default 1: one record at a
 	// time.
 	Batch int
+	// Concurrency, above 1, handles up to that many partitions of a poll
+	// at once, each in its own goroutine; within a partition records are
+	// still handled in offset order (and batched per partition), so
+	// per-key order holds. The Handler must be safe for concurrent use
+	// (idem.Consumer is). A poll then takes every record fetched, not
+	// MaxPoll (a backlogged partition's records come first in a fetch,
+	// and MaxPoll of them would leave the others waiting), so the
+	// client's fetch limits (kgo.FetchMaxBytes,
+	// kgo.FetchMaxPartitionBytes) bound it; the next poll waits for every
+	// partition of this one, and a record retrying holds the others'
+	// next poll. Default 1: a poll's records one after another.
+	Concurrency int
 	// Logger receives commit failures. Default slog.Default().
 	Logger *slog.Logger
 	// Options are extra franz-go client options (TLS, SASL, ...).
@@ -80,6 +95,9 @@ func New(cfg *Config) (*Consumer, error) {
 	if c.cfg.Batch < 0 {
 		return nil, fmt.Errorf("%w: kafka: Batch %d is negative", idem.ErrInvalidConfig, c.cfg.Batch)
 	}
+	if c.cfg.Concurrency < 0 {
+		return nil, fmt.Errorf("%w: kafka: Concurrency %d is negative", idem.ErrInvalidConfig, c.cfg.Concurrency)
+	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
 	}
@@ -112,7 +130,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 
 func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 	for {
-		fetches := cl.PollRecords(ctx, c.cfg.MaxPoll)
+		maxPoll := c.cfg.MaxPoll
+		if c.cfg.Concurrency > 1 {
+			// Everything fetched: under a backlog a poll of MaxPoll
+			// records would hold one partition's and leave nothing to
+			// handle at once.
+			maxPoll = -1
+		}
+		fetches := cl.PollRecords(ctx, maxPoll)
 		if ctx.Err() != nil {
 			cl.AllowRebalance()
 			return ctx.Err()
@@ -127,20 +152,10 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 		}
 		var done []*kgo.Record
 		stopped := false
-		if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
-			done, stopped = c.handleBatches(ctx, bh, fetches.Records())
+		if c.cfg.Concurrency > 1 {
+			done, stopped = c.handlePartitions(ctx, fetches)
 		} else {
-			fetches.EachRecord(func(r *kgo.Record) {
-				if stopped || ctx.Err() != nil {
-					stopped = true // stop after the current record
-					return
-				}
-				if !c.handle(ctx, c.delivery(r), 1, 0) {
-					stopped = true // ctx ended while the record was retrying
-					return
-				}
-				done = append(done, r)
-			})
+			done, stopped = c.handleRecords(ctx, fetches.Records())
 		}
 		if c.cfg.FaultHook != nil {
 			c.cfg.FaultHook(FaultBeforeCommit)
@@ -155,6 +170,51 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 			return ctx.Err()
 		}
 	}
+}
+
+// handlePartitions decides each partition's records of fetches with
+// handleRecords, up to Concurrency partitions at once, and returns the
+// records settled (a prefix of every partition's) and whether ctx ended
+// before all were.
+func (c *Consumer) handlePartitions(ctx context.Context, fetches kgo.Fetches) ([]*kgo.Record, bool) {
+	var parts [][]*kgo.Record
+	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+		if len(p.Records) > 0 {
+			parts = append(parts, p.Records)
+		}
+	})
+	done := make([][]*kgo.Record, len(parts))
+	stopped := make([]bool, len(parts))
+	sem := make(chan struct{}, c.cfg.Concurrency)
+	var wg sync.WaitGroup
+	for i, recs := range parts {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			done[i], stopped[i] = c.handleRecords(ctx, recs)
+		})
+	}
+	wg.Wait()
+	var all []*kgo.Record
+	for _, d := range done {
+		all = append(all, d...)
+	}
+	return all, slices.Contains(stopped, true)
+}
+
+// handleRecords decides recs in order, in batches when the Handler takes
+// them, and returns the records settled, a prefix of recs, and whether ctx
+// ended before all were.
+func (c *Consumer) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.Record, bool) {
+	if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
+		return c.handleBatches(ctx, bh, recs)
+	}
+	for i, r := range recs {
+		if ctx.Err() != nil || !c.handle(ctx, c.delivery(r), 1, 0) {
+			return recs[:i], true // ctx ended, maybe while r was retrying
+		}
+	}
+	return recs, false
 }
 
 // handleBatches decides recs in chunks of Batch and returns the records

@@ -24,7 +24,8 @@ const topic = "credits"
 
 // broker is adaptertest.Broker on an in-process kfake cluster.
 type broker struct {
-	addrs []string
+	addrs       []string
+	concurrency int // Config.Concurrency of the members
 }
 
 func newBroker(t testing.TB) adaptertest.Broker {
@@ -70,7 +71,7 @@ func (b *broker) PublishRaw(t testing.TB, value []byte) {
 }
 
 func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, hook func(string), batch int) *kafka.Consumer {
-	c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50, FaultHook: hook, Batch: batch,
+	c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50, FaultHook: hook, Batch: batch, Concurrency: b.concurrency,
 		Logger: testenv.Logger(t), Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(6 * time.Second)}})
 	if err != nil {
 		t.Fatal(err)
@@ -115,6 +116,20 @@ func (b *broker) StartCrashing(t testing.TB, h idem.DeliveryHandler) <-chan stru
 // TestAdapterSuite runs the shared adapter suite against kfake.
 func TestAdapterSuite(t *testing.T) {
 	adaptertest.Run(t, newBroker)
+}
+
+// TestAdapterSuiteConcurrent runs it with members that handle up to four
+// partitions of a poll at once.
+func TestAdapterSuiteConcurrent(t *testing.T) {
+	adaptertest.Run(t, newConcurrentBroker)
+}
+
+// newConcurrentBroker is newBroker with members that handle up to four
+// partitions at once.
+func newConcurrentBroker(t testing.TB) adaptertest.Broker {
+	b := newBroker(t).(*broker)
+	b.concurrency = 4
+	return b
 }
 
 // TestNewRejectsBadConfig checks the required settings.
@@ -185,4 +200,54 @@ func TestStuckMemberIsDroppedNothingLost(t *testing.T) {
 		t.Fatal("the stuck member stopped retrying: it was not still holding its poll when the other member took over")
 	}
 	killStuck()
+}
+
+// With Concurrency a member handles a poll's partitions at once; without
+// it, one record at a time.
+func TestConcurrencyOverlapsPartitions(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ concurrency, wantMax int64 }{{1, 1}, {4, 4}} {
+		b := newBroker(t).(*broker)
+		cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var recs []*kgo.Record
+		for i := range 20 {
+			recs = append(recs, &kgo.Record{Partition: int32(i % 4), Value: []byte("x"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(strconv.Itoa(i))}}})
+		}
+		if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		cl.Close()
+		var inFlight, most, handled atomic.Int64
+		h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
+			n := inFlight.Add(1)
+			for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+			}
+			time.Sleep(30 * time.Millisecond)
+			inFlight.Add(-1)
+			handled.Add(1)
+			return idem.Verdict{Ack: true}
+		})
+		b.concurrency = int(tc.concurrency)
+		kill := b.Start(t, h)
+		for deadline := time.Now().Add(20 * time.Second); handled.Load() < 20; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("concurrency %d: %d of 20 records handled after 20 s", tc.concurrency, handled.Load())
+			}
+		}
+		kill()
+		if m := most.Load(); m != tc.wantMax {
+			t.Errorf("concurrency %d: at most %d records in flight at once, want %d", tc.concurrency, m, tc.wantMax)
+		}
+	}
+}
+
+// TestNewRejectsNegativeConcurrency checks Concurrency's bound.
+func TestNewRejectsNegativeConcurrency(t *testing.T) {
+	h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })
+	if _, err := kafka.New(&kafka.Config{Brokers: []string{"x:9092"}, Group: "g", Topics: []string{"t"}, Handler: h, Concurrency: -1}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("New with Concurrency -1: %v", err)
+	}
 }
