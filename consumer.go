@@ -169,6 +169,12 @@ func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 // by HandleDelivery, as is every delivery of a batch that cannot commit (a
 // handler error, an invalid message), so retries and dead letters are
 // decided per message as always.
+//
+// Deciding them alone keeps each aggregate's order: once a delivery is to
+// be retried, the later deliveries of its AggregateID in the batch are not
+// processed but returned for a retry too, so that none is applied before
+// it (an adapter retries them in order: Kafka). A delivery on its
+// LastAttempt is decided all the same, since the broker would drop it.
 func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
 	vs := make([]Verdict, len(ds))
 	one := func(i int) { vs[i] = c.HandleDelivery(ctx, ds[i]) }
@@ -190,8 +196,20 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 	outs, err := c.proc.ProcessBatch(ctx, c.h, msgs)
 	if err != nil {
 		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.h.Name), slog.Int("size", len(msgs)), slog.Any("error", err))
+		held := map[string]int{} // aggregate → index of its delivery to be retried
 		for _, i := range idx {
+			m := ds[i].Msg
+			if first, ok := held[m.AggregateID]; ok && !ds[i].LastAttempt {
+				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("idem: message %s waits for %s, of the same aggregate, to be retried first", m.ID, ds[first].Msg.ID)}
+				c.report(ctx, ds[i], vs[i])
+				continue
+			}
 			one(i)
+			if !vs[i].Ack {
+				if _, ok := held[m.AggregateID]; !ok {
+					held[m.AggregateID] = i
+				}
+			}
 		}
 		return vs
 	}

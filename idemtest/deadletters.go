@@ -31,6 +31,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"ReplayAppliesOnceAndDuplicates", testReplay[TTx]},
 		{"StatsCountDuplicatesAndStale", testStats[TTx]},
 		{"BatchOfDeliveries", testBatchDeliveries[TTx]},
+		{"BatchRetryHoldsItsAggregate", testBatchRetryHoldsAggregate[TTx]},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -401,5 +402,76 @@ func testBatchDeliveries[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLet
 		if n := callsOf(&calls, e.ID); n != 1 {
 			t.Errorf("%s applied %d times", e.ID, n)
 		}
+	}
+}
+
+// testBatchRetryHoldsAggregate: when a batch cannot commit and one of its
+// deliveries is to be retried, the later deliveries of the same aggregate
+// are not processed but retried too, while other aggregates' apply; a
+// delivery on its last attempt is decided regardless. Retried in order,
+// the aggregate's messages apply in order.
+func testBatchRetryHoldsAggregate[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	var (
+		down  atomic.Bool
+		mu    sync.Mutex
+		order []string // IDs in the order their effects were written
+	)
+	down.Store(true)
+	unavailable := errors.New("ledger unavailable")
+	h := CreditHandler(s, "balances", nil)
+	apply, applyBatch := h.Apply, h.ApplyBatch
+	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
+		if m.ID == "a1" && down.Load() {
+			return unavailable
+		}
+		if err := apply(ctx, tx, m); err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		order = append(order, m.ID)
+		return nil
+	}
+	h.ApplyBatch = func(ctx context.Context, tx TTx, msgs []*idem.Message) error {
+		for _, m := range msgs {
+			if m.ID == "a1" && down.Load() {
+				return unavailable
+			}
+		}
+		return applyBatch(ctx, tx, msgs)
+	}
+	c := newConsumer(t, s, h, dl, nil)
+	credit := func(id, acct string, amt int) *idem.Message {
+		return &idem.Message{ID: id, AggregateID: acct, Payload: []byte(acct + ":" + strconv.Itoa(amt))}
+	}
+	a1, a2, b1, a3 := credit("a1", "acct-a", 1), credit("a2", "acct-a", 2), credit("b1", "acct-b", 4), credit("a3", "acct-a", 8)
+	vs := c.HandleDeliveries(ctx, []*idem.Delivery{{Msg: a1, Attempt: 1}, {Msg: a2, Attempt: 1}, {Msg: b1, Attempt: 1}, {Msg: a3, Attempt: 5, LastAttempt: true}})
+	if vs[0].Ack || vs[0].DeadLettered || !errors.Is(vs[0].Err, unavailable) {
+		t.Fatalf("a1 (handler unavailable): %+v, want a retry", vs[0])
+	}
+	if vs[1].Ack || vs[1].RetryAfter != vs[0].RetryAfter || vs[1].Err == nil {
+		t.Fatalf("a2 (behind a1): %+v, want a retry after a1's delay, with the reason", vs[1])
+	}
+	if !vs[2].Ack || vs[2].Outcome != idem.Applied {
+		t.Fatalf("b1 (another aggregate): %+v, want applied", vs[2])
+	}
+	if !vs[3].Ack || vs[3].Outcome != idem.Applied {
+		t.Fatalf("a3 (last attempt): %+v, want applied, not held for the broker to drop", vs[3])
+	}
+	down.Store(false)
+	for _, m := range []*idem.Message{a1, a2} { // as Kafka retries them: in order
+		if v := deliverTo(c, m, 2); !v.Ack || v.Outcome != idem.Applied {
+			t.Fatalf("%s retried: %+v, want applied", m.ID, v)
+		}
+	}
+	mu.Lock()
+	got := strings.Join(order, ",")
+	mu.Unlock()
+	if got != "b1,a3,a1,a2" {
+		t.Errorf("effects written in the order %s, want b1,a3,a1,a2 (a2 after a1)", got)
+	}
+	if err := checkBalances(ctx, s, map[string]int64{"acct-a": 11, "acct-b": 4}); err != nil {
+		t.Fatal(err)
 	}
 }
