@@ -3,11 +3,13 @@
 // records whose outcome is durable: applied, duplicate, stale or
 // dead-lettered.
 //
-// A record whose verdict is "retry" holds its consumer: it is handled again
-// after the verdict's delay, and nothing after it is processed or
-// committed meanwhile, so the order within a partition is kept. Rebalances
-// are blocked while a polled batch is being processed; when they happen,
-// everything processed has been committed and nothing unprocessed has.
+// A record whose verdict is "retry" holds its partition: the partition is
+// rewound to the record and paused for the verdict's delay, so nothing
+// after it is processed or committed meanwhile and the order within the
+// partition is kept, while the member's other partitions flow. Rebalances
+// are blocked while a poll's records are being processed (never during a
+// retry's delay); when they happen, everything processed has been
+// committed and nothing unprocessed has.
 //
 // See docs/kafka.md.
 package kafka

@@ -43,10 +43,10 @@ type Config struct {
 	// Batch, above 1, hands a poll's records to the Handler's
 	// HandleDeliveries in chunks of up to that many when it is an
 	// idem.BatchDeliveryHandler (idem.Consumer is): their effects commit
-	// in one transaction. A record the batch did not settle is then
-	// retried alone, holding the records after it; offsets are committed
-	// only up to the first record not settled. Default 1: one record at a
-	// time.
+	// in one transaction. A record the batch did not settle holds its
+	// partition for a retry, as a single record's retry does; offsets are
+	// committed only up to the first record of a partition not settled.
+	// Default 1: one record at a time.
 	Batch int
 	// Concurrency, above 1, handles up to that many partitions of a poll
 	// at once, each in its own goroutine; within a partition records are
@@ -56,13 +56,16 @@ type Config struct {
 	// MaxPoll (a backlogged partition's records come first in a fetch,
 	// and MaxPoll of them would leave the others waiting), so the
 	// client's fetch limits (kgo.FetchMaxBytes,
-	// kgo.FetchMaxPartitionBytes) bound it; the next poll waits for every
-	// partition of this one, and a record retrying holds the others'
-	// next poll. Default 1: a poll's records one after another.
+	// kgo.FetchMaxPartitionBytes) bound it, and the next poll waits for
+	// every partition of this one. Default 1: a poll's records one after
+	// another.
 	Concurrency int
 	// Logger receives commit failures. Default slog.Default().
 	Logger *slog.Logger
-	// Options are extra franz-go client options (TLS, SASL, ...).
+	// Options are extra franz-go client options (TLS, SASL, ...), applied
+	// after the Consumer's own. Of those, kgo.FetchMaxWait is 250 ms
+	// rather than kgo's 5 s: it bounds how late a partition resumes after
+	// a retry's delay.
 	Options []kgo.Opt
 	// FaultHook, when set, is called at FaultBeforeCommit. Crash tests
 	// stop the consumer's goroutine there (runtime.Goexit), so that
@@ -104,6 +107,9 @@ func New(cfg *Config) (*Consumer, error) {
 	return c, nil
 }
 
+// fetchMaxWait is the default kgo.FetchMaxWait of a Consumer's client.
+const fetchMaxWait = 250 * time.Millisecond
+
 // Run consumes until ctx is done or the client fails. On return every
 // record whose outcome was durable has been committed (unless the commit
 // itself failed, in which case those records are redelivered and are
@@ -116,6 +122,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.DisableAutoCommit(),
 		kgo.BlockRebalanceOnPoll(),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		// A partition resumed after a retry's delay is fetched once the
+		// fetch already waiting on the others returns: at most this late
+		// (kgo's default is 5 s).
+		kgo.FetchMaxWait(fetchMaxWait),
 	}, c.cfg.Options...)
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
@@ -128,8 +138,39 @@ func (c *Consumer) Run(ctx context.Context) error {
 	return c.loop(ctx, cl)
 }
 
+// partition names a topic's partition.
+type partition struct {
+	topic string
+	part  int32
+}
+
+// tries counts the deliveries of the record at offset, the one its
+// partition is retrying.
+type tries struct {
+	offset int64
+	n      int
+}
+
+// retry is a record whose verdict asked for another try after a delay.
+type retry struct {
+	rec   *kgo.Record
+	after time.Duration
+}
+
+// member is the state of one Run.
+type member struct {
+	*Consumer
+	cl   *kgo.Client
+	held map[partition]time.Time // paused until then, for a retry
+
+	mu    sync.Mutex // guards tries: partitions are handled at once with Concurrency
+	tries map[partition]tries
+}
+
 func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
+	m := &member{Consumer: c, cl: cl, held: map[partition]time.Time{}, tries: map[partition]tries{}}
 	for {
+		pctx, cancel := m.pollContext(ctx)
 		maxPoll := c.cfg.MaxPoll
 		if c.cfg.Concurrency > 1 {
 			// Everything fetched: under a backlog a poll of MaxPoll
@@ -137,7 +178,8 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 			// handle at once.
 			maxPoll = -1
 		}
-		fetches := cl.PollRecords(ctx, maxPoll)
+		fetches := cl.PollRecords(pctx, maxPoll)
+		cancel()
 		if ctx.Err() != nil {
 			cl.AllowRebalance()
 			return ctx.Err()
@@ -146,16 +188,19 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 			return errors.New("kafka: client closed")
 		}
 		for _, fe := range fetches.Errors() {
-			if !errors.Is(fe.Err, context.Canceled) {
+			if !errors.Is(fe.Err, context.Canceled) && !errors.Is(fe.Err, context.DeadlineExceeded) {
 				c.cfg.Logger.Warn("kafka: fetch error", slog.String("topic", fe.Topic), slog.Int("partition", int(fe.Partition)), slog.Any("error", fe.Err))
 			}
 		}
-		var done []*kgo.Record
-		stopped := false
+		var (
+			done    []*kgo.Record
+			retries []retry
+			stopped bool
+		)
 		if c.cfg.Concurrency > 1 {
-			done, stopped = c.handlePartitions(ctx, fetches)
+			done, retries, stopped = m.handlePartitions(ctx, fetches)
 		} else {
-			done, stopped = c.handleRecords(ctx, fetches.Records())
+			done, retries, stopped = m.handleRecords(ctx, fetches.Records())
 		}
 		if c.cfg.FaultHook != nil {
 			c.cfg.FaultHook(FaultBeforeCommit)
@@ -165,6 +210,8 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 				c.cfg.Logger.Warn("kafka: commit failed; the records will be redelivered as duplicates", slog.Any("error", err))
 			}
 		}
+		m.hold(retries)
+		m.resumeDue()
 		cl.AllowRebalance()
 		if stopped {
 			return ctx.Err()
@@ -172,11 +219,62 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 	}
 }
 
+// hold rewinds the partition of every retry to its record and pauses it
+// until the retry is due. It runs while the poll still blocks rebalances,
+// and after the commit, as kgo.Client.SetOffsets requires.
+func (m *member) hold(retries []retry) {
+	if len(retries) == 0 {
+		return
+	}
+	offsets := map[string]map[int32]kgo.EpochOffset{}
+	paused := map[string][]int32{}
+	now := time.Now()
+	for _, rt := range retries {
+		r := rt.rec
+		if offsets[r.Topic] == nil {
+			offsets[r.Topic] = map[int32]kgo.EpochOffset{}
+		}
+		offsets[r.Topic][r.Partition] = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset}
+		paused[r.Topic] = append(paused[r.Topic], r.Partition)
+		m.held[partition{r.Topic, r.Partition}] = now.Add(rt.after)
+	}
+	m.cl.SetOffsets(offsets)
+	m.cl.PauseFetchPartitions(paused)
+}
+
+// resumeDue resumes the held partitions whose retry is due.
+func (m *member) resumeDue() {
+	now := time.Now()
+	resume := map[string][]int32{}
+	for p, h := range m.held {
+		if !h.After(now) {
+			resume[p.topic] = append(resume[p.topic], p.part)
+			delete(m.held, p)
+		}
+	}
+	if len(resume) > 0 {
+		m.cl.ResumeFetchPartitions(resume)
+	}
+}
+
+// pollContext returns the context of the next poll: ctx, ending when the
+// next retry is due if a partition is held.
+func (m *member) pollContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	var next time.Time
+	for _, due := range m.held {
+		if next.IsZero() || due.Before(next) {
+			next = due
+		}
+	}
+	if next.IsZero() {
+		return ctx, func() {}
+	}
+	return context.WithDeadline(ctx, next)
+}
+
 // handlePartitions decides each partition's records of fetches with
-// handleRecords, up to Concurrency partitions at once, and returns the
-// records settled (a prefix of every partition's) and whether ctx ended
-// before all were.
-func (c *Consumer) handlePartitions(ctx context.Context, fetches kgo.Fetches) ([]*kgo.Record, bool) {
+// handleRecords, up to Concurrency partitions at once.
+func (m *member) handlePartitions(ctx context.Context, fetches kgo.Fetches) ([]*kgo.Record, []retry, bool) {
 	var parts [][]*kgo.Record
 	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
 		if len(p.Records) > 0 {
@@ -184,96 +282,105 @@ func (c *Consumer) handlePartitions(ctx context.Context, fetches kgo.Fetches) ([
 		}
 	})
 	done := make([][]*kgo.Record, len(parts))
+	retries := make([][]retry, len(parts))
 	stopped := make([]bool, len(parts))
-	sem := make(chan struct{}, c.cfg.Concurrency)
+	sem := make(chan struct{}, m.cfg.Concurrency)
 	var wg sync.WaitGroup
 	for i, recs := range parts {
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
-			done[i], stopped[i] = c.handleRecords(ctx, recs)
+			done[i], retries[i], stopped[i] = m.handleRecords(ctx, recs)
 		})
 	}
 	wg.Wait()
-	var all []*kgo.Record
-	for _, d := range done {
-		all = append(all, d...)
-	}
-	return all, slices.Contains(stopped, true)
+	return slices.Concat(done...), slices.Concat(retries...), slices.Contains(stopped, true)
 }
 
 // handleRecords decides recs in order, in batches when the Handler takes
-// them, and returns the records settled, a prefix of recs, and whether ctx
-// ended before all were.
-func (c *Consumer) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.Record, bool) {
-	if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
-		return c.handleBatches(ctx, bh, recs)
-	}
-	for i, r := range recs {
-		if ctx.Err() != nil || !c.handle(ctx, c.delivery(r), 1, 0) {
-			return recs[:i], true // ctx ended, maybe while r was retrying
-		}
-	}
-	return recs, false
-}
-
-// handleBatches decides recs in chunks of Batch and returns the records
-// settled, a prefix of recs in poll order (so of every partition), and
-// whether ctx ended before all were.
-func (c *Consumer) handleBatches(ctx context.Context, bh idem.BatchDeliveryHandler, recs []*kgo.Record) ([]*kgo.Record, bool) {
-	var done []*kgo.Record
-	for lo := 0; lo < len(recs); lo += c.cfg.Batch {
+// them. It returns the records settled, a prefix of every partition's, the
+// first record of each partition that is to be retried (the partition's
+// records after it are left for the retry), and whether ctx ended before
+// all were decided.
+func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.Record, []retry, bool) {
+	bh, batched := m.cfg.Handler.(idem.BatchDeliveryHandler)
+	batched = batched && m.cfg.Batch > 1
+	var (
+		done    []*kgo.Record
+		retries []retry
+		skip    = map[partition]bool{} // retrying: the rest waits
+	)
+	for len(recs) > 0 {
 		if ctx.Err() != nil {
-			return done, true
+			return done, retries, true
 		}
-		chunk := recs[lo:min(lo+c.cfg.Batch, len(recs))]
+		var chunk []*kgo.Record
+		for len(recs) > 0 && (len(chunk) == 0 || batched && len(chunk) < m.cfg.Batch) {
+			if r := recs[0]; !skip[partition{r.Topic, r.Partition}] {
+				chunk = append(chunk, r)
+			}
+			recs = recs[1:]
+		}
 		ds := make([]*idem.Delivery, len(chunk))
 		for i, r := range chunk {
-			ds[i] = c.delivery(r)
-			ds[i].Attempt = 1
+			ds[i] = m.delivery(r)
 		}
-		vs := bh.HandleDeliveries(context.WithoutCancel(ctx), ds)
-		for i, r := range chunk {
-			// A record the batch did not settle is retried alone; the
-			// ones after it wait, and are not committed before it.
-			if !vs[i].Ack && !c.handle(ctx, ds[i], 2, vs[i].RetryAfter) {
-				return done, true
+		var vs []idem.Verdict
+		if batched {
+			vs = bh.HandleDeliveries(context.WithoutCancel(ctx), ds)
+		} else {
+			for _, d := range ds {
+				vs = append(vs, m.cfg.Handler.HandleDelivery(context.WithoutCancel(ctx), d))
 			}
-			done = append(done, r)
+		}
+		for i, r := range chunk {
+			p := partition{r.Topic, r.Partition}
+			switch {
+			case skip[p]:
+				// After a record of its partition that is to be retried:
+				// not committed, delivered again after it.
+			case vs[i].Ack:
+				m.settled(p, r)
+				done = append(done, r)
+			default:
+				m.failed(p, r, ds[i].Attempt)
+				skip[p] = true
+				retries = append(retries, retry{r, vs[i].RetryAfter})
+			}
 		}
 	}
-	return done, false
+	return done, retries, false
 }
 
-// delivery maps r.
-func (c *Consumer) delivery(r *kgo.Record) *idem.Delivery {
-	d := &idem.Delivery{Raw: r.Value, Source: fmt.Sprintf("kafka:%s/%d@%d", r.Topic, r.Partition, r.Offset)}
-	d.Msg, d.DecodeErr = c.cfg.Map(r)
+// delivery maps r, counting its attempt.
+func (m *member) delivery(r *kgo.Record) *idem.Delivery {
+	d := &idem.Delivery{Raw: r.Value, Source: fmt.Sprintf("kafka:%s/%d@%d", r.Topic, r.Partition, r.Offset), Attempt: 1}
+	m.mu.Lock()
+	if t, ok := m.tries[partition{r.Topic, r.Partition}]; ok && t.offset == r.Offset {
+		d.Attempt = t.n + 1
+	}
+	m.mu.Unlock()
+	d.Msg, d.DecodeErr = m.cfg.Map(r)
 	if d.DecodeErr != nil {
 		d.Msg = nil
 	}
 	return d
 }
 
-// handle decides d, the delivery of r, from attempt first on, waiting wait
-// before it and each retry's RetryAfter after it; it returns false when
-// ctx ends before the outcome is durable.
-func (c *Consumer) handle(ctx context.Context, d *idem.Delivery, first int, wait time.Duration) bool {
-	for attempt := first; ; attempt++ {
-		if wait > 0 || attempt > first {
-			select {
-			case <-ctx.Done():
-				return false
-			case <-time.After(wait):
-			}
-		}
-		d.Attempt = attempt
-		v := c.cfg.Handler.HandleDelivery(context.WithoutCancel(ctx), d)
-		if v.Ack {
-			return true
-		}
-		wait = v.RetryAfter
+// settled forgets the tries of r, settled.
+func (m *member) settled(p partition, r *kgo.Record) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if t, ok := m.tries[p]; ok && t.offset <= r.Offset {
+		delete(m.tries, p)
 	}
+}
+
+// failed records that r, of p, was tried attempt times.
+func (m *member) failed(p partition, r *kgo.Record, attempt int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.tries[p] = tries{offset: r.Offset, n: attempt}
 }
 
 // DefaultMap reads the message ID from the idem-id header, the aggregate

@@ -2,7 +2,9 @@ package kafka_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
+	"fmt"
 	"runtime"
 	"strconv"
 	"sync"
@@ -14,7 +16,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
-	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/adaptertest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
@@ -70,9 +71,11 @@ func (b *broker) PublishRaw(t testing.TB, value []byte) {
 	b.produce(t, []*kgo.Record{{Key: []byte("raw"), Value: value}})
 }
 
-func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, hook func(string), batch int) *kafka.Consumer {
+// consumer returns a group member; opts come after (so override) the
+// tests' own: 6 s session and rebalance timeouts.
+func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, hook func(string), batch int, opts ...kgo.Opt) *kafka.Consumer {
 	c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50, FaultHook: hook, Batch: batch, Concurrency: b.concurrency,
-		Logger: testenv.Logger(t), Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(6 * time.Second)}})
+		Logger: testenv.Logger(t), Options: append([]kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(6 * time.Second)}, opts...)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -155,51 +158,179 @@ func TestTraceContextReachesProcessingSpan(t *testing.T) {
 	adaptertest.CheckTraceContext(t, topic, pub, func(h idem.DeliveryHandler) { b.Start(t, h) })
 }
 
-// A member whose record keeps asking for a retry holds its poll, so it
-// blocks the group's next rebalance; past the rebalance timeout the
-// coordinator drops it, and the member that takes its partitions over
-// applies every record, the stuck one included, with nothing lost and
-// nothing applied twice.
-func TestStuckMemberIsDroppedNothingLost(t *testing.T) {
-	t.Parallel()
-	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
-	events := idemtest.Events(400)
-	msgs := adaptertest.Messages(events)
-	stuck := msgs[0].ID
-	healthy := e.Consumer(false)
-	var stuckTries, calls atomic.Int64
-	sticky := idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
-		calls.Add(1)
-		if d.Msg != nil && d.Msg.ID == stuck {
-			stuckTries.Add(1)
-			return idem.Verdict{RetryAfter: 20 * time.Millisecond, Err: errors.New("dependency down")}
+// producePartitioned writes perPart records to each of the four
+// partitions, with IDs p<partition>-<index>, and no key.
+func (b *broker) producePartitioned(t *testing.T, perPart int) {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	var recs []*kgo.Record
+	for i := range perPart {
+		for p := range int32(4) {
+			id := fmt.Sprintf("p%d-%03d", p, i)
+			recs = append(recs, &kgo.Record{Partition: p, Value: []byte(id), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(id)}}})
 		}
-		return healthy.HandleDelivery(ctx, d)
-	})
-	member := func(h idem.DeliveryHandler) func() {
-		c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "idem", Topics: []string{topic}, Handler: h, MaxPoll: 50,
-			Logger: testenv.Logger(t), Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(2 * time.Second)}})
-		if err != nil {
+	}
+	if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// effects is an idem.Consumer whose handler records the IDs it applies,
+// in order, in a table of the store (so a rolled-back batch leaves no
+// trace), and fails message stuck while down is set.
+type effects struct {
+	down     atomic.Bool
+	mu       sync.Mutex
+	attempts []int // of stuck's deliveries
+}
+
+func (f *effects) consumer(t *testing.T, e *adaptertest.Env, stuck string) *idem.Consumer[*sql.Tx] {
+	if _, err := e.DB.Exec(`CREATE TABLE IF NOT EXISTS effects (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		if m.ID == stuck && f.down.Load() {
+			return errors.New("dependency down")
+		}
+		_, err := tx.ExecContext(ctx, `INSERT INTO effects (id) VALUES (?)`, m.ID)
+		return err
+	}}
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Logger: testenv.Logger(t),
+		Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 50 * time.Millisecond},
+		Hooks: []idem.Hook{idem.HookVerdict(verdictFunc(func(ev *idem.VerdictEvent) {
+			if ev.MessageID == stuck {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				f.attempts = append(f.attempts, ev.Attempt)
+			}
+		}))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// check compares the effects with the unique intended records: each
+// applied once, every partition's in offset order.
+func (f *effects) check(t *testing.T, e *adaptertest.Env, perPart int) {
+	t.Helper()
+	rows, err := e.DB.Query(`SELECT id FROM effects ORDER BY seq`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	next := map[string]int{}
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
 			t.Fatal(err)
 		}
-		return b.start(t, c)
+		p, i := id[:2], 0
+		if _, err := fmt.Sscanf(id[3:], "%d", &i); err != nil {
+			t.Fatal(err)
+		}
+		if i != next[p] {
+			t.Fatalf("%s applied when %s-%03d was next", id, p, next[p])
+		}
+		next[p]++
 	}
-	b.Publish(t, msgs, 0)
-	killStuck := member(sticky)
-	for deadline := time.Now().Add(20 * time.Second); stuckTries.Load() < 3; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the first member never reached the stuck record (%d deliveries)", calls.Load())
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for p := range 4 {
+		if n := next[fmt.Sprintf("p%d", p)]; n != perPart {
+			t.Fatalf("partition %d: %d records applied, want %d", p, n, perPart)
 		}
 	}
-	member(healthy)
-	e.WaitMarkers(len(events))
-	e.CheckBalances(events)
-	before := stuckTries.Load()
-	time.Sleep(100 * time.Millisecond)
-	if stuckTries.Load() == before {
-		t.Fatal("the stuck member stopped retrying: it was not still holding its poll when the other member took over")
+}
+
+type verdictFunc func(ev *idem.VerdictEvent)
+
+func (f verdictFunc) OnVerdict(_ context.Context, ev *idem.VerdictEvent) { f(ev) }
+
+// A record that keeps asking for a retry holds its partition only: the
+// partition is rewound to it and paused for the delay, the member's other
+// partitions flow, and once the record applies its partition follows, in
+// order. Each try counts as the next attempt. Checked one record at a
+// time, in batches and with partitions handled at once.
+func TestRetryHoldsOnlyItsPartition(t *testing.T) {
+	t.Parallel()
+	for _, cfg := range []struct {
+		name               string
+		batch, concurrency int
+	}{{"one-at-a-time", 1, 1}, {"batches", 25, 1}, {"concurrent-batches", 25, 4}} {
+		t.Run(cfg.name, func(t *testing.T) {
+			t.Parallel()
+			const perPart = 100
+			b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+			b.producePartitioned(t, perPart)
+			var f effects
+			f.down.Store(true)
+			b.concurrency = cfg.concurrency
+			b.StartBatched(t, f.consumer(t, e, "p2-010"), cfg.batch)
+			// Everything but p2-010 and the rest of partition 2.
+			e.WaitMarkers(3*perPart + 10)
+			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				f.mu.Lock()
+				n := len(f.attempts)
+				f.mu.Unlock()
+				if n >= 4 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("p2-010 tried %d times in 10 s, want it retried", n)
+				}
+			}
+			f.down.Store(false)
+			e.WaitMarkers(4 * perPart)
+			f.check(t, e, perPart)
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			for i, a := range f.attempts {
+				if a != i+1 {
+					t.Fatalf("p2-010's deliveries counted as attempts %v, want 1, 2, 3, …", f.attempts)
+				}
+			}
+		})
 	}
+}
+
+// A record retrying does not hold the group's rebalances: with a 30 s
+// rebalance timeout, a member joining while the first one retries is
+// assigned its partitions within seconds (a member holding its poll would
+// keep the group waiting for the whole timeout). Once the first member
+// leaves, the other applies the rest, each record once and in order.
+func TestRetryDoesNotBlockRebalance(t *testing.T) {
+	t.Parallel()
+	const perPart = 50
+	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+	b.producePartitioned(t, perPart)
+	var f effects
+	f.down.Store(true)
+	slow := kgo.RebalanceTimeout(30 * time.Second)
+	killStuck := b.start(t, b.consumer(t, f.consumer(t, e, "p2-005"), nil, 1, slow))
+	e.WaitMarkers(3*perPart + 5)
+	assigned := make(chan struct{})
+	var once sync.Once
+	joined := time.Now()
+	b.start(t, b.consumer(t, f.consumer(t, e, ""), nil, 1, slow, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, got map[string][]int32) {
+		if len(got[topic]) > 0 {
+			once.Do(func() { close(assigned) })
+		}
+	})))
+	select {
+	case <-assigned:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the second member got no partition within 15 s: the rebalance waited for the retrying member")
+	}
+	t.Logf("second member assigned after %s", time.Since(joined).Round(time.Millisecond))
 	killStuck()
+	e.WaitMarkers(4 * perPart)
+	f.check(t, e, perPart)
 }
 
 // With Concurrency a member handles a poll's partitions at once; without
