@@ -171,7 +171,8 @@ func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 // decided per message as always.
 //
 // Deciding them alone keeps each aggregate's order: once a delivery is to
-// be retried, the later deliveries of its AggregateID in the batch are not
+// be retried, the later deliveries of its AggregateID (normalized as the
+// ordering guard does, if it does) in the batch are not
 // processed but returned for a retry too, so that none is applied before
 // it (an adapter retries them in order: Kafka). A delivery on its
 // LastAttempt is decided all the same, since the broker would drop it.
@@ -199,15 +200,19 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 		held := map[string]int{} // aggregate → index of its delivery to be retried
 		for _, i := range idx {
 			m := ds[i].Msg
-			if first, ok := held[m.AggregateID]; ok && !ds[i].LastAttempt {
+			agg := m.AggregateID
+			if o := c.h.Ordering; o != nil && o.Normalize != nil {
+				agg = o.Normalize(agg) // the aggregate as the guard sees it
+			}
+			if first, ok := held[agg]; ok && !ds[i].LastAttempt {
 				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("idem: message %s waits for %s, of the same aggregate, to be retried first", m.ID, ds[first].Msg.ID)}
 				c.report(ctx, ds[i], vs[i])
 				continue
 			}
 			one(i)
 			if !vs[i].Ack {
-				if _, ok := held[m.AggregateID]; !ok {
-					held[m.AggregateID] = i
+				if _, ok := held[agg]; !ok {
+					held[agg] = i
 				}
 			}
 		}
