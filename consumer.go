@@ -172,10 +172,10 @@ func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 //
 // Deciding them alone keeps each aggregate's order: once a delivery is to
 // be retried, the later deliveries of its AggregateID (normalized as the
-// ordering guard does, if it does) in the batch are not
-// processed but returned for a retry too, so that none is applied before
-// it (an adapter retries them in order: Kafka). A delivery on its
-// LastAttempt is decided all the same, since the broker would drop it.
+// ordering guard does, if it does) in the batch are not processed but
+// returned for a retry too, so that none is applied before it (an adapter
+// retries them in order: Kafka). A delivery on its LastAttempt is decided
+// all the same, since the broker would drop it.
 func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
 	vs := make([]Verdict, len(ds))
 	one := func(i int) { vs[i] = c.HandleDelivery(ctx, ds[i]) }
