@@ -23,6 +23,10 @@ const (
 	PermanentClass
 )
 
+// errInFlightAtLastAttempt is the reason of the dead letter of a message
+// still in flight on the broker's last delivery.
+var errInFlightAtLastAttempt = errors.New("idem: still in flight on the broker's last delivery: another worker holds its lease, or a failed attempt's retry is not due")
+
 // Dead-letter classes, stored with every dead letter.
 const (
 	DeadLetterPermanent = "permanent" // the error was permanent (Permanent, validation, unknown type, final gap)
@@ -66,23 +70,29 @@ type ConsumerConfig struct {
 // DeliveryHandler, which the Kafka and JetStream adapters drive. It is safe
 // for concurrent use.
 type Consumer[TTx any] struct {
-	proc      *Processor[TTx]
-	h         *Handler[TTx]
+	*deliveries
+	proc *Processor[TTx]
+	h    *Handler[TTx]
+}
+
+// deliveries is the decision logic Consumer and LeaseConsumer share.
+type deliveries struct {
+	name string
+	// process runs msg; for InFlight it may say how long a retry would
+	// be refused anyway (a failed lease's next attempt), else 0.
+	process func(ctx context.Context, msg *Message) (Outcome, time.Duration, error)
+	// rearm, when set, makes a message failed for good claimable again
+	// before its dead letter is replayed (lease mode).
+	rearm     func(ctx context.Context, messageID string) error
 	dl        driver.DeadLetterStore
 	cfg       ConsumerConfig
 	onVerdict []HookVerdict
 }
 
-// NewConsumer returns a Consumer applying h through p, with dead letters in
-// dl, normally the same driver as p's.
-func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLetterStore, cfg *ConsumerConfig) (*Consumer[TTx], error) {
-	if p == nil || dl == nil {
-		return nil, fmt.Errorf("%w: NewConsumer needs a processor and a dead-letter store", ErrInvalidConfig)
-	}
-	if err := checkHandler(h); err != nil {
-		return nil, err
-	}
-	c := &Consumer[TTx]{proc: p, h: h, dl: dl}
+// newDeliveries checks cfg and returns the shared logic for the handler
+// named name.
+func newDeliveries(name string, process func(context.Context, *Message) (Outcome, time.Duration, error), dl driver.DeadLetterStore, cfg *ConsumerConfig) (*deliveries, error) {
+	c := &deliveries{name: name, process: process, dl: dl}
 	if cfg != nil {
 		c.cfg = *cfg
 	}
@@ -102,19 +112,43 @@ func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLett
 	return c, nil
 }
 
+// NewConsumer returns a Consumer applying h through p, with dead letters in
+// dl, normally the same driver as p's.
+func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLetterStore, cfg *ConsumerConfig) (*Consumer[TTx], error) {
+	if p == nil || dl == nil {
+		return nil, fmt.Errorf("%w: NewConsumer needs a processor and a dead-letter store", ErrInvalidConfig)
+	}
+	if err := checkHandler(h); err != nil {
+		return nil, err
+	}
+	d, err := newDeliveries(h.Name, func(ctx context.Context, msg *Message) (Outcome, time.Duration, error) {
+		out, err := p.Process(ctx, h, msg)
+		return out, 0, err
+	}, dl, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Consumer[TTx]{deliveries: d, proc: p, h: h}, nil
+}
+
 // HandleDelivery implements DeliveryHandler.
 func (c *Consumer[TTx]) HandleDelivery(ctx context.Context, d *Delivery) Verdict {
+	return c.handle(ctx, d)
+}
+
+// handle decides d and reports the verdict.
+func (c *deliveries) handle(ctx context.Context, d *Delivery) Verdict {
 	v := c.decide(ctx, d)
 	c.report(ctx, d, v)
 	return v
 }
 
 // report hands a verdict to the hooks.
-func (c *Consumer[TTx]) report(ctx context.Context, d *Delivery, v Verdict) {
+func (c *deliveries) report(ctx context.Context, d *Delivery, v Verdict) {
 	if len(c.onVerdict) == 0 {
 		return
 	}
-	ev := &VerdictEvent{Handler: c.h.Name, Verdict: v}
+	ev := &VerdictEvent{Handler: c.name, Verdict: v}
 	if d != nil {
 		ev.Attempt = d.Attempt
 		if d.Msg != nil {
@@ -127,7 +161,7 @@ func (c *Consumer[TTx]) report(ctx context.Context, d *Delivery, v Verdict) {
 	}
 }
 
-func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
+func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 	if d == nil {
 		return Verdict{Err: fmt.Errorf("%w: nil delivery", ErrInvalidConfig), RetryAfter: c.cfg.Backoff.Delay(0)}
 	}
@@ -138,9 +172,17 @@ func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 		}
 		return c.deadLetter(ctx, d, DeadLetterDecode, err, OutcomeNone)
 	}
-	out, err := c.proc.Process(ctx, c.h, d.Msg)
-	if err == nil {
+	out, notBefore, err := c.process(ctx, d.Msg)
+	switch {
+	case err == nil && out != InFlight:
 		return Verdict{Ack: true, Outcome: out}
+	case err == nil && d.LastAttempt:
+		return c.deadLetter(ctx, d, DeadLetterExhausted, errInFlightAtLastAttempt, out)
+	case err == nil:
+		// Lease mode: another worker holds the message, or a failed
+		// attempt's retry is not due. Ask again later; the holder acks
+		// its own delivery.
+		return Verdict{RetryAfter: max(c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), notBefore), Outcome: out}
 	}
 	switch {
 	case out == Conflict:
@@ -157,7 +199,7 @@ func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 		// the deadline.
 		delay = min(delay, max(time.Until(ge.Deadline), 0))
 	}
-	c.cfg.Logger.Warn("idem: delivery failed; will retry", slog.String("handler", c.h.Name),
+	c.cfg.Logger.Warn("idem: delivery failed; will retry", slog.String("handler", c.name),
 		slog.String("message_id", d.Msg.ID), slog.Int("attempt", d.Attempt), slog.Duration("retry_after", delay), slog.Any("error", err))
 	return Verdict{RetryAfter: delay, Outcome: out, Err: err}
 }
@@ -178,7 +220,7 @@ func (c *Consumer[TTx]) decide(ctx context.Context, d *Delivery) Verdict {
 // all the same, since the broker would drop it.
 func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
 	vs := make([]Verdict, len(ds))
-	one := func(i int) { vs[i] = c.HandleDelivery(ctx, ds[i]) }
+	one := func(i int) { vs[i] = c.handle(ctx, ds[i]) }
 	var (
 		idx  []int
 		msgs []*Message
@@ -196,7 +238,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 	}
 	outs, err := c.proc.ProcessBatch(ctx, c.h, msgs)
 	if err != nil {
-		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.h.Name), slog.Int("size", len(msgs)), slog.Any("error", err))
+		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.name), slog.Int("size", len(msgs)), slog.Any("error", err))
 		held := map[string]int{} // aggregate → index of its delivery to be retried
 		for _, i := range idx {
 			m := ds[i].Msg
@@ -232,7 +274,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 }
 
 // classify applies idem's own rules, then the user's.
-func (c *Consumer[TTx]) classify(err error) Class {
+func (c *deliveries) classify(err error) Class {
 	if IsPermanent(err) {
 		return PermanentClass
 	}
@@ -244,9 +286,9 @@ func (c *Consumer[TTx]) classify(err error) Class {
 
 // deadLetter records d and acknowledges it once the dead letter is
 // committed; if that fails the delivery is retried instead, never dropped.
-func (c *Consumer[TTx]) deadLetter(ctx context.Context, d *Delivery, class string, cause error, out Outcome) Verdict {
+func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, cause error, out Outcome) Verdict {
 	dl := &driver.DeadLetter{
-		Handler: c.h.Name, Raw: d.Raw, Source: storableText(d.Source), Error: storableText(cause.Error()),
+		Handler: c.name, Raw: d.Raw, Source: storableText(d.Source), Error: storableText(cause.Error()),
 		Class: class, Fingerprint: Fingerprint(cause), Attempts: max(d.Attempt, 1),
 	}
 	if d.Msg != nil {
@@ -267,10 +309,10 @@ func (c *Consumer[TTx]) deadLetter(ctx context.Context, d *Delivery, class strin
 	id, err := c.dl.DeadLetterPut(wctx, dl)
 	if err != nil {
 		err = fmt.Errorf("idem: dead-letter %s: %w (while handling: %w)", dl.MessageID, err, cause)
-		c.cfg.Logger.Error("idem: dead letter not stored; will retry the delivery", slog.String("handler", c.h.Name), slog.Any("error", err))
+		c.cfg.Logger.Error("idem: dead letter not stored; will retry the delivery", slog.String("handler", c.name), slog.Any("error", err))
 		return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), Outcome: out, Err: err}
 	}
-	c.cfg.Logger.Warn("idem: dead-lettered", slog.String("handler", c.h.Name), slog.String("message_id", dl.MessageID),
+	c.cfg.Logger.Warn("idem: dead-lettered", slog.String("handler", c.name), slog.String("message_id", dl.MessageID),
 		slog.Int64("dead_letter", id), slog.String("class", class), slog.String("fingerprint", dl.Fingerprint), slog.Any("error", cause))
 	return Verdict{Ack: true, DeadLettered: true, DeadLetterClass: class, Outcome: out, Err: cause}
 }
@@ -290,9 +332,12 @@ type ReplayResult struct {
 // message is a Duplicate, never a second effect. A success marks the dead
 // letter replayed; a failure parks it again with the new error. Call it on
 // an interval (see Run) or after RequestReplay.
-func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) {
+func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) { return c.replay(ctx) }
+
+// replay is Replay.
+func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 	res := ReplayResult{Outcomes: map[Outcome]int{}}
-	dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: c.h.Name, State: driver.DeadLetterReplayRequested})
+	dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: c.name, State: driver.DeadLetterReplayRequested})
 	if err != nil {
 		return res, fmt.Errorf("idem: list dead letters to replay: %w", err)
 	}
@@ -310,7 +355,12 @@ func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) {
 			res.Parked++
 			continue
 		}
-		v := c.HandleDelivery(ctx, &Delivery{Msg: &msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true})
+		if c.rearm != nil {
+			if err := c.rearm(ctx, msg.ID); err != nil {
+				return res, fmt.Errorf("idem: make %s claimable for its replay: %w", msg.ID, err)
+			}
+		}
+		v := c.handle(ctx, &Delivery{Msg: &msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true})
 		if v.DeadLettered {
 			// Parked again by deadLetter (the upsert resets the state):
 			// log the attempt.
@@ -337,16 +387,21 @@ func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) {
 // Run replays requested dead letters every interval until ctx is done,
 // logging failures, and returns ctx's error.
 func (c *Consumer[TTx]) Run(ctx context.Context, interval time.Duration) error {
+	return c.run(ctx, interval)
+}
+
+// run is Run.
+func (c *deliveries) run(ctx context.Context, interval time.Duration) error {
 	if interval <= 0 {
 		return fmt.Errorf("%w: replay interval %s must be positive", ErrInvalidConfig, interval)
 	}
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
-		if r, err := c.Replay(ctx); err != nil && ctx.Err() == nil {
+		if r, err := c.replay(ctx); err != nil && ctx.Err() == nil {
 			c.cfg.Logger.Warn("idem: replay failed; retrying at the next interval", slog.Any("error", err))
 		} else if r.Replayed+r.Parked > 0 {
-			c.cfg.Logger.Info("idem: replayed dead letters", slog.String("handler", c.h.Name), slog.Int("replayed", r.Replayed), slog.Int("parked", r.Parked))
+			c.cfg.Logger.Info("idem: replayed dead letters", slog.String("handler", c.name), slog.Int("replayed", r.Replayed), slog.Int("parked", r.Parked))
 		}
 		select {
 		case <-ctx.Done():
@@ -357,7 +412,7 @@ func (c *Consumer[TTx]) Run(ctx context.Context, interval time.Duration) error {
 }
 
 // actor names this consumer in the dead-letter log.
-func (c *Consumer[TTx]) actor() string { return "consumer " + c.h.Name }
+func (c *deliveries) actor() string { return "consumer " + c.name }
 
 // RequestReplay marks the parked dead letters matching f for replay by the
 // consumers of their handlers, logs the request with actor (who asked),

@@ -198,6 +198,16 @@ type LeaseAdvance struct {
 	Seq         int64
 }
 
+// LeaseRearmer lets a lease-mode consumer replay the dead letter of a
+// message that failed for good: before the replay, the row becomes
+// claimable again.
+type LeaseRearmer interface {
+	// LeaseRearm sets the next attempt time of (handler, messageID) to now
+	// if the row is LeaseFailed, and does nothing otherwise (no row, or a
+	// running or done one).
+	LeaseRearm(ctx context.Context, handler, messageID string) error
+}
+
 // LeaseSequencer lets lease mode run the ordering guard: it reads an
 // aggregate's last applied sequence before the handler runs, and
 // LeaseComplete honours LeaseCompleteParams.Advance.

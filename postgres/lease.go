@@ -121,6 +121,15 @@ WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 	return d.fencedWrite(ctx, "mark failed", p.Handler, p.MessageID, tag, err)
 }
 
+// LeaseRearm implements driver.LeaseRearmer.
+func (d *Driver) LeaseRearm(ctx context.Context, handler, messageID string) error {
+	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+` SET next_attempt_at = now()
+WHERE handler = $1 AND message_id = $2 AND status = 'failed'`, handler, messageID); err != nil {
+		return fmt.Errorf("postgres: rearm lease: %w", err)
+	}
+	return nil
+}
+
 // fencedWrite turns the result of a token-guarded UPDATE into a
 // LeaseWriteResult, reading the current row when the token was stale.
 func (d *Driver) fencedWrite(ctx context.Context, op, handler, id string, tag pgconn.CommandTag, err error) (driver.LeaseWriteResult, error) {

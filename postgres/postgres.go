@@ -106,6 +106,7 @@ var (
 	_ driver.BeginMarkerInserter[Tx]     = (*Driver)(nil)
 	_ driver.BeginMarkerManyInserter[Tx] = (*Driver)(nil)
 	_ driver.MarkerDeleter[Tx]           = (*Driver)(nil)
+	_ driver.LeaseRearmer                = (*Driver)(nil)
 	_ driver.BeginSequenceAdvancer[Tx]   = (*Driver)(nil)
 )
 

@@ -124,6 +124,15 @@ WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`,
 	return d.fencedWrite(ctx, "mark failed", p.Handler, p.MessageID, r, err)
 }
 
+// LeaseRearm implements driver.LeaseRearmer.
+func (d *Driver) LeaseRearm(ctx context.Context, handler, messageID string) error {
+	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.processed+` SET next_attempt_at = ?
+WHERE handler = ? AND message_id = ? AND status = 'failed'`, time.Now().UnixMicro(), handler, messageID); err != nil {
+		return fmt.Errorf("sqlite: rearm lease: %w", err)
+	}
+	return nil
+}
+
 // fencedWrite turns the result of a token-guarded UPDATE into a
 // LeaseWriteResult, reading the current row when the token was stale.
 func (d *Driver) fencedWrite(ctx context.Context, op, handler, id string, r sql.Result, err error) (driver.LeaseWriteResult, error) {

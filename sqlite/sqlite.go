@@ -74,6 +74,7 @@ type tables struct {
 var (
 	_ driver.Driver[*sql.Tx]        = (*Driver)(nil)
 	_ driver.MarkerDeleter[*sql.Tx] = (*Driver)(nil)
+	_ driver.LeaseRearmer           = (*Driver)(nil)
 )
 
 // OpenOptions tunes Open. The zero value gives idem's defaults.

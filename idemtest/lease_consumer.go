@@ -1,0 +1,115 @@
+package idemtest
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+)
+
+// testLeaseConsumer: idem.LeaseConsumer maps lease mode's outcomes to broker
+// verdicts. Applied and Duplicate are acknowledged; a message whose lease
+// another worker holds is asked again later, and dead-lettered on the
+// broker's last delivery rather than dropped; a failure is retried, and
+// asked again no earlier than its next attempt time; a permanent one is
+// dead-lettered. Replaying the dead letter of a message still failed makes
+// it claimable again and runs it once more.
+func testLeaseConsumer(t *testing.T, drv driver.LeaseDriver) {
+	dl, ok := drv.(driver.DeadLetterStore)
+	if !ok {
+		t.Skipf("driver %T has no dead-letter store: idem.LeaseConsumer needs one", drv)
+	}
+	ctx := context.Background()
+	// A failed attempt waits up to an hour: only a replay brings it back
+	// within the test.
+	p := leaseProc(t, drv, &idem.LeaseConfig{BackoffBase: time.Hour, BackoffMax: time.Hour})
+	var (
+		calls callCounter
+		down  atomic.Bool
+	)
+	down.Store(true)
+	h := calls.handler("mailer", func(_ context.Context, _ *idem.Lease, m *idem.Message) error {
+		switch {
+		case m.ID == "flaky" && down.Load():
+			return errors.New("smtp: connection refused")
+		case m.ID == "bad":
+			return idem.Permanent(errors.New("mailbox does not exist"))
+		}
+		return nil
+	})
+	c, err := idem.NewLeaseConsumer(p, h, dl, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deliver := func(id string, attempt int, last bool) idem.Verdict {
+		return c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: id, Payload: []byte("hello")}, Attempt: attempt, LastAttempt: last})
+	}
+
+	for i, want := range []idem.Outcome{idem.Applied, idem.Duplicate} {
+		if v := deliver("ok", i+1, false); !v.Ack || v.Outcome != want || v.DeadLettered {
+			t.Fatalf("ok, delivery %d: %+v, want acknowledged %v", i+1, v, want)
+		}
+	}
+
+	// Another worker holds "busy".
+	msg := &idem.Message{ID: "busy", Payload: []byte("hello")}
+	if r, err := drv.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "mailer", MessageID: msg.ID, PayloadHash: msg.PayloadHash(), Owner: "other", TTL: time.Minute}); err != nil || !r.Claimed {
+		t.Fatalf("claim busy for another worker: %+v, %v", r, err)
+	}
+	if v := deliver("busy", 1, false); v.Ack || v.Outcome != idem.InFlight || v.RetryAfter <= 0 {
+		t.Fatalf("busy: %+v, want InFlight, not acknowledged, asked again later", v)
+	}
+	if v := deliver("busy", 2, true); !v.Ack || !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterExhausted {
+		t.Fatalf("busy on the broker's last delivery: %+v, want dead-lettered (exhausted)", v)
+	}
+
+	// "flaky" fails; asked again, it is in flight until its next attempt.
+	if v := deliver("flaky", 1, false); v.Ack || v.Err == nil {
+		t.Fatalf("flaky, first delivery: %+v, want a retry with the error", v)
+	}
+	v := deliver("flaky", 2, false)
+	row, err := drv.LeaseGet(ctx, &driver.LeaseGetParams{Handler: "mailer", MessageID: "flaky"})
+	if err != nil || row == nil {
+		t.Fatalf("flaky's row: %+v, %v", row, err)
+	}
+	if due := row.NextAttemptAt.Sub(row.Now); v.Ack || v.Outcome != idem.InFlight || v.RetryAfter < due-time.Second {
+		t.Fatalf("flaky before its retry is due (in %s): %+v, want InFlight asked again no earlier", due, v)
+	}
+	if v := deliver("flaky", 3, true); !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterExhausted {
+		t.Fatalf("flaky on the broker's last delivery: %+v, want dead-lettered (exhausted)", v)
+	}
+
+	if v := deliver("bad", 1, false); !v.Ack || !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterPermanent {
+		t.Fatalf("bad: %+v, want dead-lettered (permanent)", v)
+	}
+
+	// The dependency is back: replaying flaky's dead letter runs it once
+	// more, although its next attempt was an hour away.
+	down.Store(false)
+	flaky := deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "mailer", State: driver.DeadLetterParked})
+	var ids []int64
+	for _, d := range flaky {
+		if d.MessageID == "flaky" {
+			ids = append(ids, d.ID)
+		}
+	}
+	if len(ids) != 1 {
+		t.Fatalf("dead letters %+v, want one of flaky", flaky)
+	}
+	if _, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{IDs: ids}, "test"); err != nil {
+		t.Fatal(err)
+	}
+	res, err := c.Replay(ctx)
+	if err != nil || res.Replayed != 1 || res.Outcomes[idem.Applied] != 1 {
+		t.Fatalf("replay: %+v, %v; want flaky applied", res, err)
+	}
+	for id, want := range map[string]int{"ok": 1, "busy": 0, "flaky": 2, "bad": 1} {
+		if n := calls.count(id); n != want {
+			t.Errorf("%s: handler called %d times, want %d", id, n, want)
+		}
+	}
+}
