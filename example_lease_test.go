@@ -88,3 +88,47 @@ func ExampleLeaseProcessor() {
 	// duplicate <nil>
 	// charges: 1
 }
+
+// A LeaseConsumer turns lease mode's outcomes into broker verdicts; a
+// broker adapter (package kafka or jetstream) calls HandleDelivery for every
+// delivery and acknowledges only when the verdict says so.
+func ExampleLeaseConsumer() {
+	ctx := context.Background()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	proc, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "worker-1"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	welcome := &idem.LeaseHandler{
+		Name: "emails.welcome",
+		Call: func(ctx context.Context, l *idem.Lease, msg *idem.Message) error {
+			fmt.Printf("sending the welcome email for %s\n", msg.ID)
+			return nil
+		},
+	}
+	c, err := idem.NewLeaseConsumer(proc, welcome, drv, nil) // the driver keeps the dead letters too
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Usually: jetstream.New(js, &jetstream.Config{…, Handler: c}).Run(ctx)
+	msg := &idem.Message{ID: "user-7-signed-up", Payload: []byte(`{"email":"ada@example.com"}`)}
+	for attempt := 1; attempt <= 2; attempt++ { // delivered twice
+		v := c.HandleDelivery(ctx, &idem.Delivery{Msg: msg, Attempt: attempt})
+		fmt.Printf("delivery %d: ack %v, %v\n", attempt, v.Ack, v.Outcome)
+	}
+	// Output:
+	// sending the welcome email for user-7-signed-up
+	// delivery 1: ack true, applied
+	// delivery 2: ack true, duplicate
+}
