@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -16,7 +15,6 @@ import (
 	natsjs "github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemhq/idem"
-	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/adaptertest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/jetstream"
@@ -283,65 +281,5 @@ func TestMaxDeliverUnlimitedMaxAttemptsDeadLetters(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	if n := tries.Load(); n != 4 {
 		t.Fatalf("the stuck message was tried %d times, want 4 (MaxAttempts)", n)
-	}
-}
-
-// Lease mode behind the adapter: three consumers on one durable send an
-// "email" per message through idem.LeaseConsumer while every tenth message
-// is published twice and one consumer's connection is closed mid-stream.
-// Each message's email goes out exactly once: the redeliveries are
-// Duplicates, or InFlight while another consumer holds the lease.
-func TestLeaseConsumerSendsEachOnce(t *testing.T) {
-	t.Parallel()
-	b := newBroker(t, testenv.EmbeddedNATS(t))
-	_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "idem.db"), nil)
-	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: 10 * time.Second, Logger: testenv.Logger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		mu   sync.Mutex
-		sent = map[string]int{}
-	)
-	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, l *idem.Lease, m *idem.Message) error {
-		time.Sleep(time.Millisecond) // the SMTP round trip
-		mu.Lock()
-		defer mu.Unlock()
-		sent[m.ID]++
-		return nil
-	}}
-	c, err := idem.NewLeaseConsumer(lp, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t), Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	events := idemtest.Events(300)
-	kills := make([]func(), 3)
-	for i := range kills {
-		kills[i] = b.Start(t, c)
-	}
-	b.Publish(t, adaptertest.Messages(events), 10)
-	time.Sleep(50 * time.Millisecond)
-	kills[1]()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		mu.Lock()
-		n := len(sent)
-		mu.Unlock()
-		if n == len(events) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d emails sent after 30 s", n, len(events))
-		}
-	}
-	time.Sleep(300 * time.Millisecond) // let the republished copies arrive
-	mu.Lock()
-	defer mu.Unlock()
-	for _, ev := range events {
-		if sent[ev.ID] != 1 {
-			t.Fatalf("%s: %d emails, want 1", ev.ID, sent[ev.ID])
-		}
-	}
-	if len(sent) != len(events) {
-		t.Fatalf("%d distinct emails, want %d", len(sent), len(events))
 	}
 }

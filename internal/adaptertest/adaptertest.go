@@ -1,7 +1,8 @@
 // Package adaptertest is the test suite every broker adapter passes: a
 // consumer crashed between the outcome and the ack or commit, three
-// consumers with one killed, poison and undecodable records, and
-// per-aggregate order with the ordering guard. The final state is always
+// consumers with one killed, poison and undecodable records, batches, a
+// lease-mode handler's effects sent once each, and per-aggregate order
+// with the ordering guard. The final state is always
 // checked against the unique intended events, never a fold of the
 // delivered stream.
 package adaptertest
@@ -18,6 +19,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -371,6 +373,11 @@ func Run(t *testing.T, newBroker func(t testing.TB) Broker) {
 		}
 		e.CheckBalances(events)
 	})
+	t.Run("LeaseModeEachEffectOnce", func(t *testing.T) {
+		t.Parallel()
+		b, e := newBroker(t), NewEnv(t)
+		leaseEffectsOnce(t, b, e)
+	})
 	t.Run("OrderKeptWithGuard", func(t *testing.T) {
 		t.Parallel()
 		b, e := newBroker(t), NewEnv(t)
@@ -417,4 +424,61 @@ func orderKept(t *testing.T, b Broker, e *Env, start func() (kill func())) {
 		}
 	}
 	e.CheckBalances(events)
+}
+
+// leaseEffectsOnce runs a lease-mode handler behind the adapter: three
+// consumers send an "email" per message through idem.LeaseConsumer while
+// every tenth message is published twice and one consumer is killed
+// mid-stream. Each message's email goes out exactly once: redeliveries are
+// Duplicates, or InFlight while another consumer holds the lease.
+func leaseEffectsOnce(t *testing.T, b Broker, e *Env) {
+	lp, err := idem.NewLeaseProcessor(e.Drv, &idem.LeaseConfig{TTL: 10 * time.Second, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu   sync.Mutex
+		sent = map[string]int{}
+	)
+	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, l *idem.Lease, m *idem.Message) error {
+		time.Sleep(time.Millisecond) // the SMTP round trip
+		mu.Lock()
+		defer mu.Unlock()
+		sent[m.ID]++
+		return nil
+	}}
+	c, err := idem.NewLeaseConsumer(lp, h, e.Drv, &idem.ConsumerConfig{Logger: testenv.Logger(t), Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := idemtest.Events(300)
+	kills := make([]func(), 3)
+	for i := range kills {
+		kills[i] = b.Start(t, c)
+	}
+	b.Publish(t, Messages(events), 10)
+	time.Sleep(50 * time.Millisecond)
+	kills[1]()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		mu.Lock()
+		n := len(sent)
+		mu.Unlock()
+		if n == len(events) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d emails sent after 30 s", n, len(events))
+		}
+	}
+	time.Sleep(300 * time.Millisecond) // let the republished copies arrive
+	mu.Lock()
+	defer mu.Unlock()
+	for _, ev := range events {
+		if sent[ev.ID] != 1 {
+			t.Fatalf("%s: %d emails, want 1", ev.ID, sent[ev.ID])
+		}
+	}
+	if len(sent) != len(events) {
+		t.Fatalf("%d distinct emails, want %d", len(sent), len(events))
+	}
 }
