@@ -59,6 +59,7 @@ type demoConfig struct {
 	seed      uint64
 	broker    string // "nats" (embedded JetStream) or "none" (direct batches)
 	shuffle   bool   // per-account sequences, reordered delivery, ordering guard
+	lease     bool   // lease mode: welcome emails through idem.LeaseConsumer
 	window    int    // reordering window of --shuffle
 	noGuard   bool   // tests only: run --shuffle without the ordering guard
 }
@@ -92,6 +93,12 @@ with Processor.ProcessBatch, some batches handed to 2–3 workers at once
 (concurrent duplicate deliveries); a failed batch is retried, never dropped.
 --shuffle adds per-account sequences and reorders deliveries (see its flag).
 
+--lease shows lease mode, for effects outside the database: a welcome email
+per signup (2,000 by default, --dup-rate of them published twice) sent
+through idem.LeaseConsumer to a mail service that refuses every 25th call,
+over the broker, with consumers killed as above. It checks that every signup
+got exactly one email.
+
 At the end every balance is compared with the one computed from the unique
 intended events (not from the delivered stream), and the counts of applied
 deliveries and conflicts are checked. Exit 1 if anything differs.
@@ -120,13 +127,17 @@ every commit is durable, which is why the demo batches.`,
 			fs.Uint64Var(&cfg.seed, "seed", 1, "random `seed`: the same seed gives the same events and stream")
 			fs.BoolVar(&cfg.shuffle, "shuffle", false, "give every account's events a sequence, reorder deliveries and let the ordering guard hold early ones; verifies order too")
 			fs.IntVar(&cfg.window, "window", 32, "with --shuffle: deliveries are reordered within windows of this `size`")
+			fs.BoolVar(&cfg.lease, "lease", false, "lease mode: a welcome email per signup through idem.LeaseConsumer, to a mail service that refuses some calls; verifies one email per signup (--broker nats or kafka)")
 			return func(ctx context.Context, e *env, args []string) error {
 				if err := noArgs(args); err != nil {
 					return err
 				}
 				if !eventsSet {
 					cfg.events = 10000
-					if cfg.broker == "none" || cfg.shuffle {
+					switch {
+					case cfg.lease:
+						cfg.events = 2000 // two commits per message: claim, done
+					case cfg.broker == "none" || cfg.shuffle:
 						cfg.events = 100000
 					}
 				}
@@ -134,6 +145,8 @@ every commit is durable, which is why the demo batches.`,
 					return err
 				}
 				switch {
+				case cfg.lease:
+					return runLeaseDemo(ctx, e, cfg)
 				case cfg.shuffle:
 					return runShuffleDemo(ctx, e, cfg)
 				case cfg.broker == "nats", cfg.broker == "kafka":
@@ -160,6 +173,8 @@ func (c *demoConfig) check() error {
 		return usagef("--batch must be at least 1, got %d", c.batch)
 	case c.window < 1:
 		return usagef("--window must be at least 1, got %d", c.window)
+	case c.lease && (c.broker == "none" || c.shuffle):
+		return usagef("--lease runs over a broker (--broker nats or kafka), without --shuffle")
 	case math.IsNaN(c.dupRate) || c.dupRate < 0 || c.dupRate > 1:
 		return usagef("--dup-rate must be between 0 and 1, got %v", c.dupRate)
 	case c.conflicts < 0 || c.conflicts > c.events:

@@ -137,6 +137,7 @@ func TestDemoFlagErrors(t *testing.T) {
 		"--dup-rate must be between":     {"--dup-rate", "1.5"},
 		"--conflicts must be between 0":  {"--events", "10", "--conflicts", "11"},
 		"--conflicts must be between 0 ": {"--conflicts", "-1"},
+		"--lease runs over a broker":     {"--lease", "--broker", "none"},
 	}
 	for want, args := range tests {
 		t.Run(want, func(t *testing.T) {
@@ -360,5 +361,40 @@ func TestDemoOverKafkaCrashesMembers(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
+	}
+}
+
+// TestDemoLease runs the lease-mode demo over both brokers: two consumers
+// killed, a tenth of the signups published twice, a mail service refusing
+// some calls; every signup must get exactly one email.
+func TestDemoLease(t *testing.T) {
+	t.Parallel()
+	for _, broker := range []string{"nats", "kafka"} {
+		t.Run(broker, func(t *testing.T) {
+			t.Parallel()
+			code, out, errOut := runCLI(t, "demo", "--lease", "--broker", broker, "--events", "600")
+			if code != exitOK {
+				t.Fatalf("exit %d\n%s%s", code, out, errOut)
+			}
+			for _, want := range []string{"consumers killed                2", "emails sent                   600", "wrong email counts              0", "verification: OK"} {
+				if !strings.Contains(out, want) {
+					t.Errorf("output lacks %q:\n%s", want, out)
+				}
+			}
+		})
+	}
+}
+
+// TestDemoLeaseCheckCatchesWrongCounts: a second email, a missing one and
+// one for no signup are each reported.
+func TestDemoLeaseCheckCatchesWrongCounts(t *testing.T) {
+	sent := map[string]int{"signup-000000": 1, "signup-000001": 2, "signup-000009": 1}
+	wrong := checkEmails(sent, 3)
+	want := []string{"signup-000001: 2 emails", "signup-000002: 0 emails", "signup-000009: 1 emails, for no signup"}
+	if strings.Join(wrong, "|") != strings.Join(want, "|") {
+		t.Fatalf("checkEmails = %q, want %q", wrong, want)
+	}
+	if wrong := checkEmails(map[string]int{"signup-000000": 1}, 1); len(wrong) != 0 {
+		t.Fatalf("checkEmails of a correct run = %q, want nothing", wrong)
 	}
 }
