@@ -49,7 +49,9 @@ type Config struct {
 	// drops with no more than an advisory (see docs/jetstream.md).
 	MaxDeliver int
 	// AckWait is how long JetStream waits for an ack before redelivering.
-	// Default 30 s.
+	// While the handler runs, the consumer resets it every AckWait/2
+	// (InProgress), so only a consumer that stopped (crashed, lost its
+	// connection) has its messages redelivered. Default 30 s.
 	AckWait time.Duration
 	// Batch, above 1, fetches up to that many messages at a time and hands
 	// them to the Handler's HandleDeliveries when it is an
@@ -174,7 +176,9 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 		}
 		// Decided and settled even if ctx ends now: the effects may have
 		// committed.
+		stop := c.keepAlive(msgs...)
 		vs := bh.HandleDeliveries(context.WithoutCancel(ctx), ds)
+		stop()
 		for i, m := range msgs {
 			c.settle(m, ds[i], vs[i])
 		}
@@ -184,7 +188,47 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 // handle maps, decides and settles one message.
 func (c *Consumer) handle(ctx context.Context, m jetstream.Msg) {
 	d := c.delivery(m)
-	c.settle(m, d, c.cfg.Handler.HandleDelivery(ctx, d))
+	stop := c.keepAlive(m)
+	v := c.cfg.Handler.HandleDelivery(ctx, d)
+	stop()
+	c.settle(m, d, v)
+}
+
+// keepAlive tells JetStream every AckWait/2 that msgs are still being
+// worked on (InProgress resets their AckWait), so that a handler slower
+// than AckWait, a lease-mode call say, does not see its message
+// redelivered meanwhile. The returned func stops it. A timer that has not
+// fired costs no goroutine.
+func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
+	var (
+		mu      sync.Mutex
+		stopped bool
+		t       *time.Timer
+	)
+	every := c.cfg.AckWait / 2
+	var tick func()
+	tick = func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if stopped {
+			return
+		}
+		for _, m := range msgs {
+			if err := m.InProgress(); err != nil {
+				c.cfg.Logger.Debug("jetstream: in-progress ack failed", slog.Any("error", err))
+			}
+		}
+		t.Reset(every)
+	}
+	mu.Lock()
+	t = time.AfterFunc(every, tick)
+	mu.Unlock()
+	return func() {
+		mu.Lock()
+		defer mu.Unlock()
+		stopped = true
+		t.Stop()
+	}
 }
 
 // delivery maps m.

@@ -283,3 +283,28 @@ func TestMaxDeliverUnlimitedMaxAttemptsDeadLetters(t *testing.T) {
 		t.Fatalf("the stuck message was tried %d times, want 4 (MaxAttempts)", n)
 	}
 }
+
+// A handler slower than AckWait keeps its message: the consumer resets
+// AckWait while it runs, so JetStream does not redeliver it meanwhile.
+func TestSlowHandlerKeepsItsMessage(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	var calls, done atomic.Int64
+	b.Start(t, idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
+		if calls.Add(1) == 1 {
+			time.Sleep(2500 * time.Millisecond) // AckWait is 1 s
+		}
+		done.Add(1)
+		return idem.Verdict{Ack: true}
+	}))
+	b.Publish(t, []*idem.Message{{ID: "slow", AggregateID: "a", Payload: []byte("x")}}, 0)
+	for deadline := time.Now().Add(10 * time.Second); done.Load() == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the handler did not return")
+		}
+	}
+	time.Sleep(1500 * time.Millisecond) // a redelivery would arrive by now
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("handler called %d times, want 1: the message was redelivered while it ran", n)
+	}
+}
