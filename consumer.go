@@ -182,7 +182,10 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		// Lease mode: another worker holds the message, or a failed
 		// attempt's retry is not due. Ask again later; the holder acks
 		// its own delivery.
-		return Verdict{RetryAfter: max(c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), notBefore), Outcome: out}
+		delay := max(c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), notBefore)
+		c.cfg.Logger.Debug("idem: message in flight; will ask again", slog.String("handler", c.name),
+			slog.String("message_id", d.Msg.ID), slog.Int("attempt", d.Attempt), slog.Duration("retry_after", delay))
+		return Verdict{RetryAfter: delay, Outcome: out}
 	}
 	switch {
 	case out == Conflict:
