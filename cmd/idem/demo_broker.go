@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/jetstream"
+	"github.com/idemhq/idem/sqlite"
 )
 
 const (
@@ -111,31 +113,12 @@ func (d *natsDemo) close() { d.ns.Shutdown() }
 // mid-stream (what they had not acknowledged or committed comes back to the
 // others and to their replacements), and verifies every balance.
 func runBrokerDemo(ctx context.Context, e *env, cfg *demoConfig) error {
-	dir, err := os.MkdirTemp("", "idem-demo-")
-	if err != nil {
-		return fmt.Errorf("create temporary directory: %w", err)
-	}
-	defer os.RemoveAll(dir)
-	path := cfg.db
-	if path == "" {
-		path = filepath.Join(dir, "demo.db")
-	}
-	var b demoBroker
-	if cfg.broker == "kafka" {
-		b, err = newKafkaDemo()
-	} else {
-		b, err = newNATSDemo(filepath.Join(dir, "jetstream"))
-	}
+	s, err := setUpBrokerDemo(ctx, cfg, demoBalancesDDL)
 	if err != nil {
 		return err
 	}
-	defer b.close()
-
-	db, drv, err := openDemoDB(ctx, path, demoBalancesDDL)
-	if err != nil {
-		return err
-	}
-	defer db.Close()
+	defer s.close()
+	b, db, drv, path := s.b, s.db, s.drv, s.path
 	quiet := slog.New(slog.DiscardHandler)
 	proc, rec, err := newDemoProcessor(drv, quiet)
 	if err != nil {
@@ -172,55 +155,29 @@ func runBrokerDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	fmt.Fprintf(e.stdout, "  %d consumers sharing the stream; two are killed mid-stream and replaced\n", natsDemoConsumers)
 
 	counts := &demoCounts{conflictIDs: map[string]int{}}
-	d := b
 	b.setHandler(&countingHandler{next: consumer, counts: counts})
 	start := time.Now()
-	if err := d.publish(ctx, deliveries); err != nil {
+	if err := b.publish(ctx, deliveries); err != nil {
 		return err
 	}
-	for range natsDemoConsumers {
-		if err := d.start(ctx); err != nil {
-			return err
-		}
-	}
-	defer d.stopAll()
+	defer b.stopAll()
 	prog := newProgress(e.stdout, int64(len(events)), "events applied")
-	killedAt := []int64{int64(len(events)) * 3 / 10, int64(len(events)) * 6 / 10}
-	var shown int64
-	killed := 0
-	for {
-		n := counts.applied.Load()
-		prog.Add(int(n - shown))
-		shown = n
-		if len(killedAt) > 0 && n >= killedAt[0] {
-			killedAt = killedAt[1:]
-			d.killOne()
-			killed++
-			if err := d.start(ctx); err != nil {
-				return err
-			}
-		}
+	killed, err := superviseDemo(ctx, b, prog, int64(len(events)), counts.applied.Load, func(n int64) (bool, error) {
 		if n >= int64(len(events)) && conflicting != nil {
-			if err := d.publish(ctx, conflicting); err != nil {
-				return err
+			if err := b.publish(ctx, conflicting); err != nil {
+				return false, err
 			}
 			conflicting = nil
 		}
-		if n >= int64(len(events)) && conflicting == nil && len(killedAt) == 0 && counts.conflicts.Load() >= int64(stream.conflicts) {
-			break
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		if time.Since(start) > 2*time.Minute {
-			return fmt.Errorf("stalled: %d of %d events applied after 2 minutes", n, len(events))
-		}
-		time.Sleep(20 * time.Millisecond)
+		return n >= int64(len(events)) && conflicting == nil && counts.conflicts.Load() >= int64(stream.conflicts), nil
+	})
+	if err != nil {
+		return err
 	}
 	prog.Finish()
 	// Let the killed consumers' leftovers come back: they are duplicates.
 	time.Sleep(natsDemoAckWait + 200*time.Millisecond)
-	d.stopAll()
+	b.stopAll()
 	elapsed := time.Since(start)
 	if err := rec.Flush(ctx); err != nil {
 		return err
@@ -240,6 +197,93 @@ func runBrokerDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 		return errors.New("verification failed: see the report above")
 	}
 	return nil
+}
+
+// brokerDemo is what the broker demos start from: a temporary directory,
+// the broker --broker names and the SQLite store (at --db if set).
+type brokerDemo struct {
+	dir, path string
+	b         demoBroker
+	db        *sql.DB
+	drv       *sqlite.Driver
+}
+
+// setUpBrokerDemo creates the demo's directory, broker and store, the
+// store with ddl run on it. close undoes it all.
+func setUpBrokerDemo(ctx context.Context, cfg *demoConfig, ddl string) (*brokerDemo, error) {
+	dir, err := os.MkdirTemp("", "idem-demo-")
+	if err != nil {
+		return nil, fmt.Errorf("create temporary directory: %w", err)
+	}
+	s := &brokerDemo{dir: dir, path: cfg.db}
+	if s.path == "" {
+		s.path = filepath.Join(dir, "demo.db")
+	}
+	if cfg.broker == "kafka" {
+		s.b, err = newKafkaDemo()
+	} else {
+		s.b, err = newNATSDemo(filepath.Join(dir, "jetstream"))
+	}
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	if s.db, s.drv, err = openDemoDB(ctx, s.path, ddl); err != nil {
+		s.b.close()
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *brokerDemo) close() {
+	s.db.Close()
+	s.b.close()
+	os.RemoveAll(s.dir)
+}
+
+// superviseDemo starts the demo's consumers on b and, while applied()
+// counts towards total, shows progress and kills and replaces one consumer
+// at 30% and one at 60%. It returns how many it killed once both kills are
+// done and finished, asked with the count at every turn, says so; an error
+// if that takes over two minutes.
+func superviseDemo(ctx context.Context, b demoBroker, prog *progress, total int64, applied func() int64, finished func(n int64) (bool, error)) (int, error) {
+	for range natsDemoConsumers {
+		if err := b.start(ctx); err != nil {
+			return 0, err
+		}
+	}
+	start := time.Now()
+	killAt := []int64{total * 3 / 10, total * 6 / 10}
+	var shown int64
+	killed := 0
+	for {
+		n := applied()
+		prog.Add(int(n - shown))
+		shown = n
+		if len(killAt) > 0 && n >= killAt[0] {
+			killAt = killAt[1:]
+			b.killOne()
+			killed++
+			if err := b.start(ctx); err != nil {
+				return killed, err
+			}
+		}
+		done, err := finished(n)
+		if err != nil {
+			return killed, err
+		}
+		if done && len(killAt) == 0 {
+			return killed, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return killed, err
+		}
+		if time.Since(start) > 2*time.Minute {
+			return killed, fmt.Errorf("stalled: %d of %d applied after 2 minutes", n, total)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // publish sends every delivery, waiting for JetStream's acknowledgements.

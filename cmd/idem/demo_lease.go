@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -48,30 +46,12 @@ func (m *demoMailer) send(id string) error {
 // some calls, with signups published twice and consumers killed
 // mid-stream. It verifies that every signup got exactly one email.
 func runLeaseDemo(ctx context.Context, e *env, cfg *demoConfig) error {
-	dir, err := os.MkdirTemp("", "idem-demo-")
-	if err != nil {
-		return fmt.Errorf("create temporary directory: %w", err)
-	}
-	defer os.RemoveAll(dir)
-	path := cfg.db
-	if path == "" {
-		path = filepath.Join(dir, "demo.db")
-	}
-	var b demoBroker
-	if cfg.broker == "kafka" {
-		b, err = newKafkaDemo()
-	} else {
-		b, err = newNATSDemo(filepath.Join(dir, "jetstream"))
-	}
+	s, err := setUpBrokerDemo(ctx, cfg, "SELECT 1")
 	if err != nil {
 		return err
 	}
-	defer b.close()
-	db, drv, err := openDemoDB(ctx, path, "SELECT 1")
-	if err != nil {
-		return err
-	}
-	defer db.Close()
+	defer s.close()
+	b, drv, path := s.b, s.drv, s.path
 	quiet := slog.New(slog.DiscardHandler)
 	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "demo", TTL: time.Minute,
 		BackoffBase: 10 * time.Millisecond, BackoffMax: 100 * time.Millisecond, Logger: quiet})
@@ -112,38 +92,13 @@ func runLeaseDemo(ctx context.Context, e *env, cfg *demoConfig) error {
 	if err := b.publish(ctx, msgs); err != nil {
 		return err
 	}
-	for range natsDemoConsumers {
-		if err := b.start(ctx); err != nil {
-			return err
-		}
-	}
 	defer b.stopAll()
 	prog := newProgress(e.stdout, int64(cfg.events), "emails sent")
-	killedAt := []int64{int64(cfg.events) * 3 / 10, int64(cfg.events) * 6 / 10}
-	var shown int64
-	killed := 0
-	for {
-		n := counts.applied.Load()
-		prog.Add(int(n - shown))
-		shown = n
-		if len(killedAt) > 0 && n >= killedAt[0] {
-			killedAt = killedAt[1:]
-			b.killOne()
-			killed++
-			if err := b.start(ctx); err != nil {
-				return err
-			}
-		}
-		if n >= int64(cfg.events) && len(killedAt) == 0 {
-			break
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		if time.Since(start) > 2*time.Minute {
-			return fmt.Errorf("stalled: %d of %d emails sent after 2 minutes", n, cfg.events)
-		}
-		time.Sleep(20 * time.Millisecond)
+	killed, err := superviseDemo(ctx, b, prog, int64(cfg.events), counts.applied.Load, func(n int64) (bool, error) {
+		return n >= int64(cfg.events), nil
+	})
+	if err != nil {
+		return err
 	}
 	prog.Finish()
 	// Let the killed consumers' leftovers and the second copies come
