@@ -62,6 +62,11 @@ type Config struct {
 	// BatchWait bounds how long a fetch waits to fill a batch: the extra
 	// latency a batch may add when messages trickle in. Default 50 ms.
 	BatchWait time.Duration
+	// Prefetch is how many messages a consumer handling one at a time
+	// pulls ahead of the one it handles. Their AckWait runs while they
+	// wait, so with handlers that take seconds keep Prefetch × the
+	// handler's time below AckWait. Default 64.
+	Prefetch int
 	// Logger receives failures to ack. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -93,8 +98,11 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	if c.cfg.AckWait <= 0 {
 		c.cfg.AckWait = 30 * time.Second
 	}
-	if c.cfg.Batch < 0 || c.cfg.BatchWait < 0 {
-		return nil, fmt.Errorf("%w: jetstream: Batch and BatchWait must not be negative", idem.ErrInvalidConfig)
+	if c.cfg.Batch < 0 || c.cfg.BatchWait < 0 || c.cfg.Prefetch < 0 {
+		return nil, fmt.Errorf("%w: jetstream: Batch, BatchWait and Prefetch must not be negative", idem.ErrInvalidConfig)
+	}
+	if c.cfg.Prefetch == 0 {
+		c.cfg.Prefetch = 64
 	}
 	if c.cfg.BatchWait == 0 {
 		c.cfg.BatchWait = 50 * time.Millisecond
@@ -123,7 +131,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
 		return c.runBatches(ctx, cons, bh)
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(64))
+	it, err := cons.Messages(jetstream.PullMaxMessages(c.cfg.Prefetch))
 	if err != nil {
 		return fmt.Errorf("jetstream: subscribe %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 	}

@@ -169,6 +169,9 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, MaxDeliver: -2}); !errors.Is(err, idem.ErrInvalidConfig) {
 		t.Fatalf("New with MaxDeliver -2: %v", err)
 	}
+	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, Prefetch: -1}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("New with Prefetch -1: %v", err)
+	}
 	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, MaxDeliver: -1}); err != nil {
 		t.Fatalf("New with MaxDeliver -1 (no limit): %v", err)
 	}
