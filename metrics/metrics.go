@@ -21,7 +21,9 @@
 //	idem_message_duration_seconds{handler}     processing time per message
 //	                                           (a batch's time shared out)
 //	idem_deliveries_total{handler, verdict}    a Consumer's verdicts: acked,
-//	                                           retried or dead_lettered
+//	                                           retried, in_flight (lease
+//	                                           mode: held elsewhere) or
+//	                                           dead_lettered
 //	idem_dead_letters_total{handler, class}    a Consumer's dead letters by
 //	                                           class: permanent, conflict,
 //	                                           decode or exhausted
@@ -73,6 +75,7 @@ const (
 const (
 	VerdictAcked        = "acked"         // the outcome is durable; the broker was told so
 	VerdictRetried      = "retried"       // not acknowledged: redelivered after a backoff
+	VerdictInFlight     = "in_flight"     // lease mode: another worker holds it (or its retry is not due); asked again later
 	VerdictDeadLettered = "dead_lettered" // committed to the dead-letter store, then acknowledged
 )
 
@@ -128,7 +131,7 @@ func New(reg prometheus.Registerer, cfg *Config) (*Metrics, error) {
 		}, []string{"handler"}),
 		deliveries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "deliveries_total", ConstLabels: cfg.ConstLabels,
-			Help: "Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, dead_lettered).",
+			Help: "Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, in_flight, dead_lettered).",
 		}, []string{"handler", "verdict"}),
 		deadLetter: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "dead_letters_total", ConstLabels: cfg.ConstLabels,
@@ -186,6 +189,8 @@ func (m *Metrics) OnVerdict(_ context.Context, ev *idem.VerdictEvent) {
 		m.deadLetter.WithLabelValues(ev.Handler, ev.Verdict.DeadLetterClass).Inc()
 	case ev.Verdict.Ack:
 		verdict = VerdictAcked
+	case ev.Verdict.Outcome == idem.InFlight:
+		verdict = VerdictInFlight
 	}
 	m.deliveries.WithLabelValues(ev.Handler, verdict).Inc()
 }

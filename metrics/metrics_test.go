@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/metrics"
 	"github.com/idemhq/idem/sqlite"
@@ -148,7 +149,7 @@ func TestConsumerVerdictsCounted(t *testing.T) {
 		}
 	}
 	want := `
-# HELP idem_deliveries_total Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, dead_lettered).
+# HELP idem_deliveries_total Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, in_flight, dead_lettered).
 # TYPE idem_deliveries_total counter
 idem_deliveries_total{handler="balances",verdict="acked"} 5
 idem_deliveries_total{handler="balances",verdict="dead_lettered"} 2
@@ -291,7 +292,7 @@ func TestNewRejectsBadRegistration(t *testing.T) {
 	clash := prometheus.NewRegistry()
 	taken := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "third_deliveries_total",
-		Help: "Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, dead_lettered).",
+		Help: "Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, in_flight, dead_lettered).",
 	}, []string{"handler", "verdict"})
 	clash.MustRegister(taken)
 	if _, err := metrics.New(clash, &metrics.Config{Namespace: "third"}); !errors.Is(err, idem.ErrInvalidConfig) {
@@ -367,6 +368,46 @@ idem_leases_lost_total{handler="uploader",op="expired"} 1
 idem_messages_total{handler="uploader",outcome="error"} 1
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idem_leases_lost_total", "idem_messages_total"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A LeaseConsumer's delivery of a message whose lease another worker holds
+// is counted as in_flight, not as a retry of a failure.
+func TestLeaseInFlightCounted(t *testing.T) {
+	ctx := context.Background()
+	reg := prometheus.NewPedanticRegistry()
+	m, err := metrics.New(reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, drv := testenv.SQLite(t, ":memory:", nil)
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "me"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.LeaseHandler{Name: "mailer", Call: func(context.Context, *idem.Lease, *idem.Message) error { return nil }}
+	c, err := idem.NewLeaseConsumer(lp, h, drv, &idem.ConsumerConfig{Hooks: []idem.Hook{m}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := &idem.Message{ID: "held", Payload: []byte("x")}
+	if r, err := drv.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "mailer", MessageID: msg.ID, PayloadHash: msg.PayloadHash(), Owner: "other", TTL: time.Minute}); err != nil || !r.Claimed {
+		t.Fatalf("claim for another worker: %+v, %v", r, err)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: msg, Attempt: 1}); v.Ack || v.Outcome != idem.InFlight {
+		t.Fatalf("verdict %+v, want in flight", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "free", Payload: []byte("x")}, Attempt: 1}); !v.Ack {
+		t.Fatalf("verdict %+v, want acknowledged", v)
+	}
+	want := `
+# HELP idem_deliveries_total Broker deliveries decided by a Consumer, by handler and verdict (acked, retried, in_flight, dead_lettered).
+# TYPE idem_deliveries_total counter
+idem_deliveries_total{handler="mailer",verdict="acked"} 1
+idem_deliveries_total{handler="mailer",verdict="in_flight"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idem_deliveries_total"); err != nil {
 		t.Fatal(err)
 	}
 }
