@@ -420,9 +420,16 @@ func (p *LeaseProcessor) Config() LeaseConfig { return p.cfg }
 //     not worth retrying (Permanent handler errors, MaxAttempts reached,
 //     ErrFailedPermanently, validation): dead-letter those.
 func (p *LeaseProcessor) Process(ctx context.Context, h *LeaseHandler, msg *Message) (Outcome, error) {
+	return p.run(ctx, h, msg, nil)
+}
+
+// run is Process. When due is not nil and the outcome is InFlight because
+// the last attempt failed, it receives how long until that attempt's retry
+// is due.
+func (p *LeaseProcessor) run(ctx context.Context, h *LeaseHandler, msg *Message, due *time.Duration) (Outcome, error) {
 	start := time.Now()
 	ctx = p.onCall.start(ctx, h.name(), msg, nil, true)
-	out, err := p.process(ctx, h, msg)
+	out, err := p.process(ctx, h, msg, due)
 	if len(p.onCall) > 0 {
 		defer p.onCall.end(ctx, h.name(), []Outcome{out}, err, start)
 	}
@@ -438,7 +445,7 @@ func (p *LeaseProcessor) Process(ctx context.Context, h *LeaseHandler, msg *Mess
 	return out, err
 }
 
-func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Message) (Outcome, error) {
+func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Message, due *time.Duration) (Outcome, error) {
 	if h == nil {
 		return OutcomeNone, fmt.Errorf("%w: nil lease handler", ErrInvalidConfig)
 	}
@@ -464,7 +471,7 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: claim lease: %w", h.Name, msg.ID, err)
 	}
 	if !res.Claimed {
-		return p.notClaimed(h, msg.ID, hash, res.Existing)
+		return p.notClaimed(h, msg.ID, hash, res.Existing, due)
 	}
 	p.fault(FaultAfterClaim)
 
@@ -488,8 +495,8 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 }
 
 // notClaimed decides the outcome of a claim that found a row it could not
-// take over.
-func (p *LeaseProcessor) notClaimed(h *LeaseHandler, id string, hash []byte, row *driver.LeaseRow) (Outcome, error) {
+// take over; see run for due.
+func (p *LeaseProcessor) notClaimed(h *LeaseHandler, id string, hash []byte, row *driver.LeaseRow, due *time.Duration) (Outcome, error) {
 	if row == nil {
 		// Gone between the claim and the read: try again later.
 		return InFlight, nil
@@ -506,6 +513,9 @@ func (p *LeaseProcessor) notClaimed(h *LeaseHandler, id string, hash []byte, row
 		if row.NextAttemptAt.IsZero() {
 			return OutcomeNone, &PermanentError{Err: fmt.Errorf("%w: handler %q, message %q, after %d attempts: %s",
 				ErrFailedPermanently, h.Name, id, row.Attempts, row.LastError)}
+		}
+		if due != nil {
+			*due = max(row.NextAttemptAt.Sub(row.Now), 0)
 		}
 		return InFlight, nil
 	}

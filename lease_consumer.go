@@ -44,17 +44,11 @@ func NewLeaseConsumer(p *LeaseProcessor, h *LeaseHandler, dl driver.DeadLetterSt
 		return nil, err
 	}
 	d, err := newDeliveries(h.Name, func(ctx context.Context, msg *Message) (Outcome, time.Duration, error) {
-		out, err := p.Process(ctx, h, msg)
-		if out != InFlight || err != nil {
-			return out, 0, err
-		}
 		// A failed attempt is claimable at its next attempt time, not
 		// before: no point in asking earlier.
-		row, gerr := p.drv.LeaseGet(ctx, &driver.LeaseGetParams{Handler: h.Name, MessageID: msg.ID})
-		if gerr != nil || row == nil || row.Status != driver.LeaseFailed || row.NextAttemptAt.IsZero() {
-			return out, 0, nil
-		}
-		return out, max(row.NextAttemptAt.Sub(row.Now), 0), nil
+		var due time.Duration
+		out, err := p.run(ctx, h, msg, &due)
+		return out, due, err
 	}, dl, cfg)
 	if err != nil {
 		return nil, err

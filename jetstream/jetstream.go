@@ -214,8 +214,7 @@ func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
 		t       *time.Timer
 	)
 	every := c.cfg.AckWait / 2
-	var tick func()
-	tick = func() {
+	tick := func() {
 		mu.Lock()
 		defer mu.Unlock()
 		if stopped {
