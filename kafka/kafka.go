@@ -169,15 +169,14 @@ type member struct {
 
 func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 	m := &member{Consumer: c, cl: cl, held: map[partition]time.Time{}, tries: map[partition]tries{}}
+	maxPoll := c.cfg.MaxPoll
+	if c.cfg.Concurrency > 1 {
+		// Everything fetched: under a backlog a poll of MaxPoll records
+		// would hold one partition's and leave nothing to handle at once.
+		maxPoll = -1
+	}
 	for {
 		pctx, cancel := m.pollContext(ctx)
-		maxPoll := c.cfg.MaxPoll
-		if c.cfg.Concurrency > 1 {
-			// Everything fetched: under a backlog a poll of MaxPoll
-			// records would hold one partition's and leave nothing to
-			// handle at once.
-			maxPoll = -1
-		}
 		fetches := cl.PollRecords(pctx, maxPoll)
 		cancel()
 		if ctx.Err() != nil {
