@@ -17,3 +17,27 @@ func BenchmarkEndToEnd(b *testing.B) {
 	url := testenv.EmbeddedNATS(b)
 	adaptertest.BenchEndToEnd(b, func(t testing.TB) adaptertest.Broker { return newBroker(t, url) })
 }
+
+// BenchmarkConcurrency is BenchmarkEndToEnd's Postgres cases with a
+// consumer deciding four aggregates at once (Config.Concurrency 4):
+// compare its msgs/s with BenchmarkEndToEnd's.
+//
+//	go test ./jetstream -run '^$' -bench Concurrency -benchtime 10000x
+func BenchmarkConcurrency(b *testing.B) {
+	url := testenv.EmbeddedNATS(b)
+	for _, c := range []struct {
+		name string
+		adaptertest.Shape
+	}{
+		{"per-message", adaptertest.Shape{Batch: 1}},
+		{"batch-100-per-event", adaptertest.Shape{Batch: 100, PerEvent: true}},
+	} {
+		b.Run(adaptertest.StorePostgres+"/"+c.name, func(b *testing.B) {
+			adaptertest.EndToEnd(b, func(t testing.TB) adaptertest.Broker {
+				br := newBroker(t, url)
+				br.concurrency = 4
+				return br
+			}, adaptertest.StorePostgres, c.Shape)
+		})
+	}
+}

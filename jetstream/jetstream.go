@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"log/slog"
 	"strconv"
 	"sync"
@@ -67,16 +68,31 @@ type Config struct {
 	// wait, so with handlers that take seconds keep Prefetch × the
 	// handler's time below AckWait. Default 64.
 	Prefetch int
+	// Concurrency, above 1, decides up to that many messages (or, with
+	// Batch, batches) at once. Messages are spread over Concurrency lanes
+	// by key, the mapped message's AggregateID, or its subject when it has
+	// none; each lane decides its messages one after another in the order
+	// JetStream handed them out, so two messages of one aggregate are never
+	// decided at once and keep their delivery order. With Batch, each
+	// fetched batch is split by lane and the lanes' parts are decided at
+	// once, each in a transaction of its own; the next fetch waits for all
+	// of them. A message a lane has taken but not started when Run ends is
+	// Nak'd, so that another consumer gets it at once rather than after
+	// AckWait. The Handler must be safe for concurrent use (idem.Consumer
+	// is). Default 1: one message or batch at a time.
+	Concurrency int
 	// Logger receives failures to ack. Default slog.Default().
 	Logger *slog.Logger
 }
 
 // Consumer runs one pull subscription on a durable consumer. Run several,
 // in one process or many, to share a durable's messages; each processes its
-// messages one at a time, in the order JetStream hands them out.
+// messages one at a time, in the order JetStream hands them out, or, with
+// Config.Concurrency, several aggregates' at once.
 type Consumer struct {
-	js  jetstream.JetStream
-	cfg Config
+	js   jetstream.JetStream
+	cfg  Config
+	seed maphash.Seed // spreads keys over lanes
 }
 
 // New returns a Consumer on js. It creates or updates the durable consumer
@@ -85,7 +101,7 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	if js == nil || cfg == nil || cfg.Stream == "" || cfg.Durable == "" || cfg.Handler == nil {
 		return nil, fmt.Errorf("%w: jetstream: JetStream, Stream, Durable and Handler are required", idem.ErrInvalidConfig)
 	}
-	c := &Consumer{js: js, cfg: *cfg}
+	c := &Consumer{js: js, cfg: *cfg, seed: maphash.MakeSeed()}
 	if c.cfg.Map == nil {
 		c.cfg.Map = DefaultMap
 	}
@@ -98,8 +114,8 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	if c.cfg.AckWait <= 0 {
 		c.cfg.AckWait = 30 * time.Second
 	}
-	if c.cfg.Batch < 0 || c.cfg.BatchWait < 0 || c.cfg.Prefetch < 0 {
-		return nil, fmt.Errorf("%w: jetstream: Batch, BatchWait and Prefetch must not be negative", idem.ErrInvalidConfig)
+	if c.cfg.Batch < 0 || c.cfg.BatchWait < 0 || c.cfg.Prefetch < 0 || c.cfg.Concurrency < 0 {
+		return nil, fmt.Errorf("%w: jetstream: Batch, BatchWait, Prefetch and Concurrency must not be negative", idem.ErrInvalidConfig)
 	}
 	if c.cfg.Prefetch == 0 {
 		c.cfg.Prefetch = 64
@@ -142,6 +158,12 @@ func (c *Consumer) Run(ctx context.Context) error {
 		<-ctx.Done()
 		stop()
 	}()
+	decide := func(m jetstream.Msg, d *idem.Delivery) { c.decide(context.WithoutCancel(ctx), m, d) }
+	if c.cfg.Concurrency > 1 {
+		lanes := c.startLanes(ctx)
+		defer lanes.close()
+		decide = lanes.add
+	}
 	for {
 		m, err := it.Next()
 		if err != nil {
@@ -150,12 +172,12 @@ func (c *Consumer) Run(ctx context.Context) error {
 			}
 			return fmt.Errorf("jetstream: next message: %w", err)
 		}
-		c.handle(context.WithoutCancel(ctx), m)
+		decide(m, c.delivery(m))
 	}
 }
 
 // runBatches fetches up to Batch messages at a time and decides them
-// together.
+// together, or with Concurrency each lane's part of them together.
 func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh idem.BatchDeliveryHandler) error {
 	for {
 		if err := ctx.Err(); err != nil {
@@ -184,22 +206,104 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 		}
 		// Decided and settled even if ctx ends now: the effects may have
 		// committed.
-		stop := c.keepAlive(msgs...)
-		vs := bh.HandleDeliveries(context.WithoutCancel(ctx), ds)
-		stop()
-		for i, m := range msgs {
-			c.settle(m, ds[i], vs[i])
+		dctx := context.WithoutCancel(ctx)
+		if c.cfg.Concurrency <= 1 {
+			c.decideBatch(dctx, bh, msgs, ds)
+			continue
 		}
+		laneMsgs := make([][]jetstream.Msg, c.cfg.Concurrency)
+		laneDs := make([][]*idem.Delivery, c.cfg.Concurrency)
+		for i, m := range msgs {
+			l := c.lane(m, ds[i])
+			laneMsgs[l] = append(laneMsgs[l], m)
+			laneDs[l] = append(laneDs[l], ds[i])
+		}
+		var wg sync.WaitGroup
+		for l := range laneMsgs {
+			if len(laneMsgs[l]) > 0 {
+				wg.Go(func() { c.decideBatch(dctx, bh, laneMsgs[l], laneDs[l]) })
+			}
+		}
+		wg.Wait()
 	}
 }
 
-// handle maps, decides and settles one message.
-func (c *Consumer) handle(ctx context.Context, m jetstream.Msg) {
-	d := c.delivery(m)
+// decideBatch decides msgs, mapped to ds, in one call and settles each.
+func (c *Consumer) decideBatch(ctx context.Context, bh idem.BatchDeliveryHandler, msgs []jetstream.Msg, ds []*idem.Delivery) {
+	stop := c.keepAlive(msgs...)
+	vs := bh.HandleDeliveries(ctx, ds)
+	stop()
+	for i, m := range msgs {
+		c.settle(m, ds[i], vs[i])
+	}
+}
+
+// decide decides m, mapped to d, and settles it.
+func (c *Consumer) decide(ctx context.Context, m jetstream.Msg, d *idem.Delivery) {
 	stop := c.keepAlive(m)
 	v := c.cfg.Handler.HandleDelivery(ctx, d)
 	stop()
 	c.settle(m, d, v)
+}
+
+// lane returns the lane of m, mapped to d: its aggregate's, else its
+// subject's.
+func (c *Consumer) lane(m jetstream.Msg, d *idem.Delivery) int {
+	key := m.Subject()
+	if d.Msg != nil && d.Msg.AggregateID != "" {
+		key = d.Msg.AggregateID
+	}
+	return int(maphash.String(c.seed, key) % uint64(c.cfg.Concurrency))
+}
+
+// pending is a message waiting in a lane.
+type pending struct {
+	m jetstream.Msg
+	d *idem.Delivery
+}
+
+// lanes are Concurrency goroutines, each deciding its messages in order.
+type lanes struct {
+	c  *Consumer
+	ch []chan pending
+	wg sync.WaitGroup
+}
+
+// startLanes starts the lanes; they decide until ctx ends and Nak what
+// they hold then.
+func (c *Consumer) startLanes(ctx context.Context) *lanes {
+	ls := &lanes{c: c, ch: make([]chan pending, c.cfg.Concurrency)}
+	for i := range ls.ch {
+		// One waiting message per lane: a lane busy with a slow message
+		// stalls the others only once a second message comes for it.
+		ls.ch[i] = make(chan pending, 1)
+		ls.wg.Go(func() {
+			for p := range ls.ch[i] {
+				if ctx.Err() != nil {
+					// Not started: back to JetStream now, not after AckWait.
+					if err := p.m.Nak(); err != nil {
+						c.cfg.Logger.Debug("jetstream: nak on stop failed; redelivered after AckWait", slog.String("source", p.d.Source), slog.Any("error", err))
+					}
+					continue
+				}
+				c.decide(context.WithoutCancel(ctx), p.m, p.d)
+			}
+		})
+	}
+	return ls
+}
+
+// add queues m, mapped to d, on its lane, waiting while the lane is full.
+func (ls *lanes) add(m jetstream.Msg, d *idem.Delivery) {
+	ls.ch[ls.c.lane(m, d)] <- pending{m, d}
+}
+
+// close waits for the lanes to finish what they hold.
+func (ls *lanes) close() {
+	for _, ch := range ls.ch {
+		close(ch)
+	}
+	ls.wg.Wait()
 }
 
 // keepAlive tells JetStream every AckWait/2 that msgs are still being

@@ -23,6 +23,7 @@ import (
 // broker is adaptertest.Broker on one JetStream stream.
 type broker struct {
 	url, stream string
+	concurrency int // Config.Concurrency of the consumers
 }
 
 func newBroker(t testing.TB, url string) *broker {
@@ -89,7 +90,7 @@ func (b *broker) PublishRaw(t testing.TB, value []byte) {
 
 func (b *broker) consumer(t testing.TB, h idem.DeliveryHandler, batch ...int) (*nats.Conn, *jetstream.Consumer) {
 	nc, js := b.connect(t)
-	cfg := &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: time.Second, MaxDeliver: 50, Logger: testenv.Logger(t)}
+	cfg := &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: time.Second, MaxDeliver: 50, Concurrency: b.concurrency, Logger: testenv.Logger(t)}
 	if len(batch) > 0 {
 		cfg.Batch = batch[0]
 	}
@@ -156,6 +157,18 @@ func TestAdapterSuite(t *testing.T) {
 		testenv.NATSConn(t) // skip loudly (or fail in CI) when it is down
 		adaptertest.Run(t, func(t testing.TB) adaptertest.Broker { return newBroker(t, testenv.NATSURL()) })
 	})
+	t.Run("embedded-concurrent", func(t *testing.T) {
+		t.Parallel()
+		adaptertest.Run(t, newConcurrentBroker)
+	})
+}
+
+// newConcurrentBroker is newBroker on an embedded server, with consumers
+// deciding up to four aggregates at once.
+func newConcurrentBroker(t testing.TB) adaptertest.Broker {
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	b.concurrency = 4
+	return b
 }
 
 // TestNewRejectsBadConfig checks the required settings.
@@ -171,6 +184,9 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	}
 	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, Prefetch: -1}); !errors.Is(err, idem.ErrInvalidConfig) {
 		t.Fatalf("New with Prefetch -1: %v", err)
+	}
+	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, Concurrency: -1}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("New with Concurrency -1: %v", err)
 	}
 	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, MaxDeliver: -1}); err != nil {
 		t.Fatalf("New with MaxDeliver -1 (no limit): %v", err)
@@ -309,5 +325,174 @@ func TestSlowHandlerKeepsItsMessage(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond) // a redelivery would arrive by now
 	if n := calls.Load(); n != 1 {
 		t.Fatalf("handler called %d times, want 1: the message was redelivered while it ran", n)
+	}
+}
+
+// recorder is a handler, one message or a batch at a time, that records
+// how many calls overlap, overall and per aggregate, and the order in
+// which each aggregate's messages were first decided. (A message pulled
+// ahead can wait past AckWait and come again: at-least-once.)
+type recorder struct {
+	mu       sync.Mutex
+	inFlight int            // calls running now
+	most     int            // the most calls running at once
+	busy     map[string]int // calls running now per aggregate
+	overlap  []string       // aggregates seen in two calls at once
+	seqs     map[string][]int64
+	seen     map[string]bool
+	handled  atomic.Int64 // distinct messages decided
+}
+
+func newRecorder() *recorder {
+	return &recorder{busy: map[string]int{}, seqs: map[string][]int64{}, seen: map[string]bool{}}
+}
+
+func (r *recorder) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
+	return r.HandleDeliveries(ctx, []*idem.Delivery{d})[0]
+}
+
+func (r *recorder) HandleDeliveries(_ context.Context, ds []*idem.Delivery) []idem.Verdict {
+	aggs := map[string]bool{}
+	for _, d := range ds {
+		aggs[d.Msg.AggregateID] = true
+	}
+	r.mu.Lock()
+	r.inFlight++
+	r.most = max(r.most, r.inFlight)
+	for a := range aggs {
+		if r.busy[a]++; r.busy[a] > 1 {
+			r.overlap = append(r.overlap, a)
+		}
+	}
+	fresh := 0
+	for _, d := range ds {
+		if !r.seen[d.Msg.ID] {
+			r.seen[d.Msg.ID] = true
+			r.seqs[d.Msg.AggregateID] = append(r.seqs[d.Msg.AggregateID], d.Msg.Seq)
+			fresh++
+		}
+	}
+	r.mu.Unlock()
+	time.Sleep(20 * time.Millisecond)
+	r.mu.Lock()
+	r.inFlight--
+	for a := range aggs {
+		r.busy[a]--
+	}
+	r.mu.Unlock()
+	r.handled.Add(int64(fresh))
+	vs := make([]idem.Verdict, len(ds))
+	for i := range vs {
+		vs[i] = idem.Verdict{Ack: true}
+	}
+	return vs
+}
+
+// With Concurrency a consumer decides several aggregates at once, one
+// message or one lane's part of a batch at a time, yet never two calls of
+// one aggregate at once, and each aggregate's messages in their order.
+// Without it, one call at a time.
+func TestConcurrencyOverlapsAggregates(t *testing.T) {
+	t.Parallel()
+	const aggs, perAgg = 16, 4
+	for _, tc := range []struct {
+		concurrency, batch int
+	}{{1, 1}, {4, 1}, {1, 8}, {4, 8}} {
+		t.Run(fmt.Sprintf("concurrency-%d-batch-%d", tc.concurrency, tc.batch), func(t *testing.T) {
+			t.Parallel()
+			b := newBroker(t, testenv.EmbeddedNATS(t))
+			var msgs []*idem.Message
+			for s := range perAgg {
+				for a := range aggs {
+					msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("%d-%d", a, s), AggregateID: strconv.Itoa(a), Seq: int64(s + 1)})
+				}
+			}
+			b.Publish(t, msgs, 0)
+			r := newRecorder()
+			b.concurrency = tc.concurrency
+			kill := b.start(t, r, tc.batch)
+			for deadline := time.Now().Add(20 * time.Second); r.handled.Load() < aggs*perAgg; time.Sleep(10 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("%d of %d messages handled after 20 s", r.handled.Load(), aggs*perAgg)
+				}
+			}
+			kill()
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			if tc.concurrency == 1 && r.most != 1 {
+				t.Errorf("%d calls at once, want 1", r.most)
+			}
+			if tc.concurrency > 1 && (r.most < 2 || r.most > tc.concurrency) {
+				t.Errorf("at most %d calls at once, want 2 to %d", r.most, tc.concurrency)
+			}
+			if len(r.overlap) > 0 {
+				t.Errorf("aggregates %v decided in two calls at once", r.overlap)
+			}
+			for a, seqs := range r.seqs {
+				for i, s := range seqs {
+					if s != int64(i+1) {
+						t.Fatalf("aggregate %s decided in order %v, want 1 to %d", a, seqs, perAgg)
+					}
+				}
+			}
+		})
+	}
+}
+
+// A message a lane holds but has not started when Run ends is Nak'd: a
+// second consumer gets it at once, not after AckWait (here 30 s).
+func TestConcurrencyNaksHeldMessagesOnStop(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	// One aggregate, so one lane: "first" runs, "second" waits behind it.
+	b.Publish(t, []*idem.Message{{ID: "first", AggregateID: "a"}, {ID: "second", AggregateID: "a"}}, 0)
+	run := func(h idem.DeliveryHandler) (cancel func(), done chan struct{}) {
+		nc, js := b.connect(t)
+		t.Cleanup(nc.Close)
+		c, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: 30 * time.Second, Concurrency: 2, Logger: testenv.Logger(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done = make(chan struct{})
+		go func() { defer close(done); _ = c.Run(ctx) }()
+		return cancel, done
+	}
+	started, release := make(chan struct{}), make(chan struct{})
+	var firstSaw []string
+	cancel1, done1 := run(idem.DeliveryHandlerFunc(func(_ context.Context, d *idem.Delivery) idem.Verdict {
+		firstSaw = append(firstSaw, d.Msg.ID)
+		if d.Msg.ID == "first" {
+			close(started)
+			<-release
+		}
+		return idem.Verdict{Ack: true}
+	}))
+	<-started
+	time.Sleep(200 * time.Millisecond) // "second" reaches the lane
+	cancel1()
+	close(release) // "first" finishes and is acked; "second" is not started
+	<-done1
+	if len(firstSaw) != 1 {
+		t.Fatalf("the stopped consumer decided %v, want only first", firstSaw)
+	}
+	got := make(chan string, 2)
+	cancel2, done2 := run(idem.DeliveryHandlerFunc(func(_ context.Context, d *idem.Delivery) idem.Verdict {
+		got <- d.Msg.ID
+		return idem.Verdict{Ack: true}
+	}))
+	defer func() { cancel2(); <-done2 }()
+	select {
+	case id := <-got:
+		if id != "second" {
+			t.Fatalf("the second consumer got %s, want second", id)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the held message was not redelivered within 10 s: it waited for AckWait instead of a Nak")
+	}
+	select {
+	case id := <-got:
+		t.Fatalf("the second consumer also got %s", id)
+	case <-time.After(300 * time.Millisecond):
 	}
 }
