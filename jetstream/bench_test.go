@@ -25,19 +25,9 @@ func BenchmarkEndToEnd(b *testing.B) {
 //	go test ./jetstream -run '^$' -bench Concurrency -benchtime 10000x
 func BenchmarkConcurrency(b *testing.B) {
 	url := testenv.EmbeddedNATS(b)
-	for _, c := range []struct {
-		name string
-		adaptertest.Shape
-	}{
-		{"per-message", adaptertest.Shape{Batch: 1}},
-		{"batch-100-per-event", adaptertest.Shape{Batch: 100, PerEvent: true}},
-	} {
-		b.Run(adaptertest.StorePostgres+"/"+c.name, func(b *testing.B) {
-			adaptertest.EndToEnd(b, func(t testing.TB) adaptertest.Broker {
-				br := newBroker(t, url)
-				br.concurrency = 4
-				return br
-			}, adaptertest.StorePostgres, c.Shape)
-		})
-	}
+	adaptertest.BenchConcurrency(b, func(t testing.TB) adaptertest.Broker {
+		br := newBroker(t, url)
+		br.concurrency = 4
+		return br
+	})
 }

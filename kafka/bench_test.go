@@ -20,16 +20,4 @@ func BenchmarkEndToEnd(b *testing.B) { adaptertest.BenchEndToEnd(b, newBroker) }
 // msgs/s with BenchmarkEndToEnd's.
 //
 //	go test ./kafka -run '^$' -bench Concurrency -benchtime 10000x
-func BenchmarkConcurrency(b *testing.B) {
-	for _, c := range []struct {
-		name string
-		adaptertest.Shape
-	}{
-		{"per-message", adaptertest.Shape{Batch: 1}},
-		{"batch-100-per-event", adaptertest.Shape{Batch: 100, PerEvent: true}},
-	} {
-		b.Run(adaptertest.StorePostgres+"/"+c.name, func(b *testing.B) {
-			adaptertest.EndToEnd(b, newConcurrentBroker, adaptertest.StorePostgres, c.Shape)
-		})
-	}
-}
+func BenchmarkConcurrency(b *testing.B) { adaptertest.BenchConcurrency(b, newConcurrentBroker) }

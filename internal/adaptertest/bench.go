@@ -42,6 +42,23 @@ func BenchEndToEnd(b *testing.B, newBroker func(testing.TB) Broker) {
 	}
 }
 
+// BenchConcurrency runs EndToEnd's Postgres cases one message at a time
+// and in batches of 100 applied per message, for brokers whose consumers
+// handle several keys at once: compare its msgs/s with BenchEndToEnd's.
+func BenchConcurrency(b *testing.B, newBroker func(testing.TB) Broker) {
+	for _, c := range []struct {
+		name string
+		Shape
+	}{
+		{"per-message", Shape{Batch: 1}},
+		{"batch-100-per-event", Shape{Batch: 100, PerEvent: true}},
+	} {
+		b.Run(StorePostgres+"/"+c.name, func(b *testing.B) {
+			EndToEnd(b, newBroker, StorePostgres, c.Shape)
+		})
+	}
+}
+
 // Shape is how EndToEnd consumes.
 type Shape struct {
 	// Batch 1 decides one message at a time; above 1 the adapter hands
