@@ -130,9 +130,10 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 }
 
 // Run consumes until ctx is done or the subscription fails, and returns
-// ctx's error or the failure. The delivery being handled when ctx ends is
-// finished and acknowledged first; anything unacknowledged is redelivered
-// by JetStream after AckWait.
+// ctx's error or the failure. The deliveries being handled when ctx ends
+// are finished and acknowledged first, and those a Concurrency lane holds
+// but has not started are Nak'd; anything else unacknowledged is
+// redelivered by JetStream after AckWait.
 func (c *Consumer) Run(ctx context.Context) error {
 	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, jetstream.ConsumerConfig{
 		Durable:       c.cfg.Durable,
