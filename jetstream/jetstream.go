@@ -66,7 +66,8 @@ type Config struct {
 	// Prefetch is how many messages a consumer handling one at a time
 	// pulls ahead of the one it handles. Their AckWait runs while they
 	// wait, so with handlers that take seconds keep Prefetch × the
-	// handler's time below AckWait. Default 64.
+	// handler's time below AckWait. When Run ends they are Nak'd, not
+	// left to wait for AckWait. Default 64.
 	Prefetch int
 	// Concurrency, above 1, decides up to that many messages (or, with
 	// Batch, batches) at once. Messages are spread over Concurrency lanes
@@ -76,10 +77,10 @@ type Config struct {
 	// decided at once and keep their delivery order. With Batch, each
 	// fetched batch is split by lane and the lanes' parts are decided at
 	// once, each in a transaction of its own; the next fetch waits for all
-	// of them. A message a lane has taken but not started when Run ends is
-	// Nak'd, so that another consumer gets it at once rather than after
-	// AckWait. The Handler must be safe for concurrent use (idem.Consumer
-	// is). Default 1: one message or batch at a time.
+	// of them. A message a lane holds but has not started when Run ends is
+	// Nak'd, as are those pulled ahead. The Handler must be safe for
+	// concurrent use (idem.Consumer is). Default 1: one message or batch
+	// at a time.
 	Concurrency int
 	// Logger receives failures to ack. Default slog.Default().
 	Logger *slog.Logger
@@ -130,10 +131,12 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 }
 
 // Run consumes until ctx is done or the subscription fails, and returns
-// ctx's error or the failure. The deliveries being handled when ctx ends
-// are finished and acknowledged first, and those a Concurrency lane holds
-// but has not started are Nak'd; anything else unacknowledged is
-// redelivered by JetStream after AckWait.
+// ctx's error or the failure. When ctx ends, the deliveries being handled
+// are finished and acknowledged first; those pulled but not started are
+// Nak'd, so that JetStream hands them to another consumer at once, except
+// one on its last delivery (MaxDeliver), which is decided rather than
+// dropped. A consumer that dies instead (a crash, a lost connection) has
+// its unacknowledged messages redelivered after AckWait.
 func (c *Consumer) Run(ctx context.Context) error {
 	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, jetstream.ConsumerConfig{
 		Durable:       c.cfg.Durable,
@@ -152,28 +155,57 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("jetstream: subscribe %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 	}
+	// When ctx ends the subscription drains: the server sends no more, and
+	// Next hands out what was already on its way. Those messages, and any
+	// a lane holds but has not started, are not decided but put back
+	// (Nak'd) once the subscription is gone, so that another consumer gets
+	// them at once rather than after AckWait, and they do not come back
+	// here. A message on its last delivery is decided instead.
 	var once sync.Once
-	stop := func() { once.Do(it.Stop) }
-	defer stop()
-	go func() {
-		<-ctx.Done()
-		stop()
-	}()
+	defer once.Do(it.Stop)
+	defer context.AfterFunc(ctx, func() { once.Do(it.Drain) })()
+	var (
+		mu        sync.Mutex
+		unstarted []jetstream.Msg
+	)
+	putBack := func(m jetstream.Msg, d *idem.Delivery) {
+		if d.LastAttempt {
+			// Put back, JetStream would drop it: decide it now.
+			c.decide(context.WithoutCancel(ctx), m, d)
+			return
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		unstarted = append(unstarted, m)
+	}
 	decide := func(m jetstream.Msg, d *idem.Delivery) { c.decide(context.WithoutCancel(ctx), m, d) }
+	var ls *lanes
 	if c.cfg.Concurrency > 1 {
-		lanes := c.startLanes(ctx)
-		defer lanes.close()
-		decide = lanes.add
+		ls = c.startLanes(ctx, putBack)
+		decide = ls.add
 	}
 	for {
 		m, err := it.Next()
-		if err != nil {
-			if ctx.Err() != nil || errors.Is(err, jetstream.ErrMsgIteratorClosed) {
-				return ctx.Err()
+		if err == nil {
+			if ctx.Err() != nil {
+				putBack(m, c.delivery(m))
+				continue
 			}
+			decide(m, c.delivery(m))
+			continue
+		}
+		if ls != nil {
+			ls.close()
+		}
+		if ctx.Err() == nil && !errors.Is(err, jetstream.ErrMsgIteratorClosed) {
 			return fmt.Errorf("jetstream: next message: %w", err)
 		}
-		decide(m, c.delivery(m))
+		for _, m := range unstarted {
+			if err := m.Nak(); err != nil {
+				c.cfg.Logger.Debug("jetstream: nak on stop failed; redelivered after AckWait", slog.String("subject", m.Subject()), slog.Any("error", err))
+			}
+		}
+		return ctx.Err()
 	}
 }
 
@@ -270,9 +302,9 @@ type lanes struct {
 	wg sync.WaitGroup
 }
 
-// startLanes starts the lanes; they decide until ctx ends and Nak what
-// they hold then.
-func (c *Consumer) startLanes(ctx context.Context) *lanes {
+// startLanes starts the lanes; they decide until ctx ends and then hand
+// what they still hold to putBack.
+func (c *Consumer) startLanes(ctx context.Context, putBack func(jetstream.Msg, *idem.Delivery)) *lanes {
 	ls := &lanes{c: c, ch: make([]chan pending, c.cfg.Concurrency)}
 	for i := range ls.ch {
 		// One waiting message per lane: a lane busy with a slow message
@@ -281,10 +313,7 @@ func (c *Consumer) startLanes(ctx context.Context) *lanes {
 		ls.wg.Go(func() {
 			for p := range ls.ch[i] {
 				if ctx.Err() != nil {
-					// Not started: back to JetStream now, not after AckWait.
-					if err := p.m.Nak(); err != nil {
-						c.cfg.Logger.Debug("jetstream: nak on stop failed; redelivered after AckWait", slog.String("source", p.d.Source), slog.Any("error", err))
-					}
+					putBack(p.m, p.d)
 					continue
 				}
 				c.decide(context.WithoutCancel(ctx), p.m, p.d)
