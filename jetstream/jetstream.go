@@ -1,11 +1,13 @@
 package jetstream
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"hash/maphash"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -66,8 +68,8 @@ type Config struct {
 	// Prefetch is how many messages a consumer handling one at a time
 	// pulls ahead of the one it handles. Their AckWait runs while they
 	// wait, so with handlers that take seconds keep Prefetch × the
-	// handler's time below AckWait. When Run ends they are Nak'd, not
-	// left to wait for AckWait. Default 64.
+	// handler's time below AckWait. When Run's context ends they are
+	// Nak'd, not left to wait for AckWait. Default 64.
 	Prefetch int
 	// Concurrency, above 1, decides up to that many messages (or, with
 	// Batch, batches) at once. Messages are spread over Concurrency lanes
@@ -77,10 +79,10 @@ type Config struct {
 	// decided at once and keep their delivery order. With Batch, each
 	// fetched batch is split by lane and the lanes' parts are decided at
 	// once, each in a transaction of its own; the next fetch waits for all
-	// of them. A message a lane holds but has not started when Run ends is
-	// Nak'd, as are those pulled ahead. The Handler must be safe for
-	// concurrent use (idem.Consumer is). Default 1: one message or batch
-	// at a time.
+	// of them. A message a lane holds but has not started when Run's
+	// context ends is Nak'd, as are those pulled ahead. The Handler must be
+	// safe for concurrent use (idem.Consumer is). Default 1: one message
+	// or batch at a time.
 	Concurrency int
 	// Logger receives failures to ack. Default slog.Default().
 	Logger *slog.Logger
@@ -130,13 +132,14 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	return c, nil
 }
 
-// Run consumes until ctx is done or the subscription fails, and returns
-// ctx's error or the failure. When ctx ends, the deliveries being handled
-// are finished and acknowledged first; those pulled but not started are
-// Nak'd, so that JetStream hands them to another consumer at once, except
-// one on its last delivery (MaxDeliver), which is decided rather than
-// dropped. A consumer that dies instead (a crash, a lost connection) has
-// its unacknowledged messages redelivered after AckWait.
+// Run consumes until ctx is done or the subscription fails (a closed
+// connection included), and returns ctx's error or the failure. When ctx
+// ends, the deliveries being handled are finished and acknowledged first;
+// those pulled but not started are Nak'd, so that JetStream hands them to
+// another consumer at once, except that one on its last delivery
+// (MaxDeliver) is decided rather than dropped, after the earlier messages
+// of its aggregate. A consumer that dies instead (a crash, a lost
+// connection) has its unacknowledged messages redelivered after AckWait.
 func (c *Consumer) Run(ctx context.Context) error {
 	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, jetstream.ConsumerConfig{
 		Durable:       c.cfg.Durable,
@@ -157,38 +160,31 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	// When ctx ends the subscription drains: the server sends no more, and
 	// Next hands out what was already on its way. Those messages, and any
-	// a lane holds but has not started, are not decided but put back
-	// (Nak'd) once the subscription is gone, so that another consumer gets
-	// them at once rather than after AckWait, and they do not come back
-	// here. A message on its last delivery is decided instead.
+	// a lane holds but has not started, are collected, not decided, and
+	// put back once the subscription is gone (see putBack).
 	var once sync.Once
 	defer once.Do(it.Stop)
 	defer context.AfterFunc(ctx, func() { once.Do(it.Drain) })()
 	var (
 		mu        sync.Mutex
-		unstarted []jetstream.Msg
+		unstarted []pending
 	)
-	putBack := func(m jetstream.Msg, d *idem.Delivery) {
-		if d.LastAttempt {
-			// Put back, JetStream would drop it: decide it now.
-			c.decide(context.WithoutCancel(ctx), m, d)
-			return
-		}
+	collect := func(p pending) {
 		mu.Lock()
 		defer mu.Unlock()
-		unstarted = append(unstarted, m)
+		unstarted = append(unstarted, p)
 	}
 	decide := func(m jetstream.Msg, d *idem.Delivery) { c.decide(context.WithoutCancel(ctx), m, d) }
 	var ls *lanes
 	if c.cfg.Concurrency > 1 {
-		ls = c.startLanes(ctx, putBack)
+		ls = c.startLanes(ctx, collect)
 		decide = ls.add
 	}
 	for {
 		m, err := it.Next()
 		if err == nil {
 			if ctx.Err() != nil {
-				putBack(m, c.delivery(m))
+				collect(pending{m, c.delivery(m)})
 				continue
 			}
 			decide(m, c.delivery(m))
@@ -197,16 +193,49 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if ls != nil {
 			ls.close()
 		}
-		if ctx.Err() == nil && !errors.Is(err, jetstream.ErrMsgIteratorClosed) {
+		if ctx.Err() == nil {
+			// Failed, or closed under us (the connection was closed).
 			return fmt.Errorf("jetstream: next message: %w", err)
 		}
-		for _, m := range unstarted {
-			if err := m.Nak(); err != nil {
-				c.cfg.Logger.Debug("jetstream: nak on stop failed; redelivered after AckWait", slog.String("subject", m.Subject()), slog.Any("error", err))
-			}
-		}
+		c.putBack(context.WithoutCancel(ctx), unstarted)
 		return ctx.Err()
 	}
+}
+
+// putBack returns the messages a stopping Run pulled but did not start:
+// Nak'd, so that JetStream hands them to another consumer at once rather
+// than after AckWait. It runs once the drained subscription is closed,
+// after the server has dropped its interest: a Nak sent earlier would
+// have the message redelivered to this consumer. Exception: a key's
+// messages up to its last one on its last delivery are decided, in stream
+// order. Put back, JetStream would drop that one; decided alone, it would
+// overtake the key's earlier messages.
+func (c *Consumer) putBack(ctx context.Context, ps []pending) {
+	slices.SortStableFunc(ps, func(a, b pending) int { return cmp.Compare(streamSeq(a.m), streamSeq(b.m)) })
+	decideUpTo := map[string]int{}
+	for i, p := range ps {
+		if p.d.LastAttempt {
+			decideUpTo[c.key(p.m, p.d)] = i
+		}
+	}
+	for i, p := range ps {
+		if j, ok := decideUpTo[c.key(p.m, p.d)]; ok && i <= j {
+			c.decide(ctx, p.m, p.d)
+			continue
+		}
+		if err := p.m.Nak(); err != nil {
+			c.cfg.Logger.Debug("jetstream: nak on stop failed; redelivered after AckWait", slog.String("source", p.d.Source), slog.Any("error", err))
+		}
+	}
+}
+
+// streamSeq returns m's stream sequence, or 0 without metadata.
+func streamSeq(m jetstream.Msg) uint64 {
+	md, err := m.Metadata()
+	if err != nil {
+		return 0
+	}
+	return md.Sequence.Stream
 }
 
 // runBatches fetches up to Batch messages at a time and decides them
@@ -279,17 +308,21 @@ func (c *Consumer) decide(ctx context.Context, m jetstream.Msg, d *idem.Delivery
 	c.settle(m, d, v)
 }
 
-// lane returns the lane of m, mapped to d: its aggregate's, else its
-// subject's.
-func (c *Consumer) lane(m jetstream.Msg, d *idem.Delivery) int {
-	key := m.Subject()
+// key returns what orders m, mapped to d: its aggregate, else its subject.
+func (c *Consumer) key(m jetstream.Msg, d *idem.Delivery) string {
 	if d.Msg != nil && d.Msg.AggregateID != "" {
-		key = d.Msg.AggregateID
+		return d.Msg.AggregateID
 	}
-	return int(maphash.String(c.seed, key) % uint64(c.cfg.Concurrency))
+	return m.Subject()
 }
 
-// pending is a message waiting in a lane.
+// lane returns the lane of m, mapped to d: its key's.
+func (c *Consumer) lane(m jetstream.Msg, d *idem.Delivery) int {
+	return int(maphash.String(c.seed, c.key(m, d)) % uint64(c.cfg.Concurrency))
+}
+
+// pending is a message pulled and mapped but not decided yet: waiting in
+// a lane, or left over when Run stops.
 type pending struct {
 	m jetstream.Msg
 	d *idem.Delivery
@@ -303,8 +336,8 @@ type lanes struct {
 }
 
 // startLanes starts the lanes; they decide until ctx ends and then hand
-// what they still hold to putBack.
-func (c *Consumer) startLanes(ctx context.Context, putBack func(jetstream.Msg, *idem.Delivery)) *lanes {
+// what they still hold to collect.
+func (c *Consumer) startLanes(ctx context.Context, collect func(pending)) *lanes {
 	ls := &lanes{c: c, ch: make([]chan pending, c.cfg.Concurrency)}
 	for i := range ls.ch {
 		// One waiting message per lane: a lane busy with a slow message
@@ -313,7 +346,7 @@ func (c *Consumer) startLanes(ctx context.Context, putBack func(jetstream.Msg, *
 		ls.wg.Go(func() {
 			for p := range ls.ch[i] {
 				if ctx.Err() != nil {
-					putBack(p.m, p.d)
+					collect(p)
 					continue
 				}
 				c.decide(context.WithoutCancel(ctx), p.m, p.d)

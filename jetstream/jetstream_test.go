@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -439,6 +440,30 @@ func TestConcurrencyOverlapsAggregates(t *testing.T) {
 	}
 }
 
+// waitAckPending waits until the durable "idem" has n messages delivered
+// and not yet acknowledged: pulled by its consumers.
+func (b *broker) waitAckPending(t *testing.T, n int) {
+	t.Helper()
+	nc, js := b.connect(t)
+	defer nc.Close()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		cons, err := js.Consumer(context.Background(), b.stream, "idem")
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := cons.Info(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.NumAckPending == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d messages pending ack after 10 s, want %d", info.NumAckPending, n)
+		}
+	}
+}
+
 // onBothServers runs test as subtests against an embedded server and the
 // real one at IDEM_NATS_URL (a loud skip, or a failure in CI, when it is
 // down), with Config.Concurrency 1 and 2; embedded tells which.
@@ -502,7 +527,7 @@ func TestStopNaksUnstartedMessages(t *testing.T) {
 			return idem.Verdict{Ack: true}
 		}))
 		<-started
-		time.Sleep(200 * time.Millisecond) // the rest reach the consumer
+		b.waitAckPending(t, len(msgs)) // all pulled: the rest wait behind first
 		cancel1()
 		close(release) // "first" finishes and is acked; the rest are not started
 		<-done1
@@ -540,7 +565,7 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 	onBothServers(t, func(t *testing.T, url string, _ bool, concurrency int) {
 		b := newBroker(t, url)
 		msgs := []*idem.Message{{ID: "first", AggregateID: "a"}}
-		for i := range 4 {
+		for i := range 6 {
 			msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("later-%d", i), AggregateID: "a"})
 		}
 		b.Publish(t, msgs, 0)
@@ -548,10 +573,15 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 		t.Cleanup(nc.Close)
 		started, release := make(chan struct{}), make(chan struct{})
 		var (
-			mu  sync.Mutex
-			saw []string
+			mu       sync.Mutex
+			saw      []string
+			inFlight atomic.Int64
 		)
 		h := idem.DeliveryHandlerFunc(func(_ context.Context, d *idem.Delivery) idem.Verdict {
+			if n := inFlight.Add(1); n > 1 {
+				t.Errorf("%s decided while %d other calls ran: one aggregate at a time", d.Msg.ID, n-1)
+			}
+			defer inFlight.Add(-1)
 			mu.Lock()
 			saw = append(saw, d.Msg.ID)
 			mu.Unlock()
@@ -562,6 +592,7 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 				close(started)
 				<-release
 			}
+			time.Sleep(10 * time.Millisecond) // long enough to overlap a second call
 			return idem.Verdict{Ack: true}
 		})
 		c, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: 30 * time.Second, MaxDeliver: 1, Concurrency: concurrency, Logger: testenv.Logger(t)})
@@ -572,14 +603,18 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 		done := make(chan struct{})
 		go func() { defer close(done); _ = c.Run(ctx) }()
 		<-started
-		time.Sleep(200 * time.Millisecond) // the rest reach the consumer
+		b.waitAckPending(t, len(msgs))
 		cancel()
 		close(release)
 		<-done
 		mu.Lock()
 		defer mu.Unlock()
-		if len(saw) != len(msgs) {
-			t.Fatalf("the stopped consumer decided %v, want all %d messages: the rest were on their last delivery", saw, len(msgs))
+		want := make([]string, len(msgs))
+		for i, m := range msgs {
+			want[i] = m.ID
+		}
+		if !slices.Equal(saw, want) {
+			t.Fatalf("the stopped consumer decided %v, want %v: the rest were on their last delivery, and in order", saw, want)
 		}
 	})
 }
