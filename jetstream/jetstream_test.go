@@ -207,6 +207,17 @@ func TestTraceContextReachesProcessingSpan(t *testing.T) {
 	adaptertest.CheckTraceContext(t, b.stream+".orders", pub, func(h idem.DeliveryHandler) { b.Start(t, h) })
 }
 
+// publishQueue publishes head and then n messages prefix-0 … prefix-(n-1),
+// all of aggregate "a", and returns them in order.
+func (b *broker) publishQueue(t testing.TB, head, prefix string, n int) []*idem.Message {
+	msgs := []*idem.Message{{ID: head, AggregateID: "a"}}
+	for i := range n {
+		msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("%s-%d", prefix, i), AggregateID: "a"})
+	}
+	b.Publish(t, msgs, 0)
+	return msgs
+}
+
 // runFailing runs one consumer with the given MaxDeliver and
 // idem.ConsumerConfig.MaxAttempts on a message "stuck" whose handler fails
 // its first failures deliveries, followed by five healthy messages. It
@@ -227,11 +238,7 @@ func runFailing(t *testing.T, maxDeliver, maxAttempts int, failures int64) (*ada
 	if err != nil {
 		t.Fatal(err)
 	}
-	msgs := []*idem.Message{{ID: "stuck", AggregateID: "a"}}
-	for i := range 5 {
-		msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("ok-%d", i), AggregateID: "a"})
-	}
-	b.Publish(t, msgs, 0)
+	b.publishQueue(t, "stuck", "ok", 5)
 	nc, js := b.connect(t)
 	t.Cleanup(nc.Close)
 	cons, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: c, AckWait: time.Second, MaxDeliver: maxDeliver, Logger: testenv.Logger(t)})
@@ -499,11 +506,7 @@ func TestStopNaksUnstartedMessages(t *testing.T) {
 		b := newBroker(t, url)
 		// One aggregate, so one lane: "first" runs, the rest wait behind
 		// it in the lane and the prefetch buffer.
-		msgs := []*idem.Message{{ID: "first", AggregateID: "a"}}
-		for i := range 4 {
-			msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("later-%d", i), AggregateID: "a"})
-		}
-		b.Publish(t, msgs, 0)
+		msgs := b.publishQueue(t, "first", "later", 4)
 		run := func(h idem.DeliveryHandler) (cancel func(), done chan struct{}) {
 			nc, js := b.connect(t)
 			t.Cleanup(nc.Close)
@@ -564,11 +567,7 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 	t.Parallel()
 	onBothServers(t, func(t *testing.T, url string, _ bool, concurrency int) {
 		b := newBroker(t, url)
-		msgs := []*idem.Message{{ID: "first", AggregateID: "a"}}
-		for i := range 6 {
-			msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("later-%d", i), AggregateID: "a"})
-		}
-		b.Publish(t, msgs, 0)
+		msgs := b.publishQueue(t, "first", "later", 6)
 		nc, js := b.connect(t)
 		t.Cleanup(nc.Close)
 		started, release := make(chan struct{}), make(chan struct{})
