@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/verdicts"
 )
 
 // Headers the default mapping reads. A producer (or idem's outbox) sets
@@ -293,7 +294,7 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 // decideBatch decides msgs, mapped to ds, in one call and settles each.
 func (c *Consumer) decideBatch(ctx context.Context, bh idem.BatchDeliveryHandler, msgs []jetstream.Msg, ds []*idem.Delivery) {
 	stop := c.keepAlive(msgs...)
-	vs := bh.HandleDeliveries(ctx, ds)
+	vs := verdicts.Check(bh.HandleDeliveries(ctx, ds), len(msgs), c.cfg.Logger, "jetstream")
 	stop()
 	for i, m := range msgs {
 		c.settle(m, ds[i], vs[i])

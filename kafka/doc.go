@@ -5,11 +5,13 @@
 //
 // A record whose verdict is "retry" holds its partition: the partition is
 // rewound to the record and paused for the verdict's delay, so nothing
-// after it is processed or committed meanwhile and the order within the
-// partition is kept, while the member's other partitions flow. Rebalances
-// are blocked while a poll's records are being processed (never during a
-// retry's delay); when they happen, everything processed has been
-// committed and nothing unprocessed has.
+// after it is committed meanwhile, and, one record at a time, nothing
+// after it is processed either, so the order within the partition is kept,
+// while the member's other partitions flow. (In a batch, the records after
+// it with other keys are decided with the batch: per-key order holds.)
+// Rebalances are blocked while a poll's records are being processed (never
+// during a retry's delay); when they happen, nothing unprocessed has been
+// committed.
 //
 // See docs/kafka.md.
 package kafka

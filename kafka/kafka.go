@@ -13,6 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/verdicts"
 )
 
 // Headers the default mapping reads.
@@ -110,10 +111,12 @@ func New(cfg *Config) (*Consumer, error) {
 // fetchMaxWait is the default kgo.FetchMaxWait of a Consumer's client.
 const fetchMaxWait = 250 * time.Millisecond
 
-// Run consumes until ctx is done or the client fails. On return every
-// record whose outcome was durable has been committed (unless the commit
-// itself failed, in which case those records are redelivered and are
-// Duplicates) and no other.
+// Run consumes until ctx is done, and returns ctx's error, or the error
+// of an invalid client configuration. Failures of the brokers (fetch
+// errors, an unreachable cluster) are logged and retried by the client. On
+// return every record whose outcome was durable has been committed (unless
+// the commit itself failed, in which case those records are redelivered
+// and are Duplicates) and no other.
 func (c *Consumer) Run(ctx context.Context) error {
 	opts := append([]kgo.Opt{
 		kgo.SeedBrokers(c.cfg.Brokers...),
@@ -163,12 +166,18 @@ type member struct {
 	cl   *kgo.Client
 	held map[partition]time.Time // paused until then, for a retry
 
-	mu    sync.Mutex // guards tries: partitions are handled at once with Concurrency
+	mu    sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
 	tries map[partition]tries
+	// ahead holds, per partition, the offsets of records a batch decided
+	// durably after a record of their partition that is to be retried:
+	// they come again with the retry, and are then settled without being
+	// handled a second time (a decode failure would be dead-lettered
+	// again, a dead letter re-parked).
+	ahead map[partition]map[int64]bool
 }
 
 func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
-	m := &member{Consumer: c, cl: cl, held: map[partition]time.Time{}, tries: map[partition]tries{}}
+	m := &member{Consumer: c, cl: cl, held: map[partition]time.Time{}, tries: map[partition]tries{}, ahead: map[partition]map[int64]bool{}}
 	maxPoll := c.cfg.MaxPoll
 	if c.cfg.Concurrency > 1 {
 		// Everything fetched: under a backlog a poll of MaxPoll records
@@ -313,23 +322,40 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		if ctx.Err() != nil {
 			return done, retries, true
 		}
-		var chunk []*kgo.Record
-		for len(recs) > 0 && (len(chunk) == 0 || batched && len(chunk) < m.cfg.Batch) {
-			if r := recs[0]; !skip[partition{r.Topic, r.Partition}] {
-				chunk = append(chunk, r)
-			}
+		// chunk is the next records in order; those decided durably
+		// behind an earlier retry are settled as they were, the others
+		// (handled) go to the handler, up to Batch of them.
+		var (
+			chunk   []*kgo.Record
+			ahead   []bool
+			handled []int
+		)
+		for len(recs) > 0 && (len(handled) == 0 || batched && len(handled) < m.cfg.Batch) {
+			r := recs[0]
 			recs = recs[1:]
+			p := partition{r.Topic, r.Partition}
+			if skip[p] {
+				continue
+			}
+			a := m.isAhead(p, r.Offset)
+			if !a {
+				handled = append(handled, len(chunk))
+			}
+			chunk, ahead = append(chunk, r), append(ahead, a)
 		}
-		ds := make([]*idem.Delivery, len(chunk))
-		for i, r := range chunk {
-			ds[i] = m.delivery(r)
+		vs := make([]idem.Verdict, len(chunk))
+		attempts := make([]int, len(chunk))
+		for i := range chunk {
+			vs[i].Ack = ahead[i]
 		}
-		var vs []idem.Verdict
-		if batched {
-			vs = bh.HandleDeliveries(context.WithoutCancel(ctx), ds)
-		} else {
-			for _, d := range ds {
-				vs = append(vs, m.cfg.Handler.HandleDelivery(context.WithoutCancel(ctx), d))
+		if len(handled) > 0 {
+			ds := make([]*idem.Delivery, len(handled))
+			for j, i := range handled {
+				ds[j] = m.delivery(chunk[i])
+				attempts[i] = ds[j].Attempt
+			}
+			for j, v := range m.decide(ctx, bh, batched, ds) {
+				vs[handled[j]] = v
 			}
 		}
 		for i, r := range chunk {
@@ -337,12 +363,19 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 			switch {
 			case skip[p]:
 				// After a record of its partition that is to be retried:
-				// not committed, delivered again after it.
+				// not committed, delivered again after it, and then not
+				// handled again if its outcome is durable.
+				if vs[i].Ack && !ahead[i] {
+					m.aheadOf(p, r.Offset)
+				}
 			case vs[i].Ack:
+				if ahead[i] {
+					m.forgetAhead(p, r.Offset)
+				}
 				m.settled(p, r)
 				done = append(done, r)
 			default:
-				m.failed(p, r, ds[i].Attempt)
+				m.failed(p, r, attempts[i])
 				skip[p] = true
 				retries = append(retries, retry{r, vs[i].RetryAfter})
 			}
@@ -372,6 +405,49 @@ func (m *member) settled(p partition, r *kgo.Record) {
 	defer m.mu.Unlock()
 	if t, ok := m.tries[p]; ok && t.offset <= r.Offset {
 		delete(m.tries, p)
+	}
+}
+
+// decide hands ds to the Handler, in one call when batched, and returns
+// a verdict for each.
+func (m *member) decide(ctx context.Context, bh idem.BatchDeliveryHandler, batched bool, ds []*idem.Delivery) []idem.Verdict {
+	ctx = context.WithoutCancel(ctx) // decided and committed even if ctx ends now
+	if !batched {
+		vs := make([]idem.Verdict, len(ds))
+		for i, d := range ds {
+			vs[i] = m.cfg.Handler.HandleDelivery(ctx, d)
+		}
+		return vs
+	}
+	return verdicts.Check(bh.HandleDeliveries(ctx, ds), len(ds), m.cfg.Logger, "kafka")
+}
+
+// aheadOf records that the record at offset of p was decided durably
+// behind a retry.
+func (m *member) aheadOf(p partition, offset int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.ahead[p] == nil {
+		m.ahead[p] = map[int64]bool{}
+	}
+	m.ahead[p][offset] = true
+}
+
+// isAhead reports whether the record at offset of p was decided durably
+// behind a retry.
+func (m *member) isAhead(p partition, offset int64) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.ahead[p][offset]
+}
+
+// forgetAhead forgets the record at offset of p, settled now.
+func (m *member) forgetAhead(p partition, offset int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	delete(m.ahead[p], offset)
+	if len(m.ahead[p]) == 0 {
+		delete(m.ahead, p)
 	}
 }
 

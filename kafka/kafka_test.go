@@ -382,3 +382,59 @@ func TestNewRejectsNegativeConcurrency(t *testing.T) {
 		t.Fatalf("New with Concurrency -1: %v", err)
 	}
 }
+
+// In a batch, the records of other keys after one that is to be retried
+// are decided with the batch, and come again with the retry: they are then
+// settled as decided, not handled again. Here an undecodable record sits
+// behind the retrying one; handled on every round it would be
+// dead-lettered again each time (decode failures have no ID to dedupe).
+func TestBatchRetryDoesNotRedecideLaterKeys(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var recs []*kgo.Record
+	for i := range 20 {
+		id := fmt.Sprintf("p0-%03d", i)
+		recs = append(recs, &kgo.Record{Partition: 0, Key: []byte(id), Value: []byte(id), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(id)}}})
+		if i == 10 {
+			recs = append(recs, &kgo.Record{Partition: 0, Value: []byte("no id header")})
+		}
+	}
+	if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	cl.Close()
+	var f effects
+	f.down.Store(true)
+	b.StartBatched(t, f.consumer(t, e, "p0-010"), 25)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		f.mu.Lock()
+		n := len(f.attempts)
+		f.mu.Unlock()
+		if n >= 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("p0-010 tried %d times in 10 s, want it retried", n)
+		}
+	}
+	f.down.Store(false)
+	e.WaitMarkers(20)
+	dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dls) != 1 || dls[0].Class != idem.DeadLetterDecode {
+		t.Fatalf("%d dead letters, want the undecodable record's once: it was decided again on every retry", len(dls))
+	}
+	var applied int
+	if err := e.DB.QueryRow(`SELECT count(*) FROM effects`).Scan(&applied); err != nil {
+		t.Fatal(err)
+	}
+	if applied != 20 {
+		t.Fatalf("%d effects, want 20", applied)
+	}
+}
