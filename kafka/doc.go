@@ -10,7 +10,8 @@
 // while the member's other partitions flow. (In a batch, the records after
 // it with other keys are decided with the batch: per-key order holds.)
 // Rebalances are blocked while a poll's records are being processed (never
-// during a retry's delay); when they happen, nothing unprocessed has been
+// during a retry's delay), and a poll told that a rebalance waits stops at
+// its next record or batch; when they happen, nothing unprocessed has been
 // committed.
 //
 // See docs/kafka.md.

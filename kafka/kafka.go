@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -66,7 +67,8 @@ type Config struct {
 	// Options are extra franz-go client options (TLS, SASL, ...), applied
 	// after the Consumer's own. Of those, kgo.FetchMaxWait is 250 ms
 	// rather than kgo's 5 s: it bounds how late a partition resumes after
-	// a retry's delay.
+	// a retry's delay. kgo.OnPartitionsCallbackBlocked is the Consumer's
+	// own and cannot be replaced: it tells a poll to yield to a rebalance.
 	Options []kgo.Opt
 	// FaultHook, when set, is called at FaultBeforeCommit. Crash tests
 	// stop the consumer's goroutine there (runtime.Goexit), so that
@@ -130,6 +132,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 		// (kgo's default is 5 s).
 		kgo.FetchMaxWait(fetchMaxWait),
 	}, c.cfg.Options...)
+	// A rebalance waiting on this member's poll says so: the poll stops
+	// at its next record or batch, commits what it settled and lets the
+	// rebalance through.
+	hurry := new(atomic.Bool)
+	opts = append(opts, kgo.OnPartitionsCallbackBlocked(func(context.Context, *kgo.Client) { hurry.Store(true) }))
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
 		return fmt.Errorf("kafka: client: %w", err)
@@ -138,7 +145,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		cl.AllowRebalance() // Close waits for a blocked rebalance otherwise
 		cl.Close()
 	}()
-	return c.loop(ctx, cl)
+	return c.loop(ctx, cl, hurry)
 }
 
 // partition names a topic's partition.
@@ -163,8 +170,9 @@ type retry struct {
 // member is the state of one Run.
 type member struct {
 	*Consumer
-	cl   *kgo.Client
-	held map[partition]time.Time // paused until then, for a retry
+	cl    *kgo.Client
+	held  map[partition]time.Time // paused until then, for a retry
+	hurry *atomic.Bool            // a rebalance waits on the poll
 
 	mu    sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
 	tries map[partition]tries
@@ -176,8 +184,8 @@ type member struct {
 	ahead map[partition]map[int64]bool
 }
 
-func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
-	m := &member{Consumer: c, cl: cl, held: map[partition]time.Time{}, tries: map[partition]tries{}, ahead: map[partition]map[int64]bool{}}
+func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool) error {
+	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]tries{}, ahead: map[partition]map[int64]bool{}}
 	maxPoll := c.cfg.MaxPoll
 	if c.cfg.Concurrency > 1 {
 		// Everything fetched: under a backlog a poll of MaxPoll records
@@ -221,6 +229,7 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 		m.hold(retries)
 		m.resumeDue()
 		cl.AllowRebalance()
+		m.hurry.Store(false)
 		if stopped {
 			return ctx.Err()
 		}
@@ -228,7 +237,7 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client) error {
 }
 
 // hold rewinds the partition of every retry to its record and pauses it
-// until the retry is due. It runs while the poll still blocks rebalances,
+// until the retry is due (a retry at once is not paused). It runs while the poll still blocks rebalances,
 // and after the commit, as kgo.Client.SetOffsets requires.
 func (m *member) hold(retries []retry) {
 	if len(retries) == 0 {
@@ -243,11 +252,15 @@ func (m *member) hold(retries []retry) {
 			offsets[r.Topic] = map[int32]kgo.EpochOffset{}
 		}
 		offsets[r.Topic][r.Partition] = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset}
-		paused[r.Topic] = append(paused[r.Topic], r.Partition)
-		m.held[partition{r.Topic, r.Partition}] = now.Add(rt.after)
+		if rt.after > 0 {
+			paused[r.Topic] = append(paused[r.Topic], r.Partition)
+			m.held[partition{r.Topic, r.Partition}] = now.Add(rt.after)
+		}
 	}
 	m.cl.SetOffsets(offsets)
-	m.cl.PauseFetchPartitions(paused)
+	if len(paused) > 0 {
+		m.cl.PauseFetchPartitions(paused)
+	}
 }
 
 // resumeDue resumes the held partitions whose retry is due.
@@ -322,6 +335,11 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		if ctx.Err() != nil {
 			return done, retries, true
 		}
+		if m.hurry.Load() {
+			// Yield to the rebalance: each partition's unhandled records
+			// come again from the first, or go to its next owner.
+			return done, append(retries, rewinds(recs, skip)...), false
+		}
 		// chunk is the next records in order; those decided durably
 		// behind an earlier retry are settled as they were, the others
 		// (handled) go to the handler, up to Batch of them.
@@ -382,6 +400,20 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		}
 	}
 	return done, retries, false
+}
+
+// rewinds returns, for each partition of recs not in skip, a retry at
+// once of its first record: hold rewinds the partition to it.
+func rewinds(recs []*kgo.Record, skip map[partition]bool) []retry {
+	var out []retry
+	seen := map[partition]bool{}
+	for _, r := range recs {
+		if p := (partition{r.Topic, r.Partition}); !skip[p] && !seen[p] {
+			seen[p] = true
+			out = append(out, retry{rec: r})
+		}
+	}
+	return out
 }
 
 // delivery maps r, counting its attempt.

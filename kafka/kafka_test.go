@@ -438,3 +438,49 @@ func TestBatchRetryDoesNotRedecideLaterKeys(t *testing.T) {
 		t.Fatalf("%d effects, want 20", applied)
 	}
 }
+
+// A rebalance does not wait for a member's whole poll: told that one is
+// blocked, the poll stops at its next record, commits what it settled,
+// rewinds the rest and lets the rebalance through. With Concurrency the
+// first member's poll holds all 4 × 500 records, at 20 ms each half a
+// minute's work, yet the joining member is assigned partitions within
+// seconds; the records then apply once each and in order.
+func TestRebalanceDoesNotWaitForThePoll(t *testing.T) {
+	t.Parallel()
+	const perPart = 500
+	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+	b.producePartitioned(t, perPart)
+	var (
+		f    effects
+		slow atomic.Bool
+	)
+	slow.Store(true)
+	c := f.consumer(t, e, "")
+	h := idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+		if slow.Load() {
+			time.Sleep(20 * time.Millisecond)
+		}
+		return c.HandleDelivery(ctx, d)
+	})
+	b.concurrency = 4
+	timeout := kgo.RebalanceTimeout(60 * time.Second)
+	b.start(t, b.consumer(t, h, nil, 1, timeout))
+	e.WaitMarkers(20)
+	assigned := make(chan struct{})
+	var once sync.Once
+	joined := time.Now()
+	b.start(t, b.consumer(t, h, nil, 1, timeout, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, got map[string][]int32) {
+		if len(got[topic]) > 0 {
+			once.Do(func() { close(assigned) })
+		}
+	})))
+	select {
+	case <-assigned:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second member got no partition within 10 s: the rebalance waited for the first member's poll")
+	}
+	t.Logf("second member assigned after %s", time.Since(joined).Round(time.Millisecond))
+	slow.Store(false)
+	e.WaitMarkers(4 * perPart)
+	f.check(t, e, perPart)
+}
