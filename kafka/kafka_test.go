@@ -484,3 +484,39 @@ func TestRebalanceDoesNotWaitForThePoll(t *testing.T) {
 	e.WaitMarkers(4 * perPart)
 	f.check(t, e, perPart)
 }
+
+// A retry waits out the verdict's RetryAfter before its record comes
+// again: the partition is paused, not polled at once.
+func TestRetryWaitsItsDelay(t *testing.T) {
+	t.Parallel()
+	const delay = 300 * time.Millisecond
+	b := newBroker(t).(*broker)
+	b.Publish(t, []*idem.Message{{ID: "r", AggregateID: "a", Payload: []byte("x")}}, 0)
+	var (
+		mu    sync.Mutex
+		tries []time.Time
+	)
+	done := make(chan struct{})
+	b.Start(t, idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
+		mu.Lock()
+		defer mu.Unlock()
+		tries = append(tries, time.Now())
+		if len(tries) < 4 {
+			return idem.Verdict{RetryAfter: delay}
+		}
+		close(done)
+		return idem.Verdict{Ack: true}
+	}))
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the record was not acknowledged on its fourth try within 10 s")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i := 1; i < len(tries); i++ {
+		if gap := tries[i].Sub(tries[i-1]); gap < delay {
+			t.Fatalf("try %d came %v after the one before, want at least the %v RetryAfter", i+1, gap, delay)
+		}
+	}
+}
