@@ -248,6 +248,45 @@ func (f *effects) check(t *testing.T, e *adaptertest.Env, perPart int) {
 	}
 }
 
+// waitTries waits until the stuck record was tried n times, then lets it
+// pass.
+func (f *effects) waitTries(t *testing.T, stuck string, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		f.mu.Lock()
+		got := len(f.attempts)
+		f.mu.Unlock()
+		if got >= n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s tried %d times in 10 s, want it retried", stuck, got)
+		}
+	}
+	f.down.Store(false)
+}
+
+// join starts a member with h and opts and fails t unless the group
+// assigns it a partition within wait; why names what it would have waited
+// for.
+func (b *broker) join(t *testing.T, h idem.DeliveryHandler, wait time.Duration, why string, opts ...kgo.Opt) {
+	t.Helper()
+	assigned := make(chan struct{})
+	var once sync.Once
+	joined := time.Now()
+	b.start(t, b.consumer(t, h, nil, 1, append(opts, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, got map[string][]int32) {
+		if len(got[topic]) > 0 {
+			once.Do(func() { close(assigned) })
+		}
+	}))...))
+	select {
+	case <-assigned:
+	case <-time.After(wait):
+		t.Fatalf("the second member got no partition within %s: the rebalance waited for %s", wait, why)
+	}
+	t.Logf("second member assigned after %s", time.Since(joined).Round(time.Millisecond))
+}
+
 type verdictFunc func(ev *idem.VerdictEvent)
 
 func (f verdictFunc) OnVerdict(_ context.Context, ev *idem.VerdictEvent) { f(ev) }
@@ -274,18 +313,7 @@ func TestRetryHoldsOnlyItsPartition(t *testing.T) {
 			b.StartBatched(t, f.consumer(t, e, "p2-010"), cfg.batch)
 			// Everything but p2-010 and the rest of partition 2.
 			e.WaitMarkers(3*perPart + 10)
-			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-				f.mu.Lock()
-				n := len(f.attempts)
-				f.mu.Unlock()
-				if n >= 4 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("p2-010 tried %d times in 10 s, want it retried", n)
-				}
-			}
-			f.down.Store(false)
+			f.waitTries(t, "p2-010", 4)
 			e.WaitMarkers(4 * perPart)
 			f.check(t, e, perPart)
 			f.mu.Lock()
@@ -314,20 +342,7 @@ func TestRetryDoesNotBlockRebalance(t *testing.T) {
 	slow := kgo.RebalanceTimeout(30 * time.Second)
 	killStuck := b.start(t, b.consumer(t, f.consumer(t, e, "p2-005"), nil, 1, slow))
 	e.WaitMarkers(3*perPart + 5)
-	assigned := make(chan struct{})
-	var once sync.Once
-	joined := time.Now()
-	b.start(t, b.consumer(t, f.consumer(t, e, ""), nil, 1, slow, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, got map[string][]int32) {
-		if len(got[topic]) > 0 {
-			once.Do(func() { close(assigned) })
-		}
-	})))
-	select {
-	case <-assigned:
-	case <-time.After(15 * time.Second):
-		t.Fatal("the second member got no partition within 15 s: the rebalance waited for the retrying member")
-	}
-	t.Logf("second member assigned after %s", time.Since(joined).Round(time.Millisecond))
+	b.join(t, f.consumer(t, e, ""), 15*time.Second, "the retrying member", slow)
 	killStuck()
 	e.WaitMarkers(4 * perPart)
 	f.check(t, e, perPart)
@@ -410,18 +425,7 @@ func TestBatchRetryDoesNotRedecideLaterKeys(t *testing.T) {
 	var f effects
 	f.down.Store(true)
 	b.StartBatched(t, f.consumer(t, e, "p0-010"), 25)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		f.mu.Lock()
-		n := len(f.attempts)
-		f.mu.Unlock()
-		if n >= 4 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("p0-010 tried %d times in 10 s, want it retried", n)
-		}
-	}
-	f.down.Store(false)
+	f.waitTries(t, "p0-010", 4)
 	e.WaitMarkers(20)
 	dls, err := e.Drv.DeadLetterList(context.Background(), nil)
 	if err != nil {
@@ -451,35 +455,27 @@ func TestRebalanceDoesNotWaitForThePoll(t *testing.T) {
 	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
 	b.producePartitioned(t, perPart)
 	var (
-		f    effects
-		slow atomic.Bool
+		f       effects
+		slow    atomic.Bool
+		handled atomic.Int64
 	)
 	slow.Store(true)
 	c := f.consumer(t, e, "")
+	busy := make(chan struct{})
 	h := idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
 		if slow.Load() {
 			time.Sleep(20 * time.Millisecond)
+		}
+		if handled.Add(1) == 20 {
+			close(busy)
 		}
 		return c.HandleDelivery(ctx, d)
 	})
 	b.concurrency = 4
 	timeout := kgo.RebalanceTimeout(60 * time.Second)
 	b.start(t, b.consumer(t, h, nil, 1, timeout))
-	e.WaitMarkers(20)
-	assigned := make(chan struct{})
-	var once sync.Once
-	joined := time.Now()
-	b.start(t, b.consumer(t, h, nil, 1, timeout, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, got map[string][]int32) {
-		if len(got[topic]) > 0 {
-			once.Do(func() { close(assigned) })
-		}
-	})))
-	select {
-	case <-assigned:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the second member got no partition within 10 s: the rebalance waited for the first member's poll")
-	}
-	t.Logf("second member assigned after %s", time.Since(joined).Round(time.Millisecond))
+	<-busy // the first member is well into its poll
+	b.join(t, h, 10*time.Second, "the first member's poll", timeout)
 	slow.Store(false)
 	e.WaitMarkers(4 * perPart)
 	f.check(t, e, perPart)
