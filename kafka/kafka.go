@@ -116,9 +116,12 @@ const fetchMaxWait = 250 * time.Millisecond
 // Run consumes until ctx is done, and returns ctx's error, or the error
 // of an invalid client configuration. Failures of the brokers (fetch
 // errors, an unreachable cluster) are logged and retried by the client. On
-// return every record whose outcome was durable has been committed (unless
-// the commit itself failed, in which case those records are redelivered
-// and are Duplicates) and no other.
+// return every partition's records whose outcome was durable have been
+// committed up to its first record still to be retried (unless the
+// commit itself failed, in which case those records are redelivered and
+// are Duplicates), and nothing past it: records a batch decided behind a
+// retry are durable but not committed, and whoever consumes the partition
+// next hands them to the Handler again.
 func (c *Consumer) Run(ctx context.Context) error {
 	opts := append([]kgo.Opt{
 		kgo.SeedBrokers(c.cfg.Brokers...),
@@ -176,16 +179,26 @@ type member struct {
 
 	mu    sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
 	tries map[partition]tries
-	// ahead holds, per partition, the offsets of records a batch decided
-	// durably after a record of their partition that is to be retried:
-	// they come again with the retry, and are then settled without being
-	// handled a second time (a decode failure would be dead-lettered
-	// again, a dead letter re-parked).
-	ahead map[partition]map[int64]bool
+	// ahead holds, per partition, the records a batch decided durably
+	// after a record of their partition that is to be retried: they come
+	// again with the retry, and are then settled without being handled a
+	// second time (a decode failure would be dead-lettered again, a dead
+	// letter re-parked). A record is known by its offset and checked by
+	// its leader epoch and timestamp, so that another record at the same
+	// offset (a truncated log, a recreated topic) is handled.
+	ahead map[partition]map[int64]stamp
 }
 
+// stamp tells apart two records at one offset of a partition.
+type stamp struct {
+	epoch int32
+	ts    int64 // Unix milliseconds, Kafka's precision
+}
+
+func stampOf(r *kgo.Record) stamp { return stamp{r.LeaderEpoch, r.Timestamp.UnixMilli()} }
+
 func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool) error {
-	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]tries{}, ahead: map[partition]map[int64]bool{}}
+	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]tries{}, ahead: map[partition]map[int64]stamp{}}
 	maxPoll := c.cfg.MaxPoll
 	if c.cfg.Concurrency > 1 {
 		// Everything fetched: under a backlog a poll of MaxPoll records
@@ -208,6 +221,7 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool)
 				c.cfg.Logger.Warn("kafka: fetch error", slog.String("topic", fe.Topic), slog.Int("partition", int(fe.Partition)), slog.Any("error", fe.Err))
 			}
 		}
+		m.prune(fetches)
 		var (
 			done    []*kgo.Record
 			retries []retry
@@ -257,10 +271,11 @@ func (m *member) hold(retries []retry) {
 			m.held[partition{r.Topic, r.Partition}] = now.Add(rt.after)
 		}
 	}
-	m.cl.SetOffsets(offsets)
 	if len(paused) > 0 {
+		// Paused first: no fetch starts at the rewound offset meanwhile.
 		m.cl.PauseFetchPartitions(paused)
 	}
+	m.cl.SetOffsets(offsets)
 }
 
 // resumeDue resumes the held partitions whose retry is due.
@@ -355,7 +370,7 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 			if skip[p] {
 				continue
 			}
-			a := m.isAhead(p, r.Offset)
+			a := m.isAhead(p, r)
 			if !a {
 				handled = append(handled, len(chunk))
 			}
@@ -384,7 +399,7 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 				// not committed, delivered again after it, and then not
 				// handled again if its outcome is durable.
 				if vs[i].Ack && !ahead[i] {
-					m.aheadOf(p, r.Offset)
+					m.aheadOf(p, r)
 				}
 			case vs[i].Ack:
 				if ahead[i] {
@@ -454,23 +469,51 @@ func (m *member) decide(ctx context.Context, bh idem.BatchDeliveryHandler, batch
 	return verdicts.Check(bh.HandleDeliveries(ctx, ds), len(ds), m.cfg.Logger, "kafka")
 }
 
-// aheadOf records that the record at offset of p was decided durably
-// behind a retry.
-func (m *member) aheadOf(p partition, offset int64) {
+// aheadOf records that r, of p, was decided durably behind a retry.
+func (m *member) aheadOf(p partition, r *kgo.Record) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.ahead[p] == nil {
-		m.ahead[p] = map[int64]bool{}
+		m.ahead[p] = map[int64]stamp{}
 	}
-	m.ahead[p][offset] = true
+	m.ahead[p][r.Offset] = stampOf(r)
 }
 
-// isAhead reports whether the record at offset of p was decided durably
-// behind a retry.
-func (m *member) isAhead(p partition, offset int64) bool {
+// isAhead reports whether r, of p, was decided durably behind a retry.
+func (m *member) isAhead(p partition, r *kgo.Record) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.ahead[p][offset]
+	s, ok := m.ahead[p][r.Offset]
+	return ok && s == stampOf(r)
+}
+
+// prune forgets the tries and ahead records of each partition of fetches
+// that lie before its first record fetched: settled since (by another
+// member, while the partition was assigned elsewhere) and never delivered
+// to this member again.
+func (m *member) prune(fetches kgo.Fetches) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.tries) == 0 && len(m.ahead) == 0 {
+		return
+	}
+	fetches.EachPartition(func(fp kgo.FetchTopicPartition) {
+		if len(fp.Records) == 0 {
+			return
+		}
+		p, first := partition{fp.Topic, fp.Partition}, fp.Records[0].Offset
+		if t, ok := m.tries[p]; ok && t.offset < first {
+			delete(m.tries, p)
+		}
+		for off := range m.ahead[p] {
+			if off < first {
+				delete(m.ahead[p], off)
+			}
+		}
+		if len(m.ahead[p]) == 0 {
+			delete(m.ahead, p)
+		}
+	})
 }
 
 // forgetAhead forgets the record at offset of p, settled now.
