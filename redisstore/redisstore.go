@@ -376,18 +376,7 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 		pipe := tx.conn.Pipeline()
 		var verify *redis.Cmd
 		if held := tx.held(); recheck && len(held) > 0 {
-			var keys, watch []string
-			args := []any{tx.token, ttl}
-			for _, c := range held {
-				watch = append(watch, c.key)
-				keys = append(keys, c.key)
-				if c.marker() {
-					args = append(args, "m", c.seen)
-				} else {
-					keys = append(keys, c.lock)
-					args = append(args, "s", c.seen)
-				}
-			}
+			keys, watch, args := tx.verifyArgs(held, ttl)
 			verifyScript.EvalSha(ctx, pipe, keys, args...) // extend
 			pipe.Do(ctx, watchArgs(watch)...)
 			args[1] = 0
@@ -438,6 +427,74 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 		}
 		wait = min(2*wait, 50*time.Millisecond)
 	}
+}
+
+// verifyArgs returns verifyScript's keys and arguments for the claims
+// held (extending them by ttl milliseconds, or not if ttl is 0) and the
+// keys to WATCH for them.
+func (tx *Tx) verifyArgs(held []*claim, ttl int64) (keys, watch []string, args []any) {
+	args = []any{tx.token, ttl}
+	for _, c := range held {
+		watch = append(watch, c.key)
+		keys = append(keys, c.key)
+		if c.marker() {
+			args = append(args, "m", c.seen)
+		} else {
+			keys = append(keys, c.lock)
+			args = append(args, "s", c.seen)
+		}
+	}
+	return keys, watch, args
+}
+
+// rewatch narrows the connection's watches to the claims the transaction
+// holds, and checks that it still holds them (ErrAborted if not).
+//
+// A marker insert WATCHes all of its markers and then reads them, in one
+// pipeline but not atomically: another transaction's commit can apply a
+// marker between the WATCH and the read. The read then shows it applied
+// (a Duplicate, rightly), but the watch is dirty and this transaction's
+// EXEC would abort although nothing it holds changed. Markers held
+// elsewhere are not this transaction's business: after UNWATCH it watches
+// only its own claims, then reads them, so a take-over after that aborts
+// the commit as it must. In a transaction the caller watched keys in, the
+// watches cannot be dropped: such a commit can fail with ErrAborted, and
+// the delivery is retried.
+func (tx *Tx) rewatch(ctx context.Context) error {
+	if tx.userWatched {
+		return nil
+	}
+	for range 2 {
+		held := tx.held()
+		pipe := tx.conn.Pipeline()
+		pipe.Do(ctx, "unwatch")
+		var verify *redis.Cmd
+		if len(held) > 0 {
+			keys, watch, args := tx.verifyArgs(held, 0)
+			pipe.Do(ctx, watchArgs(watch)...)
+			verify = verifyScript.EvalSha(ctx, pipe, keys, args...)
+		}
+		_, err := pipe.Exec(ctx)
+		tx.watching = len(held) > 0
+		if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			if err := loadScripts(ctx, tx.conn); err != nil {
+				return err
+			}
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("redisstore: watch claims: %w", err)
+		}
+		if verify != nil {
+			if ok, err := verify.Int(); err != nil {
+				return fmt.Errorf("redisstore: check claims: %w", err)
+			} else if ok != 1 {
+				return fmt.Errorf("redisstore: a lock of this transaction expired: %w", ErrAborted)
+			}
+		}
+		return nil
+	}
+	return errors.New("redisstore: watch claims: the server keeps losing its scripts")
 }
 
 func loadScripts(ctx context.Context, c redis.Scripter) error {
@@ -520,6 +577,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 	if len(keys) == 0 {
 		return out, nil
 	}
+	foreign := false // a marker applied by another transaction was watched
 	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
 		if len(keys) == 1 {
 			pipe.SetNX(ctx, keys[0], tx.pending, d.lockTTL)
@@ -531,6 +589,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 		pipe.Do(ctx, watchArgs(keys)...)
 		mget := pipe.MGet(ctx, keys...)
 		return func() (bool, error) {
+			foreign = false
 			vals, err := mget.Result()
 			if err != nil {
 				return false, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
@@ -562,6 +621,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 					// pass, its hold expired and another applied it.
 					delete(tx.claims, keys[k])
 					out[i] = driver.MarkerInsertResult{ExistingHash: []byte(v[len(appliedPrefix):])}
+					foreign = true
 				case v == "" || strings.HasPrefix(v, pendingPrefix):
 					blocked = k
 				default:
@@ -592,6 +652,11 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 	})
 	if err != nil {
 		return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
+	}
+	if foreign && len(tx.held()) > 0 {
+		if err := tx.rewatch(ctx); err != nil {
+			return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
+		}
 	}
 	return out, nil
 }

@@ -585,3 +585,41 @@ func TestScriptCacheLost(t *testing.T) {
 		}
 	}
 }
+
+// A batch holding a marker another transaction applied watches only the
+// markers it holds: a change to that other marker before the commit (a
+// commit landing between the batch's WATCH and its read, under load; an
+// expiring or deleted marker) must not abort the batch.
+func TestBatchWatchesOnlyItsOwnMarkers(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s, c, prefix, drv, proc := openProc(t, nil)
+	old := idemtest.Event{ID: "evt-old", Account: "acct-1", Amount: 5}.Message()
+	if out, err := proc.Process(ctx, idemtest.CreditHandler(s, "balances", nil), old); err != nil || out != idem.Applied {
+		t.Fatalf("first delivery: %v, %v", out, err)
+	}
+	fresh := idemtest.Event{ID: "evt-new", Account: "acct-1", Amount: 7}.Message()
+	h := &idem.Handler[*redisstore.Tx]{Name: "balances", ApplyBatch: func(ctx context.Context, tx *redisstore.Tx, msgs []*idem.Message) error {
+		// The batch's markers are taken; the old one changes meanwhile.
+		if err := c.Del(ctx, drv.MarkerKey("balances", old.ID)).Err(); err != nil {
+			return err
+		}
+		for _, m := range msgs {
+			if err := s.Credit(ctx, tx, "acct-1", 7); err != nil || m.ID != fresh.ID {
+				return fmt.Errorf("credit %s: %v", m.ID, err)
+			}
+		}
+		return nil
+	}}
+	outs, err := proc.ProcessBatch(ctx, h, []*idem.Message{old, fresh})
+	if err != nil {
+		t.Fatalf("batch: %v; want it committed", err)
+	}
+	if outs[0] != idem.Duplicate || outs[1] != idem.Applied {
+		t.Fatalf("outcomes %v; want [Duplicate Applied]", outs)
+	}
+	got, err := c.HGet(ctx, prefix+"balances", "acct-1").Int64()
+	if err != nil || got != 12 {
+		t.Fatalf("balance %d, %v; want 12", got, err)
+	}
+}
