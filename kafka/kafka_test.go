@@ -349,7 +349,10 @@ func TestRetryDoesNotBlockRebalance(t *testing.T) {
 }
 
 // With Concurrency a member handles a poll's partitions at once; without
-// it, one record at a time.
+// it, one record at a time. A poll holds the partitions whose records have
+// arrived: the first after the member joins can hold fewer than four (their
+// start offsets resolve apart), so the records come in waves produced
+// while the member idles on all four, until one wave has four in flight.
 func TestConcurrencyOverlapsPartitions(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ concurrency, wantMax int64 }{{1, 1}, {4, 4}} {
@@ -358,14 +361,6 @@ func TestConcurrencyOverlapsPartitions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var recs []*kgo.Record
-		for i := range 20 {
-			recs = append(recs, &kgo.Record{Partition: int32(i % 4), Value: []byte("x"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(strconv.Itoa(i))}}})
-		}
-		if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
-			t.Fatal(err)
-		}
-		cl.Close()
 		var inFlight, most, handled atomic.Int64
 		h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
 			n := inFlight.Add(1)
@@ -378,12 +373,28 @@ func TestConcurrencyOverlapsPartitions(t *testing.T) {
 		})
 		b.concurrency = int(tc.concurrency)
 		kill := b.Start(t, h)
-		for deadline := time.Now().Add(20 * time.Second); handled.Load() < 20; time.Sleep(10 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("concurrency %d: %d of 20 records handled after 20 s", tc.concurrency, handled.Load())
+		const waves, perWave = 4, 20
+		for w := range waves {
+			var recs []*kgo.Record
+			for i := range perWave {
+				id := strconv.Itoa(w*perWave + i)
+				recs = append(recs, &kgo.Record{Partition: int32(i % 4), Value: []byte("x"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(id)}}})
+			}
+			if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+			want := int64((w + 1) * perWave)
+			for deadline := time.Now().Add(20 * time.Second); handled.Load() < want; time.Sleep(10 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("concurrency %d: %d of %d records handled after 20 s", tc.concurrency, handled.Load(), want)
+				}
+			}
+			if most.Load() >= tc.wantMax {
+				break
 			}
 		}
 		kill()
+		cl.Close()
 		if m := most.Load(); m != tc.wantMax {
 			t.Errorf("concurrency %d: at most %d records in flight at once, want %d", tc.concurrency, m, tc.wantMax)
 		}
