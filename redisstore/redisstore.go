@@ -212,7 +212,10 @@ type Tx struct {
 	// watched keys through Watch, whose reads the driver cannot check
 	// again, so it must never drop the watches.
 	watching, userWatched bool
-	done                  bool
+	// foreign: among the keys WATCHed are markers other transactions
+	// applied; see rewatch.
+	foreign bool
+	done    bool
 }
 
 // claim is a key this transaction holds. A marker is its own lock: it
@@ -248,6 +251,13 @@ func (tx *Tx) Queue() redis.Pipeliner { return tx.queue }
 func (tx *Tx) Watch(ctx context.Context, keys ...string) error {
 	if len(keys) == 0 {
 		return nil
+	}
+	if tx.foreign {
+		// Last chance to narrow the driver's watches: the caller's
+		// cannot be dropped after this.
+		if err := tx.rewatch(ctx); err != nil {
+			return err
+		}
 	}
 	tx.watching, tx.userWatched = true, true
 	if err := tx.conn.Do(ctx, watchArgs(keys)...).Err(); err != nil {
@@ -453,13 +463,16 @@ func (tx *Tx) verifyArgs(held []*claim, ttl int64) (keys, watch []string, args [
 // A marker insert WATCHes all of its markers and then reads them, in one
 // pipeline but not atomically: another transaction's commit can apply a
 // marker between the WATCH and the read. The read then shows it applied
-// (a Duplicate, rightly), but the watch is dirty and this transaction's
-// EXEC would abort although nothing it holds changed. Markers held
-// elsewhere are not this transaction's business: after UNWATCH it watches
-// only its own claims, then reads them, so a take-over after that aborts
-// the commit as it must. In a transaction the caller watched keys in, the
-// watches cannot be dropped: such a commit can fail with ErrAborted, and
-// the delivery is retried.
+// (a Duplicate, rightly), but the watch is dirty, and this transaction's
+// EXEC would abort although nothing it holds changed. Markers applied
+// elsewhere are not this transaction's business. So an insert that read
+// one sets foreign, and before the commit's EXEC (or the caller's first
+// Watch) the transaction UNWATCHes, watches only its own claims and reads
+// them again, one round trip, so that a take-over after that still aborts
+// the commit as it must. A transaction that only found duplicates and is
+// rolled back never pays it. Once the caller watched keys, the watches
+// cannot be dropped: rewatch does nothing, and such a commit can fail
+// with ErrAborted (the delivery is retried).
 func (tx *Tx) rewatch(ctx context.Context) error {
 	if tx.userWatched {
 		return nil
@@ -475,7 +488,7 @@ func (tx *Tx) rewatch(ctx context.Context) error {
 			verify = verifyScript.EvalSha(ctx, pipe, keys, args...)
 		}
 		_, err := pipe.Exec(ctx)
-		tx.watching = len(held) > 0
+		tx.watching = err != nil || len(held) > 0 // on a failed pipeline, not known
 		if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 			if err := loadScripts(ctx, tx.conn); err != nil {
 				return err
@@ -492,6 +505,7 @@ func (tx *Tx) rewatch(ctx context.Context) error {
 				return fmt.Errorf("redisstore: a lock of this transaction expired: %w", ErrAborted)
 			}
 		}
+		tx.foreign = false
 		return nil
 	}
 	return errors.New("redisstore: watch claims: the server keeps losing its scripts")
@@ -653,10 +667,8 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 	if err != nil {
 		return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
 	}
-	if foreign && len(tx.held()) > 0 {
-		if err := tx.rewatch(ctx); err != nil {
-			return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
-		}
+	if foreign && !tx.userWatched {
+		tx.foreign = true
 	}
 	return out, nil
 }
@@ -713,6 +725,11 @@ func (d *Driver) Commit(ctx context.Context, tx *Tx) error {
 	}
 	if tx.queue.Len() == 0 {
 		return d.finish(ctx, tx, false)
+	}
+	if tx.foreign {
+		if err := tx.rewatch(ctx); err != nil {
+			return errors.Join(fmt.Errorf("redisstore: commit: %w", err), d.finish(ctx, tx, true))
+		}
 	}
 	cmds, err := tx.queue.Exec(ctx)
 	switch {

@@ -623,3 +623,35 @@ func TestBatchWatchesOnlyItsOwnMarkers(t *testing.T) {
 		t.Fatalf("balance %d, %v; want 12", got, err)
 	}
 }
+
+// The same in a transaction of the caller's that only met a duplicate:
+// its own writes commit although the duplicate's marker changed.
+func TestDuplicateInCallersTransactionDoesNotAbortIt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s, c, prefix, drv, proc := openProc(t, nil)
+	old := idemtest.Event{ID: "evt-old", Account: "acct-1", Amount: 5}.Message()
+	h := idemtest.CreditHandler(s, "balances", nil)
+	if out, err := proc.Process(ctx, h, old); err != nil || out != idem.Applied {
+		t.Fatalf("first delivery: %v, %v", out, err)
+	}
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Queue().Set(ctx, prefix+"own", "v", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := proc.ProcessTx(ctx, tx, h, old); err != nil || out != idem.Duplicate {
+		t.Fatalf("redelivery: %v, %v; want Duplicate", out, err)
+	}
+	if err := c.Del(ctx, drv.MarkerKey("balances", old.ID)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Commit(ctx, tx); err != nil {
+		t.Fatalf("commit: %v; want the caller's write committed", err)
+	}
+	if v, err := c.Get(ctx, prefix+"own").Result(); err != nil || v != "v" {
+		t.Fatalf("caller's write: %q, %v", v, err)
+	}
+}
