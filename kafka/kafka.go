@@ -157,13 +157,6 @@ type partition struct {
 	part  int32
 }
 
-// tries counts the deliveries of the record at offset, the one its
-// partition is retrying.
-type tries struct {
-	offset int64
-	n      int
-}
-
 // retry is a record whose verdict asked for another try after a delay.
 type retry struct {
 	rec   *kgo.Record
@@ -177,8 +170,11 @@ type member struct {
 	held  map[partition]time.Time // paused until then, for a retry
 	hurry *atomic.Bool            // a rebalance waits on the poll
 
-	mu    sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
-	tries map[partition]tries
+	mu sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
+	// tries counts, per partition and offset, the deliveries of records
+	// that failed and are not settled: the one its partition retries and
+	// those after it that a batch decided and that failed too.
+	tries map[partition]map[int64]int
 	// ahead holds, per partition, the records a batch decided durably
 	// after a record of their partition that is to be retried: they come
 	// again with the retry, and are then settled without being handled a
@@ -198,7 +194,7 @@ type stamp struct {
 func stampOf(r *kgo.Record) stamp { return stamp{r.LeaderEpoch, r.Timestamp.UnixMilli()} }
 
 func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool) error {
-	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]tries{}, ahead: map[partition]map[int64]stamp{}}
+	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]map[int64]int{}, ahead: map[partition]map[int64]stamp{}}
 	maxPoll := c.cfg.MaxPoll
 	if c.cfg.Concurrency > 1 {
 		// Everything fetched: under a backlog a poll of MaxPoll records
@@ -397,9 +393,13 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 			case skip[p]:
 				// After a record of its partition that is to be retried:
 				// not committed, delivered again after it, and then not
-				// handled again if its outcome is durable.
-				if vs[i].Ack && !ahead[i] {
+				// handled again if its outcome is durable; if it failed
+				// too, this was one of its attempts.
+				switch {
+				case vs[i].Ack && !ahead[i]:
 					m.aheadOf(p, r)
+				case !vs[i].Ack:
+					m.failed(p, r, attempts[i])
 				}
 			case vs[i].Ack:
 				if ahead[i] {
@@ -435,8 +435,8 @@ func rewinds(recs []*kgo.Record, skip map[partition]bool) []retry {
 func (m *member) delivery(r *kgo.Record) *idem.Delivery {
 	d := &idem.Delivery{Raw: r.Value, Source: fmt.Sprintf("kafka:%s/%d@%d", r.Topic, r.Partition, r.Offset), Attempt: 1}
 	m.mu.Lock()
-	if t, ok := m.tries[partition{r.Topic, r.Partition}]; ok && t.offset == r.Offset {
-		d.Attempt = t.n + 1
+	if n, ok := m.tries[partition{r.Topic, r.Partition}][r.Offset]; ok {
+		d.Attempt = n + 1
 	}
 	m.mu.Unlock()
 	d.Msg, d.DecodeErr = m.cfg.Map(r)
@@ -446,12 +446,22 @@ func (m *member) delivery(r *kgo.Record) *idem.Delivery {
 	return d
 }
 
-// settled forgets the tries of r, settled.
+// settled forgets the tries of r, settled, and of p's records before it.
 func (m *member) settled(p partition, r *kgo.Record) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if t, ok := m.tries[p]; ok && t.offset <= r.Offset {
-		delete(m.tries, p)
+	forgetBefore(m.tries, p, r.Offset+1)
+}
+
+// forgetBefore deletes the entries of p in byOffset below offset.
+func forgetBefore[V any](byOffset map[partition]map[int64]V, p partition, offset int64) {
+	for off := range byOffset[p] {
+		if off < offset {
+			delete(byOffset[p], off)
+		}
+	}
+	if len(byOffset[p]) == 0 {
+		delete(byOffset, p)
 	}
 }
 
@@ -502,17 +512,8 @@ func (m *member) prune(fetches kgo.Fetches) {
 			return
 		}
 		p, first := partition{fp.Topic, fp.Partition}, fp.Records[0].Offset
-		if t, ok := m.tries[p]; ok && t.offset < first {
-			delete(m.tries, p)
-		}
-		for off := range m.ahead[p] {
-			if off < first {
-				delete(m.ahead[p], off)
-			}
-		}
-		if len(m.ahead[p]) == 0 {
-			delete(m.ahead, p)
-		}
+		forgetBefore(m.tries, p, first)
+		forgetBefore(m.ahead, p, first)
 	})
 }
 
@@ -530,7 +531,10 @@ func (m *member) forgetAhead(p partition, offset int64) {
 func (m *member) failed(p partition, r *kgo.Record, attempt int) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.tries[p] = tries{offset: r.Offset, n: attempt}
+	if m.tries[p] == nil {
+		m.tries[p] = map[int64]int{}
+	}
+	m.tries[p][r.Offset] = attempt
 }
 
 // DefaultMap reads the message ID from the idem-id header, the aggregate

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -524,6 +525,75 @@ func TestRetryWaitsItsDelay(t *testing.T) {
 	for i := 1; i < len(tries); i++ {
 		if gap := tries[i].Sub(tries[i-1]); gap < delay {
 			t.Fatalf("try %d came %v after the one before, want at least the %v RetryAfter", i+1, gap, delay)
+		}
+	}
+}
+
+// A record that fails behind another that is to be retried, in the same
+// batch, counts each of its tries too: with MaxAttempts 3 both are
+// dead-lettered on their third try, not the later one only once the
+// earlier has settled (it used to be tried five times: three at attempt
+// 1, while its partition retried the first).
+func TestFailureBehindARetryCountsItsAttempts(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+	var msgs []*idem.Message
+	for i := range 10 {
+		id := fmt.Sprintf("r%d", i)
+		msgs = append(msgs, &idem.Message{ID: id, AggregateID: id, Payload: []byte(id)})
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var recs []*kgo.Record
+	for _, m := range msgs {
+		recs = append(recs, &kgo.Record{Partition: 0, Key: []byte(m.AggregateID), Value: m.Payload, Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(m.ID)}}})
+	}
+	if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	cl.Close()
+	failing := map[string]bool{"r3": true, "r7": true}
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
+		if failing[m.ID] {
+			return errors.New("dependency down")
+		}
+		return nil
+	}}
+	var mu sync.Mutex
+	attempts := map[string][]int{}
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Logger: testenv.Logger(t), MaxAttempts: 3,
+		Backoff: idem.Backoff{Base: 10 * time.Millisecond, Max: 20 * time.Millisecond},
+		Hooks: []idem.Hook{idem.HookVerdict(verdictFunc(func(ev *idem.VerdictEvent) {
+			if failing[ev.MessageID] {
+				mu.Lock()
+				defer mu.Unlock()
+				attempts[ev.MessageID] = append(attempts[ev.MessageID], ev.Attempt)
+			}
+		}))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.StartBatched(t, c, 25)
+	e.WaitMarkers(8)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(dls) == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d dead letters after 10 s, want r3's and r7's", len(dls))
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range []string{"r3", "r7"} {
+		if got := attempts[id]; !slices.Equal(got, []int{1, 2, 3}) {
+			t.Errorf("%s tried at attempts %v, want [1 2 3]", id, got)
 		}
 	}
 }
