@@ -250,7 +250,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 				agg = o.Normalize(agg) // the aggregate as the guard sees it
 			}
 			if first, ok := held[agg]; ok && !ds[i].LastAttempt {
-				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("idem: message %s waits for %s, of the same aggregate, to be retried first", m.ID, ds[first].Msg.ID)}
+				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("%w: message %s waits for %s to be retried first", ErrWaitsForAggregate, m.ID, ds[first].Msg.ID)}
 				c.report(ctx, ds[i], vs[i])
 				continue
 			}

@@ -18,6 +18,12 @@ var (
 	ErrConflict = errors.New("idem: same message ID, different payload")
 	// ErrInvalidConfig matches errors about a bad Config or driver option.
 	ErrInvalidConfig = errors.New("idem: invalid configuration")
+	// ErrWaitsForAggregate matches the Err of a retry verdict for a
+	// delivery that a batch did not process: an earlier delivery of the
+	// same aggregate in the batch is to be retried first, and this one
+	// must not overtake it. Such a retry is no attempt of its own:
+	// adapters that count attempts themselves (Kafka) do not count it.
+	ErrWaitsForAggregate = errors.New("idem: waits for an earlier message of its aggregate")
 )
 
 // ValidationError describes why an envelope or a handler name was refused.

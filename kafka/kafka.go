@@ -173,8 +173,9 @@ type member struct {
 	mu sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
 	// tries counts, per partition and offset, the deliveries of records
 	// that failed and are not settled: the one its partition retries and
-	// those after it that a batch decided and that failed too.
-	tries map[partition]map[int64]int
+	// those after it that a batch decided and that failed too. Like
+	// ahead, an entry is checked by the record's stamp.
+	tries map[partition]map[int64]tried
 	// ahead holds, per partition, the records a batch decided durably
 	// after a record of their partition that is to be retried: they come
 	// again with the retry, and are then settled without being handled a
@@ -193,8 +194,14 @@ type stamp struct {
 
 func stampOf(r *kgo.Record) stamp { return stamp{r.LeaderEpoch, r.Timestamp.UnixMilli()} }
 
+// tried is how many times the record with the stamp was delivered.
+type tried struct {
+	stamp
+	n int
+}
+
 func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool) error {
-	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]map[int64]int{}, ahead: map[partition]map[int64]stamp{}}
+	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]map[int64]tried{}, ahead: map[partition]map[int64]stamp{}}
 	maxPoll := c.cfg.MaxPoll
 	if c.cfg.Concurrency > 1 {
 		// Everything fetched: under a backlog a poll of MaxPoll records
@@ -394,11 +401,12 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 				// After a record of its partition that is to be retried:
 				// not committed, delivered again after it, and then not
 				// handled again if its outcome is durable; if it failed
-				// too, this was one of its attempts.
+				// too, this was one of its attempts (waiting behind an
+				// earlier record of its aggregate is not).
 				switch {
 				case vs[i].Ack && !ahead[i]:
 					m.aheadOf(p, r)
-				case !vs[i].Ack:
+				case !vs[i].Ack && !errors.Is(vs[i].Err, idem.ErrWaitsForAggregate):
 					m.failed(p, r, attempts[i])
 				}
 			case vs[i].Ack:
@@ -435,8 +443,8 @@ func rewinds(recs []*kgo.Record, skip map[partition]bool) []retry {
 func (m *member) delivery(r *kgo.Record) *idem.Delivery {
 	d := &idem.Delivery{Raw: r.Value, Source: fmt.Sprintf("kafka:%s/%d@%d", r.Topic, r.Partition, r.Offset), Attempt: 1}
 	m.mu.Lock()
-	if n, ok := m.tries[partition{r.Topic, r.Partition}][r.Offset]; ok {
-		d.Attempt = n + 1
+	if t, ok := m.tries[partition{r.Topic, r.Partition}][r.Offset]; ok && t.stamp == stampOf(r) {
+		d.Attempt = t.n + 1
 	}
 	m.mu.Unlock()
 	d.Msg, d.DecodeErr = m.cfg.Map(r)
@@ -500,7 +508,9 @@ func (m *member) isAhead(p partition, r *kgo.Record) bool {
 // prune forgets the tries and ahead records of each partition of fetches
 // that lie before its first record fetched: settled since (by another
 // member, while the partition was assigned elsewhere) and never delivered
-// to this member again.
+// to this member again. It relies on SetOffsets discarding every fetch
+// buffered or in flight (as kgo does), so that after a rewind the
+// partition's first record polled is the one rewound to.
 func (m *member) prune(fetches kgo.Fetches) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -532,9 +542,9 @@ func (m *member) failed(p partition, r *kgo.Record, attempt int) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.tries[p] == nil {
-		m.tries[p] = map[int64]int{}
+		m.tries[p] = map[int64]tried{}
 	}
-	m.tries[p][r.Offset] = attempt
+	m.tries[p][r.Offset] = tried{stampOf(r), attempt}
 }
 
 // DefaultMap reads the message ID from the idem-id header, the aggregate

@@ -17,6 +17,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/adaptertest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
@@ -595,5 +596,77 @@ func TestFailureBehindARetryCountsItsAttempts(t *testing.T) {
 		if got := attempts[id]; !slices.Equal(got, []int{1, 2, 3}) {
 			t.Errorf("%s tried at attempts %v, want [1 2 3]", id, got)
 		}
+	}
+}
+
+// Waiting behind an earlier record of its own aggregate is no attempt: a2
+// waits while a1 (same key) is retried twice, then fails once on its own,
+// and with MaxAttempts 3 it is retried and applied, not dead-lettered as
+// if its waits had been tries.
+func TestWaitingBehindItsAggregateIsNoAttempt(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+	msgs := []*idem.Message{
+		{ID: "a1", AggregateID: "A", Payload: []byte("a1")},
+		{ID: "b1", AggregateID: "B", Payload: []byte("b1")},
+		{ID: "a2", AggregateID: "A", Payload: []byte("a2")},
+		{ID: "b2", AggregateID: "B", Payload: []byte("b2")},
+	}
+	b.Publish(t, msgs, 0)
+	var retries sync.Map // message ID → *atomic.Int64: retry verdicts that were tries
+	tries := func(id string) int64 {
+		v, _ := retries.LoadOrStore(id, new(atomic.Int64))
+		return v.(*atomic.Int64).Load()
+	}
+	failFor := map[string]int64{"a1": 2, "a2": 1}
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
+		if tries(m.ID) < failFor[m.ID] {
+			return errors.New("dependency down")
+		}
+		return nil
+	}}
+	var mu sync.Mutex
+	var a2 []int // a2's attempts at its verdicts
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Logger: testenv.Logger(t), MaxAttempts: 3,
+		Backoff: idem.Backoff{Base: 10 * time.Millisecond, Max: 20 * time.Millisecond},
+		Hooks: []idem.Hook{idem.HookVerdict(verdictFunc(func(ev *idem.VerdictEvent) {
+			if ev.MessageID == "a2" {
+				mu.Lock()
+				a2 = append(a2, ev.Attempt)
+				mu.Unlock()
+			}
+			if !ev.Verdict.Ack && !errors.Is(ev.Verdict.Err, idem.ErrWaitsForAggregate) {
+				tries(ev.MessageID)
+				v, _ := retries.Load(ev.MessageID)
+				v.(*atomic.Int64).Add(1)
+			}
+		}))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.StartBatched(t, c, 25)
+	var dls []driver.DeadLetter
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var applied int
+		if err := e.DB.QueryRow(`SELECT count(*) FROM idem_processed WHERE handler = 'balances'`).Scan(&applied); err != nil {
+			t.Fatal(err)
+		}
+		if dls, err = e.Drv.DeadLetterList(context.Background(), nil); err != nil {
+			t.Fatal(err)
+		}
+		if applied+len(dls) == len(msgs) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 10 s: %d applied, %d dead-lettered, of %d", applied, len(dls), len(msgs))
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(dls) != 0 {
+		t.Fatalf("dead letter %s (%s) at a2's attempts %v: its waits were counted as tries", dls[0].MessageID, dls[0].Class, a2)
+	}
+	if tries("a1") != 2 || tries("a2") != 1 {
+		t.Fatalf("tries a1 %d, a2 %d; want 2 and 1", tries("a1"), tries("a2"))
 	}
 }

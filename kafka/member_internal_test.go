@@ -8,7 +8,7 @@ import (
 )
 
 func newTestMember() *member {
-	return &member{held: map[partition]time.Time{}, tries: map[partition]map[int64]int{}, ahead: map[partition]map[int64]stamp{}}
+	return &member{Consumer: &Consumer{cfg: Config{Map: DefaultMap}}, held: map[partition]time.Time{}, tries: map[partition]map[int64]tried{}, ahead: map[partition]map[int64]stamp{}}
 }
 
 func rec(part int32, offset int64, epoch int32, ts time.Time) *kgo.Record {
@@ -23,16 +23,21 @@ func fetchOf(recs ...*kgo.Record) kgo.Fetches {
 	return kgo.Fetches{{Topics: []kgo.FetchTopic{ft}}}
 }
 
-// A record remembered as decided behind a retry is known again only if it
-// is the same record: another one at its offset (the log truncated after
-// an unclean leader election, the topic recreated) must be handled.
-func TestAheadKnowsTheRecordNotJustItsOffset(t *testing.T) {
+// A record remembered as decided behind a retry, or as tried before, is
+// known again only if it is the same record: another one at its offset
+// (the log truncated after an unclean leader election, the topic
+// recreated) must be handled, at its first attempt.
+func TestMemberKnowsTheRecordNotJustItsOffset(t *testing.T) {
 	m := newTestMember()
 	p := partition{"t", 0}
 	ts := time.UnixMilli(1_700_000_000_000)
 	m.aheadOf(p, rec(0, 7, 3, ts))
 	if !m.isAhead(p, rec(0, 7, 3, ts)) {
 		t.Fatal("the same record is not known as ahead")
+	}
+	m.failed(p, rec(0, 7, 3, ts), 2)
+	if d := m.delivery(rec(0, 7, 3, ts)); d.Attempt != 3 {
+		t.Errorf("the same record again: attempt %d, want 3", d.Attempt)
 	}
 	for name, other := range map[string]*kgo.Record{
 		"another epoch":     rec(0, 7, 4, ts),
@@ -42,6 +47,9 @@ func TestAheadKnowsTheRecordNotJustItsOffset(t *testing.T) {
 	} {
 		if m.isAhead(partition{other.Topic, other.Partition}, other) {
 			t.Errorf("%s: known as ahead; it would be committed unhandled", name)
+		}
+		if d := m.delivery(other); d.Attempt != 1 {
+			t.Errorf("%s: attempt %d, want 1: it inherited another record's tries", name, d.Attempt)
 		}
 	}
 }
@@ -76,7 +84,7 @@ func TestPruneForgetsWhatLiesBeforeTheFetch(t *testing.T) {
 			t.Errorf("partition 1 (rewound to its retry): record %d forgotten", off)
 		}
 	}
-	if tr := m.tries[p1]; len(tr) != 1 || tr[10] != 2 {
+	if tr := m.tries[p1]; len(tr) != 1 || tr[10].n != 2 {
 		t.Errorf("partition 1: tries = %v, want offset 10 tried twice", tr)
 	}
 	m.prune(fetchOf(rec(0, 14, 0, ts), rec(1, 14, 0, ts)))
