@@ -25,6 +25,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -65,13 +67,25 @@ type Config struct {
 	// transaction bets that its messages are new and sends a plain INSERT,
 	// which spares the server ON CONFLICT's speculative insertion: 1–4% of
 	// a whole per-message transaction and about 20% of a batch of 100 with
-	// 4 workers on a 2-core machine (BenchmarkInsertBet). A redelivery loses the bet with a unique violation, which
-	// the server logs at ERROR level; a single message then takes as many
-	// round trips as with ON CONFLICT, a batch two more. Set it where those
-	// log lines are unwelcome. Transactions the caller owns (ProcessTx)
-	// always use ON CONFLICT: a failed statement would abort them.
+	// 4 workers on a 2-core machine (BenchmarkInsertBet). A redelivery
+	// loses the bet with a unique violation, which the server logs at
+	// ERROR level; a single message then takes as many round trips as with
+	// ON CONFLICT, a batch two more. After a lost bet the driver stops
+	// betting for a second, so a burst of redeliveries costs a few log
+	// lines, not one per message. Set ConflictAwareInserts where even
+	// those are unwelcome. Transactions the caller owns (ProcessTx) always
+	// use ON CONFLICT: a failed statement would abort them.
 	ConflictAwareInserts bool
 }
+
+// lostBetPause is how long a Driver inserts markers conflict-aware after
+// a plain INSERT met an existing marker (see Config.ConflictAwareInserts).
+// Redeliveries come in bursts: a consumer restarting, a rebalance, a
+// producer retrying. Betting through a burst would log a unique violation
+// per message and redo each transaction or batch; pausing bounds that to
+// about one per second and per transaction in flight when the burst
+// begins, while a stream of new messages keeps the bet's saving.
+const lostBetPause = time.Second
 
 // Driver implements driver.Driver[postgres.Tx].
 type Driver struct {
@@ -81,6 +95,23 @@ type Driver struct {
 	conflictAware bool // Config.ConflictAwareInserts
 	t             tables
 	sql           statements
+	// noBetUntil is when betting resumes after the last lost bet, in Unix
+	// nanoseconds; lostBets counts lost bets (for tests).
+	noBetUntil atomic.Int64
+	lostBets   atomic.Int64
+}
+
+// betting reports whether a transaction the driver opens should insert
+// its markers with a plain INSERT (see Config.ConflictAwareInserts).
+func (d *Driver) betting() bool {
+	return !d.conflictAware && time.Now().UnixNano() >= d.noBetUntil.Load()
+}
+
+// lostBet records that a plain INSERT met an existing marker: no bets for
+// lostBetPause.
+func (d *Driver) lostBet() {
+	d.lostBets.Add(1)
+	d.noBetUntil.Store(time.Now().Add(lostBetPause).UnixNano())
 }
 
 type tables struct {
@@ -285,16 +316,18 @@ func (d *Driver) Begin(ctx context.Context) (Tx, error) {
 // redelivery loses the bet with a unique violation, which the server logs,
 // and then sends rollback, begin, the conflict-aware insert and the read of
 // the existing hash together: two round trips, as many as ON CONFLICT and
-// the read take. Config.ConflictAwareInserts turns the bet off.
+// the read take. For a second after a lost bet, and always under
+// Config.ConflictAwareInserts, the INSERT is conflict-aware from the start.
 func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertParams) (Tx, driver.MarkerInsertResult, error) {
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
 	}
 	tx := &connTx{c: c}
-	insert := d.sql.insertMarkerNew
-	if d.conflictAware {
-		insert = d.sql.insertMarker
+	insert := d.sql.insertMarker
+	betting := d.betting()
+	if betting {
+		insert = d.sql.insertMarkerNew
 	}
 	b := &pgx.Batch{}
 	b.Queue("begin")
@@ -314,7 +347,8 @@ func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 	case err == nil:
 		// A plain INSERT that succeeded affected its row: no query.
 		res, err = d.afterInsert(ctx, tx, tag, p)
-	case errors.As(err, &pgErr) && pgErr.Code == "23505":
+	case betting && errors.As(err, &pgErr) && pgErr.Code == "23505":
+		d.lostBet()
 		res, err = d.reinsertMarker(ctx, c, p)
 	}
 	if err != nil {
@@ -376,7 +410,7 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 		return nil, nil, err
 	}
 	tx := &connTx{c: c}
-	if d.conflictAware {
+	if !d.betting() {
 		return d.beginInsertManyAware(ctx, tx, p)
 	}
 	b := &pgx.Batch{}
@@ -404,6 +438,7 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 	}
 	// Some marker exists: start again with the conflict-aware statement on
 	// the same connection.
+	d.lostBet()
 	if _, err := c.Exec(ctx, "rollback; begin"); err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, nil, err
