@@ -63,9 +63,13 @@ type OutboxRelayStore interface {
 	OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]OutboxRow, error)
 	// OutboxMarkPublished marks rows published.
 	OutboxMarkPublished(ctx context.Context, ids []int64) error
-	// OutboxFailed counts a failed publish attempt on a row and keeps the
-	// error text.
-	OutboxFailed(ctx context.Context, id int64, errText string) error
+	// OutboxFailed counts a failed publish attempt on a row, keeps the
+	// error text, and keeps every relay off the row's ordering key for
+	// holdFor: the key's claim passes to no owner (the empty string, which
+	// no relay is named) until then, so OutboxClaim skips the key and
+	// OutboxRelease leaves the hold in place. The other keys' rows go on
+	// being claimed meanwhile.
+	OutboxFailed(ctx context.Context, id int64, errText string, holdFor time.Duration) error
 	// OutboxRelease drops owner's claims.
 	OutboxRelease(ctx context.Context, owner string) error
 	// OutboxStats counts pending and published rows and returns the

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -67,6 +68,47 @@ func TestAddIsTransactional(t *testing.T) {
 			}
 			if s := outboxStats(t, p); s.Pending != 2 {
 				t.Fatalf("%d rows pending after refused adds, want 2", s.Pending)
+			}
+		})
+	}
+}
+
+// TestAddManyInOneCall: one Add of 10,000 messages (more than a
+// statement's 65,535 parameters would hold as a VALUES list on Postgres)
+// stores every one, in the order given, headers and payloads intact.
+func TestAddManyInOneCall(t *testing.T) {
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			p := open(t)
+			ctx := context.Background()
+			const n = 10_000
+			msgs := make([]*idem.Message, n)
+			for i := range msgs {
+				agg := fmt.Sprintf("acct-%d", i%10)
+				msgs[i] = &idem.Message{ID: fmt.Sprintf("m-%05d", i), Stream: "credits.ledger", AggregateID: agg, Seq: int64(i/10 + 1), Payload: []byte(strconv.Itoa(i))}
+				if i%3 == 0 {
+					msgs[i].Headers = map[string]string{"n": strconv.Itoa(i)}
+				}
+			}
+			if err := p.add(ctx, msgs...); err != nil {
+				t.Fatal(err)
+			}
+			rs := p.drv.(driver.OutboxRelayStore)
+			rows, err := rs.OutboxClaim(ctx, "check", 2*n, time.Minute)
+			if err != nil || len(rows) != n {
+				t.Fatalf("claimed %d rows, %v; want %d", len(rows), err, n)
+			}
+			for i, r := range rows {
+				want := fmt.Sprintf("m-%05d", i)
+				wantHeaders := ""
+				if i%3 == 0 {
+					wantHeaders = fmt.Sprintf(`{"n":"%d"}`, i)
+				}
+				if r.MessageID != want || string(r.Payload) != strconv.Itoa(i) || string(r.Headers) != wantHeaders || r.Seq != int64(i/10+1) {
+					t.Fatalf("row %d: %s payload %q headers %q seq %d; want %s payload %d headers %q seq %d",
+						i, r.MessageID, r.Payload, r.Headers, r.Seq, want, i, wantHeaders, i/10+1)
+				}
 			}
 		})
 	}
@@ -152,7 +194,8 @@ func TestRelayRetriesBrokerFailures(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	r, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r"})
+	// A failed key is held for 0.5–1 s.
+	r, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r", Backoff: idem.Backoff{Base: time.Second, Max: time.Second}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -167,11 +210,55 @@ func TestRelayRetriesBrokerFailures(t *testing.T) {
 	if _, err := b.js.CreateStream(ctx, natsStreamConfig("LATE", "late.>")); err != nil {
 		t.Fatal(err)
 	}
-	if res, err := r.RunOnce(ctx); err != nil || res.Published != 2 {
-		t.Fatalf("cycle after the stream exists: %+v, %v", res, err)
+	// The key waits out its backoff, then goes out.
+	if res, err := r.RunOnce(ctx); err != nil || res.Claimed != 0 {
+		t.Fatalf("cycle right after the failure: %+v, %v; want the key held", res, err)
 	}
+	waitFor(t, "the held key's rows published", 5*time.Second, func() bool {
+		res, err := r.RunOnce(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Published == 2
+	})
 	if s := outboxStats(t, p); s.Pending != 0 || s.Published != 2 {
 		t.Fatalf("stats %+v, want 2 published", s)
+	}
+}
+
+// TestFailingKeyDoesNotHoldUpOthers: a key whose rows the broker refuses
+// fills a whole claim (BatchSize rows of it, the oldest pending); after it
+// fails, it waits out its backoff and the next cycle publishes the other
+// keys instead of claiming the same rows again.
+func TestFailingKeyDoesNotHoldUpOthers(t *testing.T) {
+	b := newNATSBroker(t)
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			p := open(t)
+			ctx := context.Background()
+			for seq := int64(1); seq <= 5; seq++ { // no stream takes nostream.x
+				if err := p.add(ctx, &idem.Message{ID: fmt.Sprintf("bad-%d", seq), Stream: "nostream.x", AggregateID: "acct-bad", Seq: seq, Payload: []byte("1")}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := p.add(ctx, &idem.Message{ID: "good-1", Stream: b.stream(), AggregateID: "acct-good", Seq: 1, Payload: []byte("1")}); err != nil {
+				t.Fatal(err)
+			}
+			// A failed key is held for 0.5–1 s.
+			r, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r", BatchSize: 5, Backoff: idem.Backoff{Base: time.Second, Max: time.Second}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res, err := r.RunOnce(ctx); err == nil || res.Claimed != 5 || res.Failed != 5 {
+				t.Fatalf("first cycle: %+v, %v; want the failing key's 5 rows claimed and failed", res, err)
+			}
+			if res, err := r.RunOnce(ctx); err != nil || res.Claimed != 1 || res.Published != 1 {
+				t.Fatalf("second cycle: %+v, %v; want the other key's row published", res, err)
+			}
+			if s := outboxStats(t, p); s.Pending != 5 || s.Published != 1 || s.Failing != 1 {
+				t.Fatalf("stats %+v, want the failing key's 5 rows pending and the other published", s)
+			}
+		})
 	}
 }
 

@@ -59,9 +59,13 @@ type RelayConfig struct {
 	// PollInterval is how often an idle relay looks for rows when the
 	// store cannot notify it (or as a fallback when it can). Default 1 s.
 	PollInterval time.Duration
-	// Backoff spaces the cycles after a failed publish: exponential with
-	// full jitter, by default from 100 ms up to 30 s. Retries is ignored:
-	// the relay retries until the broker takes the rows.
+	// Backoff spaces the retries of an ordering key whose publish failed,
+	// growing with the attempts on the key's first pending row, and the
+	// cycles after one that published nothing: exponential with full
+	// jitter, by default from 100 ms up to 30 s (a key waits at least half
+	// of Base). A key waiting out its backoff is skipped by every relay,
+	// so one key the broker refuses does not hold up the others. Retries is ignored: the relay retries
+	// until the broker takes the rows.
 	Backoff idem.Backoff
 	// Logger receives failed publishes and store errors. Default
 	// slog.Default().
@@ -164,7 +168,8 @@ func (r *Relay) fault(point string) {
 // ordering key's rows in order (keys concurrently), mark what the broker
 // acknowledged as published, record the failures, release the claims. The
 // error joins the publish and store failures; rows not published stay
-// pending for a later cycle.
+// pending for a later cycle, and a key whose publish failed is skipped by
+// every relay until its backoff (RelayConfig.Backoff) has passed.
 func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -248,7 +253,11 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 		err = fmt.Errorf("outbox: publish %d rows of key %q from %q: %w", len(msgs), g[0].OrderingKey, g[0].MessageID, err)
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
-		if ferr := r.store.OutboxFailed(sctx, g[0].ID, err.Error()); ferr != nil {
+		// The key waits out its own backoff, growing with its head row's
+		// attempts (at least half of Base: a hold of nothing would let
+		// the key take the next cycle again); the other keys go on.
+		hold := max(r.cfg.Backoff.Delay(g[0].Attempts), r.cfg.Backoff.Base/2)
+		if ferr := r.store.OutboxFailed(sctx, g[0].ID, err.Error(), hold); ferr != nil {
 			r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
 		}
 		return err
@@ -306,11 +315,24 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		var wait time.Duration
 		switch {
-		case err != nil:
+		case err != nil && res.Published == 0:
+			// Nothing went out (the broker or the store is down, or every
+			// key claimed failed): back off the whole relay.
 			wait = r.cfg.Backoff.Delay(failures)
 			failures++
 			r.cfg.Logger.Warn("outbox: relay cycle failed; retrying", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Duration("retry_after", wait), slog.Any("error", err))
+		case err != nil:
+			// Some keys failed and wait out their own backoff; the others
+			// were published, so the relay goes on.
+			failures = 0
+			r.cfg.Logger.Warn("outbox: some keys failed; they are retried after their backoff", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
+				slog.Int("failed", res.Failed), slog.Any("error", err))
+			if res.Claimed >= r.cfg.BatchSize {
+				continue
+			}
+			wait = r.cfg.PollInterval
+			err = nil
 		case res.Claimed >= r.cfg.BatchSize:
 			failures = 0
 			continue // more may be waiting

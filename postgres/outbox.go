@@ -35,33 +35,32 @@ func (d *Driver) outboxChannel() string {
 	return "idem_outbox_" + strconv.FormatUint(h.Sum64(), 16)
 }
 
-// OutboxAdd implements driver.OutboxWriter: one multi-row INSERT in tx.
+// OutboxAdd implements driver.OutboxWriter: one INSERT in tx, the rows
+// passed as one array per column, so that any number of rows is one
+// statement with nine parameters (a VALUES list would reach the protocol's
+// 65,535 parameters at 7,282 rows). The rows get their IDs in the order
+// given.
 func (d *Driver) OutboxAdd(ctx context.Context, tx Tx, rows []driver.OutboxRow) error {
 	if len(rows) == 0 {
 		return nil
 	}
-	const cols = 9
-	args := make([]any, 0, len(rows)*cols)
-	q := `INSERT INTO ` + d.t.outbox + ` (destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash) VALUES `
+	var (
+		dest, ids, keys, aggs, types = make([]string, len(rows)), make([]string, len(rows)), make([]string, len(rows)), make([]string, len(rows)), make([]string, len(rows))
+		seqs                         = make([]int64, len(rows))
+		headers, payloads, hashes    = make([][]byte, len(rows)), make([][]byte, len(rows)), make([][]byte, len(rows))
+	)
 	for i, r := range rows {
-		if i > 0 {
-			q += ", "
+		dest[i], ids[i], keys[i], aggs[i], types[i] = r.Destination, r.MessageID, r.OrderingKey, r.AggregateID, r.Type
+		seqs[i], headers[i], payloads[i], hashes[i] = r.Seq, r.Headers, r.Payload, r.PayloadHash
+		if payloads[i] == nil {
+			payloads[i] = []byte{}
 		}
-		q += "("
-		for c := range cols {
-			if c > 0 {
-				q += ", "
-			}
-			q += "$" + strconv.Itoa(i*cols+c+1)
-		}
-		q += ")"
-		payload := r.Payload
-		if payload == nil {
-			payload = []byte{}
-		}
-		args = append(args, r.Destination, r.MessageID, r.OrderingKey, r.AggregateID, r.Seq, r.Type, r.Headers, payload, r.PayloadHash)
 	}
-	if _, err := tx.Exec(ctx, q, args...); err != nil {
+	if _, err := tx.Exec(ctx, `INSERT INTO `+d.t.outbox+` (destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash)
+SELECT r.dest, r.id, r.key, r.agg, r.seq, r.type, r.headers, r.payload, r.hash
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bytea[], $8::bytea[], $9::bytea[])
+  WITH ORDINALITY AS r(dest, id, key, agg, seq, type, headers, payload, hash, n)
+ORDER BY r.n`, dest, ids, keys, aggs, seqs, types, headers, payloads, hashes); err != nil {
 		return fmt.Errorf("postgres: add outbox rows: %w", err)
 	}
 	return nil
@@ -162,9 +161,14 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 	return nil
 }
 
-// OutboxFailed implements driver.OutboxRelayStore.
-func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string) error {
-	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.outbox+` SET attempts = attempts + 1, last_error = $2 WHERE id = $1`, id, errText); err != nil {
+// OutboxFailed implements driver.OutboxRelayStore: the attempt and the
+// key's hold in one statement.
+func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string, holdFor time.Duration) error {
+	if _, err := d.pool.Exec(ctx, `WITH f AS (
+  UPDATE `+d.t.outbox+` SET attempts = attempts + 1, last_error = $2 WHERE id = $1 RETURNING ordering_key)
+INSERT INTO `+d.t.outboxClaims+` AS c (ordering_key, owner, claimed_until)
+SELECT ordering_key, '', clock_timestamp() + $3::bigint * interval '1 microsecond' FROM f
+ON CONFLICT (ordering_key) DO UPDATE SET owner = '', claimed_until = excluded.claimed_until`, id, errText, holdFor.Microseconds()); err != nil {
 		return fmt.Errorf("postgres: record outbox failure: %w", err)
 	}
 	return nil

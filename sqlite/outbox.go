@@ -154,12 +154,28 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 	return nil
 }
 
-// OutboxFailed implements driver.OutboxRelayStore.
-func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string) error {
-	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.outbox+` SET attempts = attempts + 1, last_error = ? WHERE id = ?`, errText, id); err != nil {
+// OutboxFailed implements driver.OutboxRelayStore: the attempt and the
+// key's hold in one transaction.
+func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string, holdFor time.Duration) (err error) {
+	tx, err := d.db.BeginTx(ctx, nil)
+	if err != nil {
 		return fmt.Errorf("sqlite: record outbox failure: %w", err)
 	}
-	return nil
+	defer func() {
+		if err != nil {
+			tx.Rollback()
+			err = fmt.Errorf("sqlite: record outbox failure: %w", err)
+		}
+	}()
+	if _, err = tx.ExecContext(ctx, `UPDATE `+d.tables.outbox+` SET attempts = attempts + 1, last_error = ? WHERE id = ?`, errText, id); err != nil {
+		return err
+	}
+	if _, err = tx.ExecContext(ctx, `INSERT INTO `+d.tables.outboxClaims+` (ordering_key, owner, claimed_until)
+SELECT ordering_key, '', ? FROM `+d.tables.outbox+` WHERE id = ?
+ON CONFLICT (ordering_key) DO UPDATE SET owner = '', claimed_until = excluded.claimed_until`, time.Now().Add(holdFor).UnixMicro(), id); err != nil {
+		return err
+	}
+	return tx.Commit()
 }
 
 // OutboxRelease implements driver.OutboxRelayStore.
