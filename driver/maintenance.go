@@ -8,8 +8,10 @@ import (
 // MarkerPruner is implemented by drivers whose markers can be deleted by
 // age. idem.Pruner drives it: one bounded batch per call, each in its own
 // short transaction, walking the primary key with a cursor so that no batch
-// re-reads rows an earlier one deleted. Rows of running leases are never
-// deleted, whatever their age.
+// re-reads rows an earlier one deleted. Rows of running leases, and of
+// failed leases still to be retried, are never deleted, whatever their
+// age: their fencing token must go on growing. A lease row's processing
+// time is that of its last decision (done, or failed).
 type MarkerPruner interface {
 	// PruneMarkers deletes up to p.Limit markers processed before
 	// p.Before whose key sorts after p.After, in key order.

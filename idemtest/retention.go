@@ -57,9 +57,12 @@ func RunRetention[TTx any](t *testing.T, h *Harness[TTx]) {
 	})
 }
 
-// testPrune processes markers, claims a lease it leaves running, then
-// prunes with a clock 8 days ahead in batches of 1,000: every done marker
-// goes, the running lease stays, and a pruned message would apply again.
+// testPrune processes markers, claims a lease it leaves running and one
+// it fails with a retry to come, finishes two more leases (one done, one
+// failed for good), then prunes with a clock 8 days ahead in batches of
+// 1,000: every done marker and finished lease goes, the running and the
+// retrying lease stay (their fencing tokens go on growing), and a pruned
+// message would apply again.
 func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	ctx := context.Background()
 	p := newProc(t, s)
@@ -79,9 +82,28 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	if !ok {
 		t.Fatalf("driver %T does not implement driver.LeaseDriver", s.Driver)
 	}
-	if res, err := ld.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "mailer", MessageID: "still-running",
-		PayloadHash: (&idem.Message{ID: "still-running"}).PayloadHash(), Owner: "w1", TTL: 30 * 24 * time.Hour}); err != nil || !res.Claimed {
-		t.Fatalf("claim: %+v, %v", res, err)
+	claim := func(id string) int64 {
+		t.Helper()
+		res, err := ld.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "mailer", MessageID: id,
+			PayloadHash: (&idem.Message{ID: id}).PayloadHash(), Owner: "w1", TTL: 30 * 24 * time.Hour})
+		if err != nil || !res.Claimed {
+			t.Fatalf("claim %s: %+v, %v", id, res, err)
+		}
+		return res.Token
+	}
+	fail := func(id string, token int64, permanent bool) {
+		t.Helper()
+		res, err := ld.LeaseFail(ctx, &driver.LeaseFailParams{Handler: "mailer", MessageID: id, Token: token,
+			LastError: "refused", RetryIn: 30 * 24 * time.Hour, Permanent: permanent})
+		if err != nil || !res.OK {
+			t.Fatalf("fail %s: %+v, %v", id, res, err)
+		}
+	}
+	claim("still-running")
+	fail("retrying", claim("retrying"), false)
+	fail("failed-for-good", claim("failed-for-good"), true)
+	if res, err := ld.LeaseComplete(ctx, &driver.LeaseCompleteParams{Handler: "mailer", MessageID: "done", Token: claim("done")}); err != nil || !res.OK {
+		t.Fatalf("complete: %+v, %v", res, err)
 	}
 
 	future := func() time.Time { return time.Now().Add(8 * 24 * time.Hour) }
@@ -93,8 +115,8 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if counts["balances"] != int64(len(ev)) || counts["mailer"] != 0 || oldest.IsZero() || time.Since(oldest) > time.Hour {
-		t.Fatalf("dry run: counts %v, oldest %v; want %d balances markers, no running lease", counts, oldest, len(ev))
+	if counts["balances"] != int64(len(ev)) || counts["mailer"] != 2 || oldest.IsZero() || time.Since(oldest) > time.Hour {
+		t.Fatalf("dry run: counts %v, oldest %v; want %d balances markers and the 2 finished leases", counts, oldest, len(ev))
 	}
 	// Nothing is old yet with the real clock.
 	now, err := idem.NewPruner(s.Driver, nil)
@@ -109,15 +131,22 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.Deleted != len(ev) || st.Batches != (len(ev)+999)/1000 {
-		t.Fatalf("prune: %+v, want %d deleted in %d batches", st, len(ev), (len(ev)+999)/1000)
+	if st.Deleted != len(ev)+2 || st.Batches != (len(ev)+2+999)/1000 {
+		t.Fatalf("prune: %+v, want %d deleted in %d batches", st, len(ev)+2, (len(ev)+2+999)/1000)
 	}
 	if n, err := s.Markers(ctx, "balances"); err != nil || n != 0 {
 		t.Fatalf("balances markers left: %d, %v", n, err)
 	}
-	row, err := ld.LeaseGet(ctx, &driver.LeaseGetParams{Handler: "mailer", MessageID: "still-running"})
-	if err != nil || row == nil || row.Status != driver.LeaseRunning {
-		t.Fatalf("running lease after prune: %+v, %v; want it kept", row, err)
+	for id, want := range map[string]driver.LeaseStatus{"still-running": driver.LeaseRunning, "retrying": driver.LeaseFailed} {
+		row, err := ld.LeaseGet(ctx, &driver.LeaseGetParams{Handler: "mailer", MessageID: id})
+		if err != nil || row == nil || row.Status != want || row.Token != 1 {
+			t.Fatalf("lease %s after prune: %+v, %v; want it kept, %s", id, row, err, want)
+		}
+	}
+	for _, id := range []string{"done", "failed-for-good"} {
+		if row, err := ld.LeaseGet(ctx, &driver.LeaseGetParams{Handler: "mailer", MessageID: id}); err != nil || row != nil {
+			t.Fatalf("lease %s after prune: %+v, %v; want it pruned", id, row, err)
+		}
 	}
 	// The documented limit: a redelivery older than the retention applies again.
 	out, err := p.Process(ctx, h, msgs[0])

@@ -114,7 +114,7 @@ func (d *Driver) LeaseFail(ctx context.Context, p *driver.LeaseFailParams) (driv
 		retryIn = &us
 	}
 	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+`
-SET status = 'failed', lease_until = NULL, last_error = $4,
+SET status = 'failed', lease_until = NULL, last_error = $4, processed_at = now(),
     next_attempt_at = now() + $5::bigint * interval '1 microsecond'
 WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 		p.Handler, p.MessageID, p.Token, p.LastError, retryIn)

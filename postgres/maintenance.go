@@ -14,8 +14,8 @@ var _ driver.MarkerPruner = (*Driver)(nil)
 
 // PruneMarkers implements driver.MarkerPruner. One statement picks the next
 // batch in primary-key order after the cursor and deletes it; rows of
-// running leases are skipped. Each call is its own short transaction, so
-// row locks last one batch.
+// running leases and of failed leases still to be retried are skipped.
+// Each call is its own short transaction, so row locks last one batch.
 func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
 	if p.Limit < 1 {
 		return driver.PruneResult{}, fmt.Errorf("postgres: prune limit %d must be at least 1", p.Limit)
@@ -27,12 +27,12 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 	)
 	err := d.pool.QueryRow(ctx, `WITH victims AS (
   SELECT handler, message_id FROM `+d.t.processed+`
-  WHERE (handler, message_id) > ($2, $3) AND processed_at < $1 AND status <> 'running'
+  WHERE (handler, message_id) > ($2, $3) AND processed_at < $1 AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL)
   ORDER BY handler, message_id
   LIMIT $4
 ), gone AS (
   DELETE FROM `+d.t.processed+` AS m USING victims AS v
-  WHERE m.handler = v.handler AND m.message_id = v.message_id AND m.status <> 'running'
+  WHERE m.handler = v.handler AND m.message_id = v.message_id AND (m.status = 'done' OR m.status = 'failed' AND m.next_attempt_at IS NULL)
   RETURNING 1
 ), last AS (
   SELECT handler, message_id FROM victims ORDER BY handler DESC, message_id DESC LIMIT 1
@@ -53,7 +53,7 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM victims),
 // CountPrunable implements driver.MarkerPruner.
 func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
 	rows, err := d.pool.Query(ctx, `SELECT handler, count(*) FROM `+d.t.processed+`
-WHERE processed_at < $1 AND status <> 'running' GROUP BY handler`, before)
+WHERE processed_at < $1 AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL) GROUP BY handler`, before)
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("postgres: count prunable markers: %w", err)
 	}

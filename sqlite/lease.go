@@ -118,9 +118,9 @@ func (d *Driver) LeaseFail(ctx context.Context, p *driver.LeaseFailParams) (driv
 		next = sql.NullInt64{Int64: time.Now().Add(p.RetryIn).UnixMicro(), Valid: true}
 	}
 	r, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.processed+`
-SET status = 'failed', lease_until = NULL, last_error = ?, next_attempt_at = ?
+SET status = 'failed', lease_until = NULL, last_error = ?, next_attempt_at = ?, processed_at = ?
 WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`,
-		p.LastError, next, p.Handler, p.MessageID, p.Token)
+		p.LastError, next, time.Now().UnixMicro(), p.Handler, p.MessageID, p.Token)
 	return d.fencedWrite(ctx, "mark failed", p.Handler, p.MessageID, r, err)
 }
 

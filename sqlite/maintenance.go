@@ -13,14 +13,15 @@ var _ driver.MarkerPruner = (*Driver)(nil)
 
 // PruneMarkers implements driver.MarkerPruner: the next batch after the
 // cursor in primary-key order, deleted in one statement (its own short
-// write transaction); rows of running leases are skipped.
+// write transaction); rows of running leases and of failed leases still
+// to be retried are skipped.
 func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
 	if p.Limit < 1 {
 		return driver.PruneResult{}, fmt.Errorf("sqlite: prune limit %d must be at least 1", p.Limit)
 	}
 	rows, err := d.db.QueryContext(ctx, `DELETE FROM `+d.tables.processed+` WHERE (handler, message_id) IN (
   SELECT handler, message_id FROM `+d.tables.processed+`
-  WHERE (handler, message_id) > (?, ?) AND processed_at < ? AND status <> 'running'
+  WHERE (handler, message_id) > (?, ?) AND processed_at < ? AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL)
   ORDER BY handler, message_id
   LIMIT ?
 ) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Limit)
@@ -49,7 +50,7 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 // CountPrunable implements driver.MarkerPruner.
 func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
 	rows, err := d.db.QueryContext(ctx, `SELECT handler, count(*) FROM `+d.tables.processed+`
-WHERE processed_at < ? AND status <> 'running' GROUP BY handler`, before.UnixMicro())
+WHERE processed_at < ? AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL) GROUP BY handler`, before.UnixMicro())
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("sqlite: count prunable markers: %w", err)
 	}
