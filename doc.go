@@ -9,8 +9,11 @@
 // delivery. In one database transaction the processor:
 //
 //  1. validates the envelope ([Message.Validate]) and the handler name;
-//  2. inserts the marker (handler, message ID, payload hash) first, with
-//     ON CONFLICT DO NOTHING;
+//  2. inserts the marker (handler, message ID, payload hash) first, so
+//     that a marker already there is found rather than written twice (with
+//     ON CONFLICT DO NOTHING, or on Postgres a plain INSERT that bets the
+//     message is new and, on a unique violation, starts again with ON
+//     CONFLICT);
 //  3. if the marker already existed, rolls back and reports [Duplicate]
 //     (same payload hash) or [Conflict] (different payload);
 //  4. otherwise runs the handler with the same transaction and commits.

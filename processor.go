@@ -69,7 +69,7 @@ func (h *Handler[TTx]) name() string {
 
 // Config configures a Processor. The zero value is valid.
 type Config struct {
-	// Logger receives warnings (payload conflicts under ConflictWarn,
+	// Logger receives warnings (payload conflicts under OnConflictWarn,
 	// failed rollbacks). Default: slog.Default().
 	Logger *slog.Logger
 	// Hooks receive outcomes and timings (HookOutcome) and run around

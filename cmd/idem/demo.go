@@ -109,7 +109,7 @@ every commit is durable, which is why the demo batches.`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			cfg := &demoConfig{}
 			eventsSet := false // else the broker chooses the default
-			fs.Func("events", "number of unique intended `events` (default 10,000 over a broker, 100,000 with --broker none)", func(v string) error {
+			fs.Func("events", "number of unique intended `events` (default 10,000 over a broker, 100,000 with --broker none or --shuffle, 2,000 with --lease)", func(v string) error {
 				n, err := strconv.Atoi(v)
 				if err != nil {
 					return fmt.Errorf("not a whole number: %q", v)
@@ -125,7 +125,7 @@ every commit is durable, which is why the demo batches.`,
 			fs.IntVar(&cfg.batch, "batch", 100, "messages per batch (one transaction each)")
 			fs.StringVar(&cfg.db, "db", "", "SQLite database `file` to create and keep (default: a temporary file, removed)")
 			fs.Uint64Var(&cfg.seed, "seed", 1, "random `seed`: the same seed gives the same events and stream")
-			fs.BoolVar(&cfg.shuffle, "shuffle", false, "give every account's events a sequence, reorder deliveries and let the ordering guard hold early ones; verifies order too")
+			fs.BoolVar(&cfg.shuffle, "shuffle", false, "give every account's events a sequence, reorder deliveries and let the ordering guard hold early ones; verifies order too (without a broker)")
 			fs.IntVar(&cfg.window, "window", 32, "with --shuffle: deliveries are reordered within windows of this `size`")
 			fs.BoolVar(&cfg.lease, "lease", false, "lease mode: a welcome email per signup through idem.LeaseConsumer, to a mail service that refuses some calls; verifies one email per signup (--broker nats or kafka)")
 			return func(ctx context.Context, e *env, args []string) error {
@@ -143,6 +143,11 @@ every commit is durable, which is why the demo batches.`,
 				}
 				if err := cfg.check(); err != nil {
 					return err
+				}
+				brokerSet := false
+				fs.Visit(func(f *flag.Flag) { brokerSet = brokerSet || f.Name == "broker" })
+				if cfg.shuffle && brokerSet && cfg.broker != "none" {
+					return usagef("--shuffle hands the reordered deliveries to workers directly, without a broker: drop --broker %s", cfg.broker)
 				}
 				switch {
 				case cfg.lease:

@@ -138,6 +138,7 @@ func TestDemoFlagErrors(t *testing.T) {
 		"--conflicts must be between 0":  {"--events", "10", "--conflicts", "11"},
 		"--conflicts must be between 0 ": {"--conflicts", "-1"},
 		"--lease runs over a broker":     {"--lease", "--broker", "none"},
+		"--shuffle hands the reordered":  {"--shuffle", "--broker", "kafka"},
 	}
 	for want, args := range tests {
 		t.Run(want, func(t *testing.T) {

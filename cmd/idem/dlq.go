@@ -83,17 +83,41 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 	fs := flag.NewFlagSet("idem dlq "+sub, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	f := defineDLQFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	ids, err := parseInterspersed(fs, args)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return usagef("see 'idem dlq --help'")
 		}
 		return &usageError{err: err}
 	}
-	filter, err := f.filter(fs.Args(), sub)
+	filter, err := f.filter(ids, sub)
 	if err != nil {
 		return err
 	}
 	return runDLQParsed(ctx, e, sub, f, filter)
+}
+
+// parseInterspersed parses fs's flags from args wherever they stand, before
+// or after the positional arguments (idem dlq show 42 --json), and returns
+// the positional ones in order. Everything after "--" is positional.
+func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return pos, nil
+		}
+		// flag stops at the first positional argument, or after a "--"
+		// it consumed: then all that is left is positional.
+		if len(rest) < len(args) && args[len(args)-len(rest)-1] == "--" {
+			return append(pos, rest...), nil
+		}
+		pos = append(pos, rest[0])
+		args = rest[1:]
+	}
 }
 
 // defineDLQFlags defines the dlq subcommands' flags on fs.

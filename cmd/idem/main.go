@@ -13,7 +13,11 @@
 //	stats     per-handler counts: applied, in flight, failed, dead
 //	          letters, conflicts, oldest marker
 //	dlq       list, show, replay or discard dead letters
+//	outbox    outbox state: pending rows, the oldest pending row's age,
+//	          failing rows
 //	cleanup   delete markers older than the retention, in small batches
+//	import    import the IDs of a hand-rolled processed-events table as
+//	          markers
 //	bench     measure idem's throughput as a ratio of the same
 //	          transactions without it
 //	serve     serve the store's state as Prometheus metrics and a

@@ -2,9 +2,11 @@ package main
 
 import (
 	"flag"
+	"io"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -72,5 +74,38 @@ func TestOperatorCommandsGolden(t *testing.T) {
 			t.Fatalf("idem %s: exit %d, want %d\n%s%s", strings.Join(st.args, " "), code, st.code, out, errOut)
 		}
 		golden(t, st.name, db, out+errOut)
+	}
+	// Flags may follow the IDs, as the synopsis shows them.
+	_, before, _ := runCLIEnv(t, map[string]string{dsnEnv: db}, "dlq", "show", "--json", "2")
+	code, after, errOut := runCLIEnv(t, map[string]string{dsnEnv: db}, "dlq", "show", "2", "--json")
+	if code != exitOK || after != before || !strings.HasPrefix(after, "{") {
+		t.Fatalf("dlq show 2 --json: exit %d, %q%s; want what dlq show --json 2 printed, %q", code, after, errOut, before)
+	}
+}
+
+func TestParseInterspersed(t *testing.T) {
+	for _, tc := range []struct {
+		args      []string
+		pos       []string
+		json      bool
+		handler   string
+		wantError bool
+	}{
+		{args: []string{"1", "2"}, pos: []string{"1", "2"}},
+		{args: []string{"--json", "1"}, pos: []string{"1"}, json: true},
+		{args: []string{"1", "--json", "2", "--handler", "h"}, pos: []string{"1", "2"}, json: true, handler: "h"},
+		{args: []string{"1", "--", "--json"}, pos: []string{"1", "--json"}},
+		{args: []string{"--", "--json", "3"}, pos: []string{"--json", "3"}},
+		{args: []string{"1", "--nope"}, wantError: true},
+	} {
+		fs := flag.NewFlagSet("t", flag.ContinueOnError)
+		fs.SetOutput(io.Discard)
+		json := fs.Bool("json", false, "")
+		handler := fs.String("handler", "", "")
+		pos, err := parseInterspersed(fs, tc.args)
+		if (err != nil) != tc.wantError || !slices.Equal(pos, tc.pos) || *json != tc.json || *handler != tc.handler {
+			t.Errorf("%q: %q, %v, json %v, handler %q; want %q, json %v, handler %q, error %v",
+				tc.args, pos, err, *json, *handler, tc.pos, tc.json, tc.handler, tc.wantError)
+		}
 	}
 }
