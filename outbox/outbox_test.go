@@ -262,6 +262,51 @@ func TestFailingKeyDoesNotHoldUpOthers(t *testing.T) {
 	}
 }
 
+// stalledPublisher holds every publish until its context ends, then hands
+// it to the real publisher with that context: a relay stopped mid-publish.
+type stalledPublisher struct {
+	next    outbox.Publisher
+	started chan struct{}
+}
+
+func (p *stalledPublisher) Publish(ctx context.Context, msgs []*idem.Message) error {
+	close(p.started)
+	<-ctx.Done()
+	return p.next.Publish(ctx, msgs)
+}
+
+// TestStoppedRelayLeavesNoFailure: a relay stopped in the middle of a
+// publish records no failed attempt and leaves no hold on the key, so the
+// next relay publishes it at once.
+func TestStoppedRelayLeavesNoFailure(t *testing.T) {
+	p := sqliteProducer(t)
+	b := newNATSBroker(t)
+	ctx := context.Background()
+	if err := p.add(ctx, &idem.Message{ID: "m-1", Stream: b.stream(), AggregateID: "acct-1", Seq: 1, Payload: []byte("1")}); err != nil {
+		t.Fatal(err)
+	}
+	stalled := &stalledPublisher{next: b.publisher(t), started: make(chan struct{})}
+	r1, err := outbox.NewRelay(p.drv, stalled, &outbox.RelayConfig{Owner: "r1", Backoff: idem.Backoff{Base: time.Minute, Max: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	go func() { <-stalled.started; stop() }()
+	if res, err := r1.RunOnce(rctx); err == nil || res.Published != 0 {
+		t.Fatalf("stopped cycle: %+v, %v; want nothing published and the stop's error", res, err)
+	}
+	if s := outboxStats(t, p); s.Failing != 0 || s.Pending != 1 {
+		t.Fatalf("stats %+v after a stop, want 1 pending and no failing row", s)
+	}
+	r2, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := r2.RunOnce(ctx); err != nil || res.Published != 1 {
+		t.Fatalf("next relay: %+v, %v; want the row published at once", res, err)
+	}
+}
+
 // TestRelayWakesOnCommit: on Postgres a committed row wakes an idle relay
 // through LISTEN/NOTIFY, long before its poll interval.
 func TestRelayWakesOnCommit(t *testing.T) {

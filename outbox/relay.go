@@ -251,6 +251,11 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 	}
 	if err := r.pub.Publish(ctx, msgs); err != nil {
 		err = fmt.Errorf("outbox: publish %d rows of key %q from %q: %w", len(msgs), g[0].OrderingKey, g[0].MessageID, err)
+		if errors.Is(ctx.Err(), context.Canceled) {
+			// The relay is stopping: not the key's failure, and no reason
+			// to keep the next relay off it.
+			return err
+		}
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
 		// The key waits out its own backoff, growing with its head row's
