@@ -84,6 +84,7 @@ type deliveries struct {
 	// rearm, when set, makes a message failed for good claimable again
 	// before its dead letter is replayed (lease mode).
 	rearm     func(ctx context.Context, messageID string) error
+	ordering  *Ordering // the handler's, for the order of retries and replays
 	dl        driver.DeadLetterStore
 	cfg       ConsumerConfig
 	onVerdict []HookVerdict
@@ -128,6 +129,7 @@ func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLett
 	if err != nil {
 		return nil, err
 	}
+	d.ordering = h.Ordering
 	return &Consumer[TTx]{deliveries: d, proc: p, h: h}, nil
 }
 
@@ -243,10 +245,18 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 	if err != nil {
 		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.name), slog.Int("size", len(msgs)), slog.Any("error", err))
 		held := map[string]int{} // aggregate → index of its delivery to be retried
+		// Each aggregate's messages in sequence order, as the batch would
+		// have applied them: alone in batch order, a later one would meet
+		// a gap the batch did not have.
+		all := make([]*Message, len(ds))
+		for _, i := range idx {
+			all[i] = ds[i].Msg
+		}
+		orderBySeq(c.name, c.ordering, all, idx)
 		for _, i := range idx {
 			m := ds[i].Msg
 			agg := m.AggregateID
-			if o := c.h.Ordering; o != nil && o.Normalize != nil {
+			if o := c.ordering; o != nil && o.Normalize != nil {
 				agg = o.Normalize(agg) // the aggregate as the guard sees it
 			}
 			if first, ok := held[agg]; ok && !ds[i].LastAttempt {
@@ -344,12 +354,25 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 	if err != nil {
 		return res, fmt.Errorf("idem: list dead letters to replay: %w", err)
 	}
-	for _, dl := range dls {
+	// Decode them all first, so that each aggregate's messages run in
+	// sequence order: in the order they were parked, a later sequence would meet
+	// the gap an earlier one leaves until it is replayed too.
+	msgs := make([]*Message, len(dls))
+	order := make([]int, len(dls))
+	for k, dl := range dls {
+		order[k] = k
+		var m Message
+		if dl.Envelope != nil && json.Unmarshal(dl.Envelope, &m) == nil {
+			msgs[k] = &m
+		}
+	}
+	orderBySeq(c.name, c.ordering, msgs, order)
+	for _, k := range order {
 		if err := ctx.Err(); err != nil {
 			return res, err
 		}
-		var msg Message
-		if dl.Envelope == nil || json.Unmarshal(dl.Envelope, &msg) != nil {
+		dl := dls[k]
+		if msgs[k] == nil {
 			// Nothing to run: park it again, it needs a person.
 			if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
 				To: driver.DeadLetterParked, Actor: c.actor(), Outcome: "no envelope to replay"}); err != nil {
@@ -358,12 +381,13 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 			res.Parked++
 			continue
 		}
+		msg := msgs[k]
 		if c.rearm != nil {
 			if err := c.rearm(ctx, msg.ID); err != nil {
 				return res, fmt.Errorf("idem: make %s claimable for its replay: %w", msg.ID, err)
 			}
 		}
-		v := c.handle(ctx, &Delivery{Msg: &msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true})
+		v := c.handle(ctx, &Delivery{Msg: msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true})
 		if v.DeadLettered {
 			// Parked again by deadLetter (the upsert resets the state):
 			// log the attempt.

@@ -53,6 +53,7 @@ func NewLeaseConsumer(p *LeaseProcessor, h *LeaseHandler, dl driver.DeadLetterSt
 	if err != nil {
 		return nil, err
 	}
+	d.ordering = h.Ordering
 	if r, ok := p.drv.(driver.LeaseRearmer); ok {
 		d.rearm = func(ctx context.Context, id string) error { return r.LeaseRearm(ctx, h.Name, id) }
 	}

@@ -224,3 +224,23 @@ func (p *Processor[TTx]) SightGap(ctx context.Context, h *Handler[TTx], err erro
 	}
 	return p.sight(ctx, h, err)
 }
+
+// orderBySeq reorders idx (indexes into msgs) so that the messages the
+// handler's ordering guard covers come, aggregate by aggregate, in sequence
+// order, each taking one of the places its aggregate's messages had; the
+// others keep theirs. A nil o, or a nil message, changes nothing for it.
+func orderBySeq(handler string, o *Ordering, msgs []*Message, idx []int) {
+	if o == nil {
+		return
+	}
+	g := &batchGuard{keys: make([]string, len(msgs)), guarded: make([]bool, len(msgs))}
+	for _, i := range idx {
+		if msgs[i] == nil {
+			continue
+		}
+		if agg, ok, err := orderingKey(handler, o, msgs[i]); err == nil {
+			g.keys[i], g.guarded[i] = agg, ok
+		}
+	}
+	g.inSeqOrder(idx, msgs)
+}

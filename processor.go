@@ -166,7 +166,9 @@ func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Mess
 //
 // For a handler with Ordering under GapWait, a gap comes back as a retriable
 // *GapError without a deadline; after rolling back, pass it to SightGap to
-// record the first sighting and learn whether the deadline has passed.
+// record the first sighting and learn whether the deadline has passed. A
+// Stale message leaves no marker in tx (on drivers that implement
+// driver.MarkerDeleter, as all of idem's do), as under Process.
 func (p *Processor[TTx]) ProcessTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
 	ctx = p.onCall.start(ctx, h.name(), msg, nil, false)
@@ -293,6 +295,13 @@ func (p *Processor[TTx]) processTx(ctx context.Context, tx TTx, h *Handler[TTx],
 	if guarded {
 		proceed, out, err := p.guard(ctx, tx, h, msg, agg)
 		if !proceed {
+			if out == Stale && err == nil && !h.Ordering.VersionOnly && p.delMarkers != nil {
+				// A stale message leaves no marker, as under Process,
+				// though the caller commits its transaction.
+				if derr := p.delMarkers.MarkerDelete(ctx, tx, &driver.MarkerDeleteParams{Handler: h.Name, MessageIDs: []string{msg.ID}}); derr != nil {
+					return OutcomeNone, fmt.Errorf("idem: delete the marker of a stale message: %w", derr)
+				}
+			}
 			// A gap under GapWait is returned without its durable first
 			// sighting: recording it now would wait for the caller's own
 			// open transaction on single-writer stores. See SightGap.
@@ -652,8 +661,17 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 	for i, m := range msgs {
 		if f := first[m.ID]; f != i {
 			if _, ok := refused[f]; ok {
-				// Its first occurrence left no marker: this copy shares
-				// that fate.
+				if !samePayload(hashes[i], hashes[f]) {
+					// The same ID with another payload, whose first copy
+					// left no marker: not that message, so not its fate.
+					// Undecided, like a message behind a gap: alone, it
+					// is decided against what the store holds then.
+					outs[i] = OutcomeNone
+					setErr(i, fmt.Errorf("idem: message %s came twice in the batch with different payloads and its first copy was not applied (%v): decide this one alone", m.ID, outs[f]))
+					continue
+				}
+				// Its first occurrence left no marker: this copy, the
+				// same message, shares that fate.
 				outs[i] = outs[f]
 				if err, ok := errs[f]; ok {
 					setErr(i, err)

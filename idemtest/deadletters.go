@@ -46,6 +46,16 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 	}
 }
 
+// deadLetterStore is s's driver as a dead-letter store.
+func deadLetterStore[TTx any](t *testing.T, s *Store[TTx]) driver.DeadLetterStore {
+	t.Helper()
+	dl, ok := any(s.Driver).(driver.DeadLetterStore)
+	if !ok {
+		t.Fatalf("driver %T does not implement driver.DeadLetterStore", s.Driver)
+	}
+	return dl
+}
+
 func newConsumer[TTx any](t *testing.T, s *Store[TTx], h *idem.Handler[TTx], dl driver.DeadLetterStore, cfg *idem.ConsumerConfig) *idem.Consumer[TTx] {
 	t.Helper()
 	c, err := idem.NewConsumer(newProc(t, s), h, dl, cfg)

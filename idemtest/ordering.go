@@ -40,6 +40,9 @@ func RunOrdering[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"BatchAppliesInSequenceOrder", testBatchOrder[TTx]},
 		{"BatchGapHoldsOnlyItsAggregate", testBatchGap[TTx]},
 		{"BatchVersionOnly", testBatchVersionOnly[TTx]},
+		{"BatchCopyWithAnotherPayloadIsDecidedAlone", testBatchStaleCopy[TTx]},
+		{"ConsumerRetriesABatchInSequenceOrder", testConsumerFallbackOrder[TTx]},
+		{"ReplayInSequenceOrder", testReplayOrder[TTx]},
 		{"BatchesConcurrentShuffledExactlyInOrder", func(t *testing.T, s *Store[TTx]) { testBatchesConcurrent(t, s, min(aggs, 40)) }},
 		{"AllocatorConcurrentNoDuplicatesNoGaps", testAllocator[TTx]},
 		{"OptimisticConcurrencyNoLostUpdate", testOCC[TTx]},
@@ -422,6 +425,18 @@ func testStaleAndUnsequenced[TTx any](t *testing.T, s *Store[TTx]) {
 		wantOutcomes(t, fmt.Sprintf("batch round %d", round), outs, err, want)
 	}
 	wantStates(t, s, map[string]string{"a": "a:6"})
+	// And in a transaction the caller owns and commits.
+	tx, err := s.Driver.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err = p.ProcessTx(ctx, tx, h, stale)
+	wantOutcome(t, "a/3 in the caller's transaction", out, err, idem.Stale)
+	if err := s.Driver.Commit(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	out, err = p.Process(ctx, h, stale)
+	wantOutcome(t, "a/3 after the caller committed", out, err, idem.Stale)
 }
 
 // wantOutcomes fails t unless a batch returned want without an error.
@@ -484,6 +499,82 @@ func testBatchGap[TTx any](t *testing.T, s *Store[TTx]) {
 	outs, err = p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"a", 5}, seqEvent{"a", 4}, seqEvent{"a", 3}))
 	wantOutcomes(t, "the missing event with the held ones", outs, err, []idem.Outcome{idem.Applied, idem.Applied, idem.Applied})
 	wantStates(t, s, map[string]string{"a": chain(5), "b": chain(1)})
+}
+
+// testBatchStaleCopy: a batch holds one ID twice, the first copy stale.
+// The second copy with the same payload is the same message and stale too;
+// one with another payload (and a newer sequence) is undecided, and
+// processed alone it applies, as it would have without the batch.
+func testBatchStaleCopy[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	p := newProc(t, s)
+	h := appendHandler(s, &idem.Ordering{Gap: idem.GapFail})
+	out, err := p.Process(ctx, h, seqEvent{"a", 1}.msg())
+	wantOutcome(t, "a/1", out, err, idem.Applied)
+	old := &idem.Message{ID: "x", AggregateID: "a", Seq: 1, Payload: []byte("old")}
+	oldAgain := &idem.Message{ID: "x", AggregateID: "a", Seq: 1, Payload: []byte("old")}
+	other := &idem.Message{ID: "x", AggregateID: "a", Seq: 2, Payload: []byte("new")}
+	outs, err := p.ProcessBatch(ctx, h, []*idem.Message{old, oldAgain, other})
+	if err != nil || !slices.Equal(outs, []idem.Outcome{idem.Stale, idem.Stale, idem.OutcomeNone}) {
+		t.Fatalf("batch: %v, %v; want stale, stale, none (the other payload left undecided)", outs, err)
+	}
+	wantStates(t, s, map[string]string{"a": chain(1)})
+	out, err = p.Process(ctx, h, other)
+	wantOutcome(t, "the other payload alone", out, err, idem.Applied)
+	wantStates(t, s, map[string]string{"a": chain(2)})
+}
+
+// testConsumerFallbackOrder: a batch of deliveries that fails (another
+// aggregate's handler call) is decided one delivery at a time, each
+// aggregate's in sequence order as the batch would have applied them, so
+// a reordering the batch tolerates does not become a gap.
+func testConsumerFallbackOrder[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	dl := deadLetterStore(t, s)
+	h := appendHandler(s, &idem.Ordering{Gap: idem.GapFail})
+	var down atomic.Bool
+	down.Store(true)
+	apply := h.Apply
+	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
+		if m.AggregateID == "b" && down.Load() {
+			return errors.New("b's ledger unavailable")
+		}
+		return apply(ctx, tx, m)
+	}
+	c := newConsumer(t, s, h, dl, nil)
+	vs := c.HandleDeliveries(ctx, []*idem.Delivery{{Msg: seqEvent{"a", 2}.msg(), Attempt: 1}, {Msg: seqEvent{"a", 1}.msg(), Attempt: 1}, {Msg: seqEvent{"b", 1}.msg(), Attempt: 1}})
+	for i, want := range []bool{true, true, false} {
+		if vs[i].Ack != want || vs[i].DeadLettered {
+			t.Fatalf("delivery %d: %+v; want a/2 and a/1 applied, b/1 retried", i, vs[i])
+		}
+	}
+	wantStates(t, s, map[string]string{"a": chain(2)})
+}
+
+// testReplayOrder: dead letters of one aggregate are replayed in sequence
+// order, not in the order they were parked, so one replay request settles
+// the aggregate.
+func testReplayOrder[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	dl := deadLetterStore(t, s)
+	h := appendHandler(s, &idem.Ordering{Gap: idem.GapFail})
+	c := newConsumer(t, s, h, dl, nil)
+	for _, q := range []int64{3, 2} { // before 1: final gaps, dead-lettered
+		if v := deliverTo(c, seqEvent{"a", q}.msg(), 1); !v.DeadLettered {
+			t.Fatalf("a/%d: %+v, want a dead letter", q, v)
+		}
+	}
+	if v := deliverTo(c, seqEvent{"a", 1}.msg(), 1); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("a/1: %+v, want applied", v)
+	}
+	if n, err := idem.RequestReplay(ctx, dl, nil, "ops"); err != nil || n != 2 {
+		t.Fatalf("RequestReplay: %d, %v; want 2", n, err)
+	}
+	res, err := c.Replay(ctx)
+	if err != nil || res.Replayed != 2 || res.Parked != 0 {
+		t.Fatalf("replay: %+v, %v; want both replayed", res, err)
+	}
+	wantStates(t, s, map[string]string{"a": chain(3)})
 }
 
 // gapRecorder is a hook keeping the gap errors reported to it.
