@@ -195,8 +195,10 @@ type LeaseConfig struct {
 	// (or BackoffBase, if that is longer).
 	BackoffBase, BackoffMax time.Duration
 	// MaxAttempts makes a failure permanent once the message has been
-	// claimed this many times (crashed attempts count). 0, the default,
-	// retries without limit.
+	// claimed this many times (crashed attempts count), and bounds the
+	// handler's calls: a claim past it, after an attempt that ended
+	// without a verdict, fails permanently without a call. 0, the
+	// default, retries without limit.
 	MaxAttempts int
 	// Logger receives warnings: lost leases, failed heartbeats, payload
 	// conflicts under OnConflictWarn. Default slog.Default().
@@ -476,6 +478,12 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	p.fault(FaultAfterClaim)
 
 	l := &Lease{Token: res.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: res.Attempt}
+	if p.cfg.MaxAttempts > 0 && l.Attempt > p.cfg.MaxAttempts {
+		// The last allowed attempt ended without recording a failure (a
+		// crash, a lost lease, a stop): the attempts are used up, so no
+		// further call.
+		return p.fail(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)))
+	}
 	var advance *driver.LeaseAdvance
 	if guarded {
 		if out, done, err := p.guard(ctx, h, msg, l, agg); done {

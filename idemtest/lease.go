@@ -672,6 +672,30 @@ func testLeaseMaxAttempts(t *testing.T, drv driver.LeaseDriver) {
 	if n := c.count("acct-9"); n != 3 {
 		t.Fatalf("handler ran %d times, want 3", n)
 	}
+
+	// An attempt that ends without a verdict (its worker crashed) still
+	// uses one up: past MaxAttempts the handler is not called again.
+	p2 := leaseProc(t, drv, &idem.LeaseConfig{MaxAttempts: 2, BackoffBase: time.Millisecond, BackoffMax: time.Millisecond})
+	msg2 := &idem.Message{ID: "acct-10", Payload: []byte("z")}
+	if out, err := p2.Process(ctx, h, msg2); out != idem.OutcomeNone || !errors.Is(err, boom) || idem.IsPermanent(err) {
+		t.Fatalf("attempt 1: (%v, %v), want a retriable failure", out, err)
+	}
+	time.Sleep(5 * time.Millisecond)
+	if res, err := drv.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "sync", MessageID: "acct-10", PayloadHash: msg2.PayloadHash(),
+		Owner: "crashed", TTL: 20 * time.Millisecond}); err != nil || !res.Claimed || res.Attempt != 2 {
+		t.Fatalf("attempt 2 by a worker that crashes: %+v, %v", res, err)
+	}
+	time.Sleep(50 * time.Millisecond) // its lease expires
+	if out, err := p2.Process(ctx, h, msg2); out != idem.OutcomeNone || !idem.IsPermanent(err) {
+		t.Fatalf("claim 3 with MaxAttempts 2: (%v, %v), want a permanent failure", out, err)
+	}
+	if n := c.count("acct-10"); n != 1 {
+		t.Fatalf("handler ran %d times for acct-10, want 1 (attempt 2 crashed, 3 is past MaxAttempts)", n)
+	}
+	row = leaseRow(t, drv, "sync", "acct-10")
+	if row.Status != driver.LeaseFailed || !row.NextAttemptAt.IsZero() {
+		t.Fatalf("acct-10 after MaxAttempts: %+v, want failed for good", row)
+	}
 }
 
 func testLeasePanic(t *testing.T, drv driver.LeaseDriver) {
