@@ -355,8 +355,8 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 		return res, fmt.Errorf("idem: list dead letters to replay: %w", err)
 	}
 	// Decode them all first, so that each aggregate's messages run in
-	// sequence order: in the order they were parked, a later sequence would meet
-	// the gap an earlier one leaves until it is replayed too.
+	// sequence order: in the order they were parked, a later sequence
+	// would meet the gap an earlier one leaves until it is replayed too.
 	msgs := make([]*Message, len(dls))
 	order := make([]int, len(dls))
 	for k, dl := range dls {

@@ -64,8 +64,8 @@ type RelayConfig struct {
 	// cycles after one that published nothing: exponential with full
 	// jitter, by default from 100 ms up to 30 s (a key waits at least half
 	// of Base). A key waiting out its backoff is skipped by every relay,
-	// so one key the broker refuses does not hold up the others. Retries is ignored: the relay retries
-	// until the broker takes the rows.
+	// so one key the broker refuses does not hold up the others. Retries
+	// is ignored: the relay retries until the broker takes the rows.
 	Backoff idem.Backoff
 	// Logger receives failed publishes and store errors. Default
 	// slog.Default().

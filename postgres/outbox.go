@@ -45,16 +45,18 @@ func (d *Driver) OutboxAdd(ctx context.Context, tx Tx, rows []driver.OutboxRow) 
 		return nil
 	}
 	var (
-		dest, ids, keys, aggs, types = make([]string, len(rows)), make([]string, len(rows)), make([]string, len(rows)), make([]string, len(rows)), make([]string, len(rows))
-		seqs                         = make([]int64, len(rows))
-		headers, payloads, hashes    = make([][]byte, len(rows)), make([][]byte, len(rows)), make([][]byte, len(rows))
+		dest, ids, keys, aggs, types []string
+		seqs                         []int64
+		headers, payloads, hashes    [][]byte
 	)
-	for i, r := range rows {
-		dest[i], ids[i], keys[i], aggs[i], types[i] = r.Destination, r.MessageID, r.OrderingKey, r.AggregateID, r.Type
-		seqs[i], headers[i], payloads[i], hashes[i] = r.Seq, r.Headers, r.Payload, r.PayloadHash
-		if payloads[i] == nil {
-			payloads[i] = []byte{}
+	for _, r := range rows {
+		payload := r.Payload
+		if payload == nil {
+			payload = []byte{}
 		}
+		dest, ids, keys = append(dest, r.Destination), append(ids, r.MessageID), append(keys, r.OrderingKey)
+		aggs, types, seqs = append(aggs, r.AggregateID), append(types, r.Type), append(seqs, r.Seq)
+		headers, payloads, hashes = append(headers, r.Headers), append(payloads, payload), append(hashes, r.PayloadHash)
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO `+d.t.outbox+` (destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash)
 SELECT r.dest, r.id, r.key, r.agg, r.seq, r.type, r.headers, r.payload, r.hash
