@@ -87,6 +87,10 @@ type PruneStats struct {
 	OutboxDeleted int
 	// OutboxBatches is the number of outbox transactions used.
 	OutboxBatches int
+	// GapsDeleted is the number of the ordering guard's gap sightings
+	// deleted (when the driver keeps them in a table): those whose
+	// sequence was reached, and those first seen before the cutoff.
+	GapsDeleted int
 	// Batches is the number of transactions used.
 	Batches int
 	// Duration is the run's wall time; LongestBatch its slowest batch.
@@ -187,8 +191,25 @@ func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
 			return st, err
 		}
 	}
+	if gp, ok := p.drv.(driver.GapPruner); ok {
+		for {
+			if err := ctx.Err(); err != nil {
+				st.Duration = time.Since(start)
+				return st, err
+			}
+			n, err := gp.PruneGaps(ctx, st.Cutoff, p.cfg.BatchSize)
+			if err != nil {
+				st.Duration = time.Since(start)
+				return st, fmt.Errorf("idem: prune gap sightings: %w", err)
+			}
+			st.GapsDeleted += n
+			if n < p.cfg.BatchSize {
+				break
+			}
+		}
+	}
 	st.Duration = time.Since(start)
-	p.cfg.Logger.Info("idem: pruned markers", slog.Int("deleted", st.Deleted), slog.Int("outbox_deleted", st.OutboxDeleted), slog.Int("batches", st.Batches),
+	p.cfg.Logger.Info("idem: pruned markers", slog.Int("deleted", st.Deleted), slog.Int("outbox_deleted", st.OutboxDeleted), slog.Int("gaps_deleted", st.GapsDeleted), slog.Int("batches", st.Batches),
 		slog.Time("cutoff", st.Cutoff), slog.Duration("duration", st.Duration), slog.Duration("longest_batch", st.LongestBatch))
 	return st, nil
 }

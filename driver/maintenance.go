@@ -55,3 +55,13 @@ type PruneResult struct {
 	// Done is true when no prunable marker sorts after the cursor.
 	Done bool
 }
+
+// GapPruner is implemented by drivers that keep the ordering guard's gap
+// sightings (GapWait's first sightings) in a table. PruneGaps deletes up
+// to limit sightings that no longer matter, because their aggregate's
+// last applied sequence has reached them, or that were first seen before
+// before, and returns how many it deleted. idem.Pruner calls it after the
+// markers until fewer than limit are deleted.
+type GapPruner interface {
+	PruneGaps(ctx context.Context, before time.Time, limit int) (int, error)
+}

@@ -19,6 +19,10 @@ func RunRetention[TTx any](t *testing.T, h *Harness[TTx]) {
 		t.Parallel()
 		testPrune(t, h.Open(t))
 	})
+	t.Run("PrunesGapSightings", func(t *testing.T) {
+		t.Parallel()
+		testPruneGaps(t, h.Open(t))
+	})
 	t.Run("ShortRetentionRefused", func(t *testing.T) {
 		t.Parallel()
 		s := h.Open(t)
@@ -156,5 +160,57 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	wantBalances(t, s, want)
 	if st, err := pr.Prune(ctx); err != nil || st.Deleted != 1 {
 		t.Fatalf("second prune: %+v, %v; want the one new marker", st, err)
+	}
+}
+
+// testPruneGaps: the ordering guard's gap sightings go once their
+// aggregate's sequence has reached them, and the rest once they are older
+// than the retention. A driver that keeps no sightings in a table (no
+// driver.GapPruner) has nothing to check.
+func testPruneGaps[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	gp, ok := any(s.Driver).(driver.GapPruner)
+	if !ok {
+		t.Logf("driver %T keeps no gap sightings to prune", s.Driver)
+		return
+	}
+	sg, ok := any(s.Driver).(driver.SequenceGuard[TTx])
+	if !ok {
+		t.Fatalf("driver %T implements driver.GapPruner but not driver.SequenceGuard", s.Driver)
+	}
+	sight := func(agg string, seq int64) time.Time {
+		t.Helper()
+		r, err := sg.GapSighting(ctx, &driver.GapSightingParams{Handler: "gapped", AggregateID: agg, Seq: seq})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.FirstSeen
+	}
+	sight("a", 5)
+	firstB := sight("b", 3)
+	h := &idem.Handler[TTx]{Name: "gapped", Ordering: &idem.Ordering{Gap: idem.GapAllow},
+		Apply: func(context.Context, TTx, *idem.Message) error { return nil }}
+	out, err := newProc(t, s).Process(ctx, h, &idem.Message{ID: "a-5", AggregateID: "a", Seq: 5})
+	wantOutcome(t, "a/5", out, err, idem.Applied)
+
+	pr, err := idem.NewPruner(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := pr.Prune(ctx); err != nil || st.GapsDeleted != 1 {
+		t.Fatalf("prune: %+v, %v; want a/5's sighting deleted, its sequence reached", st, err)
+	}
+	if got := sight("b", 3); !got.Equal(firstB) {
+		t.Fatalf("b/3 first seen %v after the prune, want %v: an open gap's sighting must stay", got, firstB)
+	}
+	future, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{Now: func() time.Time { return time.Now().Add(8 * 24 * time.Hour) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := future.Prune(ctx); err != nil || st.GapsDeleted != 1 {
+		t.Fatalf("prune 8 days on: %+v, %v; want b/3's old sighting deleted", st, err)
+	}
+	if n, err := gp.PruneGaps(ctx, time.Now().Add(24*time.Hour), 10); err != nil || n != 0 {
+		t.Fatalf("PruneGaps with nothing left: %d, %v", n, err)
 	}
 }

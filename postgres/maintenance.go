@@ -103,3 +103,17 @@ func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
 	}
 	return unlock, true, nil
 }
+
+var _ driver.GapPruner = (*Driver)(nil)
+
+// PruneGaps implements driver.GapPruner: one bounded DELETE of sightings
+// whose sequence the guard has reached, or first seen before before.
+func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (int, error) {
+	tag, err := d.pool.Exec(ctx, `DELETE FROM `+d.t.gaps+` WHERE ctid = ANY(ARRAY(
+  SELECT g.ctid FROM `+d.t.gaps+` g LEFT JOIN `+d.t.sequences+` s ON s.handler = g.handler AND s.aggregate_id = g.aggregate_id
+  WHERE g.first_seen_at < $1 OR g.seq <= s.last_seq LIMIT $2))`, before, limit)
+	if err != nil {
+		return 0, fmt.Errorf("postgres: prune gap sightings: %w", err)
+	}
+	return int(tag.RowsAffected()), nil
+}

@@ -130,20 +130,25 @@ func (d *Driver) SequenceSetMany(ctx context.Context, tx *Tx, p *driver.Sequence
 }
 
 // gapScript records the first sighting of a sequence behind a gap. KEYS:
-// the aggregate's gap hash. ARGV: the sequence. It returns the first
-// sighting and now, in µs on the server's clock.
+// the aggregate's gap hash. ARGV: the sequence, and the hash's lifetime
+// in ms after its latest sighting (0: kept). It returns the first sighting
+// and now, in µs on the server's clock.
 var gapScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
 redis.call('HSETNX', KEYS[1], ARGV[1], now)
+if tonumber(ARGV[2]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 return {tonumber(redis.call('HGET', KEYS[1], ARGV[1])), now}
 `)
 
 // GapSighting implements driver.SequenceGuard on the Redis server's clock.
 // Sightings are kept in the hash Prefix+"g:<handler>|<aggregate>", one
-// field per sequence.
+// field per sequence; with a MarkerTTL the hash expires that long after
+// the aggregate's latest sighting, as markers do.
 func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (driver.GapSightingResult, error) {
-	v, err := gapScript.Run(ctx, d.client, []string{d.prefix + "g:" + p.Handler + "|" + p.AggregateID}, p.Seq).Int64Slice()
+	v, err := gapScript.Run(ctx, d.client, []string{d.prefix + "g:" + p.Handler + "|" + p.AggregateID}, p.Seq, d.markerTTL.Milliseconds()).Int64Slice()
 	if err != nil {
 		return driver.GapSightingResult{}, fmt.Errorf("redisstore: record gap sighting: %w", err)
 	}

@@ -310,6 +310,15 @@ func TestMarkerTTL(t *testing.T) {
 	if err != nil || ttl <= 59*time.Minute || ttl > time.Hour {
 		t.Fatalf("marker TTL %v, %v; want about 1h", ttl, err)
 	}
+	// The ordering guard's gap sightings expire the same way.
+	if _, err := drv.GapSighting(ctx, &driver.GapSightingParams{Handler: "balances", AggregateID: "a", Seq: 5}); err != nil {
+		t.Fatal(err)
+	}
+	prefix := strings.TrimSuffix(drv.MarkerKey("balances", "x"), "m:balances|x")
+	ttl, err = c.PTTL(ctx, prefix+"g:balances|a").Result()
+	if err != nil || ttl <= 59*time.Minute || ttl > time.Hour {
+		t.Fatalf("gap sightings TTL %v, %v; want about 1h", ttl, err)
+	}
 }
 
 // A transaction holding markers waits for a message another transaction

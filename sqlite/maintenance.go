@@ -89,3 +89,21 @@ func (d *Driver) TryMaintenanceLock(context.Context) (func(), bool, error) {
 	}
 	return d.maintenance.Unlock, true, nil
 }
+
+var _ driver.GapPruner = (*Driver)(nil)
+
+// PruneGaps implements driver.GapPruner: one bounded DELETE of sightings
+// whose sequence the guard has reached, or first seen before before.
+func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (int, error) {
+	r, err := d.db.ExecContext(ctx, `DELETE FROM `+d.tables.gaps+` WHERE (handler, aggregate_id, seq) IN (
+  SELECT g.handler, g.aggregate_id, g.seq FROM `+d.tables.gaps+` g LEFT JOIN `+d.tables.sequences+` s ON s.handler = g.handler AND s.aggregate_id = g.aggregate_id
+  WHERE g.first_seen_at < ? OR g.seq <= s.last_seq LIMIT ?)`, before.UnixMicro(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: prune gap sightings: %w", err)
+	}
+	n, err := r.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: prune gap sightings: %w", err)
+	}
+	return int(n), nil
+}
