@@ -2,6 +2,8 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -42,8 +44,23 @@ func TestCleanupOnDemoDatabase(t *testing.T) {
 	if code != exitUsage || !strings.Contains(errOut, "shorter than the redelivery horizon") {
 		t.Fatalf("retention below horizon: exit %d, stderr %q", code, errOut)
 	}
-	code, _, errOut = runCLI(t, "cleanup", "--dsn", filepath.Join(t.TempDir(), "empty.db"), "--dry-run")
+	empty := filepath.Join(t.TempDir(), "empty.db")
+	if err := os.WriteFile(empty, nil, 0o600); err != nil { // an empty file is an empty SQLite database
+		t.Fatal(err)
+	}
+	code, _, errOut = runCLI(t, "cleanup", "--dsn", empty, "--dry-run")
 	if code != exitFailed || !strings.Contains(errOut, "run 'idem migrate' first") {
 		t.Fatalf("unmigrated database: exit %d, stderr %q", code, errOut)
+	}
+	// A mistyped path is not created: only migrate creates the file.
+	missing := filepath.Join(t.TempDir(), "typo.db")
+	for _, args := range [][]string{{"cleanup", "--dry-run"}, {"stats"}, {"dlq", "list"}, {"outbox", "stats"}} {
+		code, _, errOut = runCLI(t, append(args, "--dsn", missing)...)
+		if code != exitFailed || !strings.Contains(errOut, "does not exist (idem migrate creates it)") {
+			t.Fatalf("idem %s on a missing file: exit %d, stderr %q", strings.Join(args, " "), code, errOut)
+		}
+		if _, err := os.Stat(missing); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("idem %s created %s (%v)", strings.Join(args, " "), missing, err)
+		}
 	}
 }

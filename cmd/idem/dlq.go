@@ -97,6 +97,17 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 	return runDLQParsed(ctx, e, sub, f, filter)
 }
 
+// unmatchedIDs fails a replay or discard that named dead letters by ID and
+// changed fewer than it named: those are missing, not parked (already
+// replayed or discarded), or outside the other filters.
+func unmatchedIDs(f *driver.DeadLetterFilter, changed int) error {
+	if len(f.IDs) == 0 || changed >= len(f.IDs) {
+		return nil
+	}
+	return fmt.Errorf("%d of the %s named were not changed: missing, not parked, or outside the filters ('idem dlq show ID' tells which)",
+		len(f.IDs)-changed, plural(len(f.IDs), "dead letter"))
+}
+
 // parseInterspersed parses fs's flags from args wherever they stand, before
 // or after the positional arguments (idem dlq show 42 --json), and returns
 // the positional ones in order. Everything after "--" is positional.
@@ -173,12 +184,14 @@ func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *
 			return err
 		}
 		fmt.Fprintf(e.stdout, "%s marked for replay; a running consumer of their handler replays them.\n", plural(n, "dead letter"))
+		return unmatchedIDs(filter, n)
 	case "discard":
 		n, err := idem.Discard(ctx, dl, filter, actor)
 		if err != nil {
 			return err
 		}
 		fmt.Fprintf(e.stdout, "%s discarded.\n", plural(n, "dead letter"))
+		return unmatchedIDs(filter, n)
 	}
 	return nil
 }
@@ -200,8 +213,17 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 	if flt.Until, err = parseWhen(f.until); err != nil {
 		return nil, err
 	}
+	if !flt.Since.IsZero() && !flt.Until.IsZero() && flt.Since.After(flt.Until) {
+		return nil, usagef("--since %s is after --until %s: nothing can match", f.since, f.until)
+	}
 	switch sub {
 	case "list":
+		if len(args) > 0 {
+			return nil, usagef("list takes no IDs (got %q): use 'idem dlq show ID'", args)
+		}
+		if f.limit < 0 {
+			return nil, usagef("--limit %d: want 0 (all) or more", f.limit)
+		}
 		if f.state != "all" {
 			switch f.state {
 			case driver.DeadLetterParked, driver.DeadLetterReplayRequested, driver.DeadLetterReplayed, driver.DeadLetterDiscarded:
@@ -229,6 +251,9 @@ func parseWhen(s string) (time.Time, error) {
 		return time.Time{}, nil
 	}
 	if d, err := time.ParseDuration(s); err == nil {
+		if d < 0 {
+			return time.Time{}, usagef("time %q: a duration counts back from now and must not be negative", s)
+		}
 		return time.Now().Add(-d), nil
 	}
 	t, err := time.Parse(time.RFC3339, s)

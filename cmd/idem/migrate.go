@@ -26,6 +26,7 @@ Examples:
   IDEM_DSN=sqlite:/var/lib/app/idem.db idem migrate`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			sf := addStoreFlags(fs, "migrate", true)
+			sf.create = true
 			return func(ctx context.Context, e *env, args []string) error {
 				if err := noArgs(args); err != nil {
 					return err

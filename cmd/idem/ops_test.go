@@ -75,6 +75,25 @@ func TestOperatorCommandsGolden(t *testing.T) {
 		}
 		golden(t, st.name, db, out+errOut)
 	}
+	// Selections that can match nothing, or would be dropped, are usage
+	// errors, not an empty answer.
+	for _, args := range [][]string{
+		{"dlq", "list", "1"},
+		{"dlq", "list", "--limit", "-1"},
+		{"dlq", "list", "--since", "-24h"},
+		{"dlq", "list", "--since", "2030-01-01T00:00:00Z", "--until", "2020-01-01T00:00:00Z"},
+	} {
+		if code, out, errOut := runCLIEnv(t, map[string]string{dsnEnv: db}, args...); code != exitUsage {
+			t.Errorf("idem %s: exit %d, want %d\n%s%s", strings.Join(args, " "), code, exitUsage, out, errOut)
+		}
+	}
+	// A replay or discard of named dead letters that changes none of them
+	// fails: the operator asked for something that did not happen.
+	for _, args := range [][]string{{"dlq", "replay", "999"}, {"dlq", "discard", "999"}} {
+		if code, _, errOut := runCLIEnv(t, map[string]string{dsnEnv: db}, args...); code != exitFailed || !strings.Contains(errOut, "1 of the 1 dead letter named were not changed") {
+			t.Errorf("idem %s: exit %d, stderr %q; want %d naming the unchanged one", strings.Join(args, " "), code, errOut, exitFailed)
+		}
+	}
 	// Flags may follow the IDs, as the synopsis shows them.
 	_, before, _ := runCLIEnv(t, map[string]string{dsnEnv: db}, "dlq", "show", "--json", "2")
 	code, after, errOut := runCLIEnv(t, map[string]string{dsnEnv: db}, "dlq", "show", "2", "--json")

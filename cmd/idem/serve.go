@@ -42,7 +42,8 @@ func serveCommand() *command {
              and the Go runtime's metrics of this process
   /          a read-only page: the same per-handler counts as 'idem stats',
              the outbox, and the oldest parked dead letters
-  /healthz   200 when the store answers, 503 otherwise
+  /healthz   200 when the store answers and holds idem's tables, 503
+             otherwise
 
 The live counters of your consumers (outcomes, errors, verdicts, durations)
 come from the metrics package's hook in your own processes; serve adds what
@@ -114,8 +115,15 @@ func newServeMux(s *store, refresh, timeout time.Duration) *http.ServeMux {
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), serveHealthTimeout)
 		defer cancel()
-		if _, _, err := s.schemaVersion(ctx); err != nil {
+		n, _, err := s.schemaVersion(ctx)
+		switch {
+		case err != nil:
 			http.Error(w, "store unavailable: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		case n == 0:
+			// It answers, but there is nothing to serve: what /metrics
+			// reports as idem_store_up 0.
+			http.Error(w, fmt.Sprintf("store unavailable: %s has no idem tables: run 'idem migrate' first", s), http.StatusServiceUnavailable)
 			return
 		}
 		fmt.Fprintln(w, "ok")

@@ -129,6 +129,25 @@ func TestServeEndpoints(t *testing.T) {
 	}
 }
 
+// TestServeHealthNeedsTables: a store that answers but holds no idem
+// tables is not healthy, as /metrics says with idem_store_up 0.
+func TestServeHealthNeedsTables(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "empty.db")
+	s, err := openStore(context.Background(), path, storeOptions{Prefix: defaultPrefix, Create: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	srv := httptest.NewServer(newServeMux(s, 0, 5*time.Second))
+	defer srv.Close()
+	if code, body := get(t, srv.URL+"/healthz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "run 'idem migrate' first") {
+		t.Fatalf("/healthz on a store without tables: %d %q, want 503 saying why", code, body)
+	}
+	if code, body := get(t, srv.URL+"/metrics"); code != http.StatusOK || !strings.Contains(body, "idem_store_up 0") {
+		t.Fatalf("/metrics on a store without tables: %d, want idem_store_up 0", code)
+	}
+}
+
 // syncBuffer is a bytes.Buffer safe to read while the command writes.
 type syncBuffer struct {
 	mu sync.Mutex

@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"flag"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -32,7 +34,7 @@ const pingTimeout = 15 * time.Second
 // dsnHelp describes the accepted DSN forms, for help texts and errors.
 const dsnHelp = `DSN forms:
   postgres://user:pass@host:5432/db?sslmode=disable   PostgreSQL (also postgresql://)
-  sqlite:PATH or file:PATH                            SQLite file (created if missing)
+  sqlite:PATH or file:PATH                            SQLite file (migrate creates it if missing)
   PATH ending in .db, .sqlite or .sqlite3             SQLite file
   redis://[:pass@]host:6379/0 (also rediss://)        Redis (redisstore; dlq, migrate and bench only)`
 
@@ -136,6 +138,10 @@ type storeFlags struct {
 	redisOK bool
 	// command names the command, for the error that refuses Redis.
 	command string
+	// create is set by the command that may create a SQLite file
+	// (migrate); the others refuse a file that does not exist rather than
+	// leave an empty database behind a mistyped path.
+	create bool
 }
 
 // addStoreFlags defines --dsn, --schema and --prefix on fs for command,
@@ -163,7 +169,7 @@ func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
 			return nil, usagef("%s reads SQL stores (SQLite, PostgreSQL) only; on Redis, use dlq, migrate or bench", f.command)
 		}
 	}
-	return openStore(ctx, dsn, storeOptions{Schema: f.schema, Prefix: f.prefix})
+	return openStore(ctx, dsn, storeOptions{Schema: f.schema, Prefix: f.prefix, Create: f.create})
 }
 
 // storeOptions are the table-layout settings shared by the commands that
@@ -174,6 +180,9 @@ type storeOptions struct {
 	Schema string
 	// Prefix is prepended to every table name; empty means "idem_".
 	Prefix string
+	// Create allows opening a SQLite file that does not exist yet (which
+	// creates it).
+	Create bool
 }
 
 // check validates the options against the target before anything is
@@ -234,6 +243,11 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 	s := &store{target: t, opts: opts}
 	switch t.kind {
 	case kindSQLite:
+		if !opts.Create {
+			if _, err := os.Stat(t.path); errors.Is(err, os.ErrNotExist) {
+				return nil, fmt.Errorf("SQLite database %s does not exist (idem migrate creates it)", t.path)
+			}
+		}
 		if s.sqliteDB, err = sqlite.Open(t.path, nil); err != nil {
 			return nil, fmt.Errorf("open SQLite database: %w", err)
 		}
