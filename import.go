@@ -67,7 +67,11 @@ func ImportMarkers(ctx context.Context, imp driver.MarkerImporter, handler strin
 	for {
 		values, err := imp.ImportIDs(ctx, src, after, batch)
 		if err != nil {
-			return res, fmt.Errorf("idem: import: read %s.%s after %q: %w", src.Table, src.Column, after, err)
+			from := ""
+			if after != "" {
+				from = fmt.Sprintf(" after ID %q", after)
+			}
+			return res, fmt.Errorf("idem: import: read %s.%s%s: %w", src.Table, src.Column, from, err)
 		}
 		if len(values) == 0 {
 			return res, nil

@@ -315,11 +315,16 @@ func (s *store) String() string {
 	case kindSQLite:
 		return "SQLite " + s.path
 	case kindPostgres:
+		where := "PostgreSQL " + redactDSN(s.dsn)
 		if s.pgPool != nil {
 			c := s.pgPool.Config().ConnConfig
-			return fmt.Sprintf("PostgreSQL %s@%s:%d/%s", c.User, c.Host, c.Port, c.Database)
+			where = fmt.Sprintf("PostgreSQL %s@%s:%d/%s", c.User, c.Host, c.Port, c.Database)
 		}
-		return "PostgreSQL " + redactDSN(s.dsn)
+		if s.opts.Schema != "" {
+			// Naming it: a wrong --schema is the usual reason for "no idem tables".
+			where += " (schema " + s.opts.Schema + ")"
+		}
+		return where
 	case kindRedis:
 		if s.redisClient != nil {
 			o := s.redisClient.Options()
