@@ -192,20 +192,17 @@ func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
 		}
 	}
 	if gp, ok := p.drv.(driver.GapPruner); ok {
-		for {
-			if err := ctx.Err(); err != nil {
-				st.Duration = time.Since(start)
-				return st, err
-			}
+		err := p.inBatches(ctx, &st, func() (int, error) {
 			n, err := gp.PruneGaps(ctx, st.Cutoff, p.cfg.BatchSize)
 			if err != nil {
-				st.Duration = time.Since(start)
-				return st, fmt.Errorf("idem: prune gap sightings: %w", err)
+				return 0, fmt.Errorf("idem: prune gap sightings: %w", err)
 			}
 			st.GapsDeleted += n
-			if n < p.cfg.BatchSize {
-				break
-			}
+			return n, nil
+		})
+		if err != nil {
+			st.Duration = time.Since(start)
+			return st, err
 		}
 	}
 	st.Duration = time.Since(start)
@@ -219,22 +216,35 @@ func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
 // age.
 func (p *Pruner) pruneOutbox(ctx context.Context, ob driver.OutboxRelayStore, st *PruneStats) error {
 	var after int64
+	return p.inBatches(ctx, st, func() (int, error) {
+		n, last, err := ob.OutboxPrune(ctx, st.Cutoff, after, p.cfg.BatchSize)
+		if err != nil {
+			return 0, fmt.Errorf("idem: prune outbox (batch %d): %w", st.OutboxBatches+1, err)
+		}
+		st.OutboxBatches++
+		st.OutboxDeleted += n
+		after = last
+		return n, nil
+	})
+}
+
+// inBatches runs batch until it deletes fewer than BatchSize rows or ctx
+// ends, timing each run into st.LongestBatch and pausing Pause between
+// them.
+func (p *Pruner) inBatches(ctx context.Context, st *PruneStats, batch func() (int, error)) error {
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 		t0 := time.Now()
-		n, last, err := ob.OutboxPrune(ctx, st.Cutoff, after, p.cfg.BatchSize)
+		n, err := batch()
 		if err != nil {
-			return fmt.Errorf("idem: prune outbox (batch %d): %w", st.OutboxBatches+1, err)
+			return err
 		}
-		st.OutboxBatches++
-		st.OutboxDeleted += n
 		st.LongestBatch = max(st.LongestBatch, time.Since(t0))
 		if n < p.cfg.BatchSize {
 			return nil
 		}
-		after = last
 		if p.cfg.Pause > 0 {
 			select {
 			case <-ctx.Done():
