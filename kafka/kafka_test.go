@@ -578,12 +578,19 @@ func TestFailureBehindARetryCountsItsAttempts(t *testing.T) {
 	}
 	b.StartBatched(t, c, 25)
 	e.WaitMarkers(8)
+	// The verdict hook runs after the dead letter commits, so wait for
+	// both: the listing alone can see r7's dead letter before its hook.
+	reported := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(attempts["r3"]) >= 3 && len(attempts["r7"]) >= 3
+	}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		dls, err := e.Drv.DeadLetterList(context.Background(), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(dls) == 2 {
+		if len(dls) == 2 && reported() {
 			break
 		}
 		if time.Now().After(deadline) {
