@@ -271,7 +271,7 @@ func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
 				return
 			}
 			if err != nil {
-				slog.Default().Debug("postgres: outbox listener lost its connection; reconnecting", slog.Any("error", err))
+				d.logger.Debug("postgres: outbox listener lost its connection; reconnecting", slog.Any("error", err))
 				closeConn()
 				conn, closeConn = nil, nil
 				continue

@@ -24,6 +24,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -76,6 +77,10 @@ type Config struct {
 	// those are unwelcome. Transactions the caller owns (ProcessTx) always
 	// use ON CONFLICT: a failed statement would abort them.
 	ConflictAwareInserts bool
+	// Logger receives what the driver notices but need not fail for: the
+	// outbox listener losing its connection and reconnecting (at Debug).
+	// Default: slog.Default().
+	Logger *slog.Logger
 }
 
 // lostBetPause is how long a Driver inserts markers conflict-aware after
@@ -93,6 +98,7 @@ type Driver struct {
 	schema        string
 	prefix        string
 	conflictAware bool // Config.ConflictAwareInserts
+	logger        *slog.Logger
 	t             tables
 	sql           statements
 	// noBetUntil is when betting resumes after the last lost bet, in Unix
@@ -160,7 +166,10 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 	if err := sqlident.Check("postgres: TablePrefix", prefix, false); err != nil {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
-	d := &Driver{pool: pool, schema: cfg.Schema, prefix: prefix, conflictAware: cfg.ConflictAwareInserts}
+	d := &Driver{pool: pool, schema: cfg.Schema, prefix: prefix, conflictAware: cfg.ConflictAwareInserts, logger: cfg.Logger}
+	if d.logger == nil {
+		d.logger = slog.Default()
+	}
 	d.t = tables{
 		processed:     sqlident.Qualified(cfg.Schema, prefix+"processed"),
 		migrations:    sqlident.Qualified(cfg.Schema, prefix+"migrations"),
