@@ -198,8 +198,22 @@ func runCommand(ctx context.Context, e *env, c *command, args []string) int {
 		fmt.Fprintf(e.stderr, "idem %s: interrupted: %v\n", c.name, err)
 		return exitFailed
 	}
-	fmt.Fprintf(e.stderr, "idem %s: %v\n", c.name, err)
+	fmt.Fprintf(e.stderr, "idem %s: %s\n", c.name, errorText(c.name, err))
 	return exitFailed
+}
+
+// errorText is err's message without the library's "idem: " prefix and,
+// after it, the command's own name, which the line already starts with:
+// "idem import: read …", not "idem import: idem: import: read …".
+func errorText(command string, err error) string {
+	msg := err.Error()
+	if rest, ok := strings.CutPrefix(msg, "idem: "); ok {
+		msg = rest
+		if rest, ok := strings.CutPrefix(msg, command+": "); ok {
+			msg = rest
+		}
+	}
+	return msg
 }
 
 // newFlagSet returns an empty flag set for c that reports errors instead of

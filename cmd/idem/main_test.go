@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"strings"
 	"testing"
 )
@@ -110,6 +111,21 @@ func TestCommandNamesAreUnique(t *testing.T) {
 		seen[c.name] = true
 		if c.summary == "" || c.help == "" || c.setup == nil {
 			t.Errorf("command %q lacks a summary, help or setup", c.name)
+		}
+	}
+}
+
+// A failure reads "idem import: read …": the library's "idem: " and the
+// command's name, which the line starts with, are not said twice.
+func TestErrorTextDropsRepeatedPrefixes(t *testing.T) {
+	for _, c := range []struct{ cmd, err, want string }{
+		{"import", "idem: import: read t.c: boom", "read t.c: boom"},
+		{"import", "idem: handler name: empty", "handler name: empty"},
+		{"migrate", "postgres: migrate: boom", "postgres: migrate: boom"},
+		{"dlq", "import: idem: x", "import: idem: x"},
+	} {
+		if got := errorText(c.cmd, errors.New(c.err)); got != c.want {
+			t.Errorf("errorText(%q, %q) = %q, want %q", c.cmd, c.err, got, c.want)
 		}
 	}
 }
