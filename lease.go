@@ -137,8 +137,11 @@ type Lease struct {
 	IdempotencyKey string
 	// Owner is this worker's identity (LeaseConfig.Owner).
 	Owner string
-	// Attempt counts the claims of this message, this one included: 1 on
-	// the first attempt, more after a failure or an expired lease.
+	// Attempt counts the claims of this message that went on to call the
+	// handler or ended without a verdict, this one included: 1 on the first
+	// attempt, more after a failure or an expired lease. Waits behind an
+	// ordering gap do not count; a replay of its dead letter starts again
+	// at 1.
 	Attempt int
 }
 
@@ -195,10 +198,11 @@ type LeaseConfig struct {
 	// (or BackoffBase, if that is longer).
 	BackoffBase, BackoffMax time.Duration
 	// MaxAttempts makes a failure permanent once the message has been
-	// claimed this many times (crashed attempts count), and bounds the
-	// handler's calls: a claim past it, after an attempt that ended
-	// without a verdict, fails permanently without a call. 0, the
-	// default, retries without limit.
+	// claimed this many times (crashed attempts count; waits behind an
+	// ordering gap do not), and bounds the handler's calls: a claim past
+	// it, after an attempt that ended without a verdict, fails permanently
+	// without a call. Replaying the dead letter grants MaxAttempts more.
+	// 0, the default, retries without limit.
 	MaxAttempts int
 	// Logger receives warnings: lost leases, failed heartbeats, payload
 	// conflicts under OnConflictWarn. Default slog.Default().
@@ -478,18 +482,19 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	p.fault(FaultAfterClaim)
 
 	l := &Lease{Token: res.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: res.Attempt}
-	if p.cfg.MaxAttempts > 0 && l.Attempt > p.cfg.MaxAttempts {
-		// The last allowed attempt ended without recording a failure (a
-		// crash, a lost lease, a stop): the attempts are used up, so no
-		// further call.
-		return p.fail(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)))
-	}
 	var advance *driver.LeaseAdvance
 	if guarded {
 		if out, done, err := p.guard(ctx, h, msg, l, agg); done {
 			return out, err
 		}
 		advance = &driver.LeaseAdvance{AggregateID: agg, Seq: msg.Seq}
+	}
+	if p.cfg.MaxAttempts > 0 && l.Attempt > p.cfg.MaxAttempts {
+		// The last allowed attempt ended without recording a failure (a
+		// crash, a lost lease, a stop): the attempts are used up, so no
+		// further call. (After the guard: a stale message is done, not
+		// failed, and a wait behind a gap uses no attempt.)
+		return p.fail(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)))
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -591,12 +596,13 @@ func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Messag
 
 // release gives a claimed lease up without a call, so the next delivery
 // may claim it at once, and returns cause (or cause joined with the write's
-// failure). The attempt still counts toward MaxAttempts.
+// failure). The claim's attempt is given back: no call, no attempt, so a
+// message waiting behind a gap does not use up MaxAttempts.
 func (p *LeaseProcessor) release(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, cause error) error {
 	wctx, cancel := p.writeContext(ctx)
 	defer cancel()
 	res, err := p.drv.LeaseFail(wctx, &driver.LeaseFailParams{
-		Handler: h.Name, MessageID: msg.ID, Token: l.Token, LastError: lastErrorText(cause),
+		Handler: h.Name, MessageID: msg.ID, Token: l.Token, LastError: lastErrorText(cause), NotCalled: true,
 	})
 	if err != nil {
 		return fmt.Errorf("%w (and releasing the lease: %w)", cause, err)

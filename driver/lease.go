@@ -145,6 +145,10 @@ type LeaseFailParams struct {
 	// Permanent leaves the next attempt time empty: the row is never
 	// claimed again automatically.
 	Permanent bool
+	// NotCalled says the claim ended without calling the handler (the
+	// ordering guard released it to wait for a gap): the claim's attempt
+	// is given back, so waiting does not use up MaxAttempts.
+	NotCalled bool
 }
 
 // LeaseGetParams are the parameters of LeaseDriver.LeaseGet.
@@ -203,8 +207,9 @@ type LeaseAdvance struct {
 // claimable again.
 type LeaseRearmer interface {
 	// LeaseRearm sets the next attempt time of (handler, messageID) to now
-	// if the row is LeaseFailed, and does nothing otherwise (no row, or a
-	// running or done one).
+	// and its attempt count to 0 if the row is LeaseFailed, so the replay
+	// has MaxAttempts tries again, and does nothing otherwise (no row, or a
+	// running or done one). The token keeps growing.
 	LeaseRearm(ctx context.Context, handler, messageID string) error
 }
 

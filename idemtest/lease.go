@@ -61,6 +61,7 @@ func RunLease(t *testing.T, h *LeaseHarness) {
 		{"FailedRetriedAfterBackoff", testLeaseRetry},
 		{"PermanentFailureNotRetried", testLeasePermanent},
 		{"MaxAttemptsMakesFailurePermanent", testLeaseMaxAttempts},
+		{"ReplayAfterMaxAttemptsCallsAgain", testLeaseReplayAfterMaxAttempts},
 		{"PanicMarksFailed", testLeasePanic},
 		{"ShutdownHandsOverAtOnce", testLeaseShutdown},
 		{"OrderingGapFailHolds", testLeaseOrderingFail},

@@ -113,3 +113,49 @@ func testLeaseConsumer(t *testing.T, drv driver.LeaseDriver) {
 		}
 	}
 }
+
+// testLeaseReplayAfterMaxAttempts: a message that used up MaxAttempts is
+// dead-lettered; once the cause is fixed, replaying the dead letter calls
+// the handler again (attempt 1 of MaxAttempts more) and applies it.
+func testLeaseReplayAfterMaxAttempts(t *testing.T, drv driver.LeaseDriver) {
+	dl, ok := drv.(driver.DeadLetterStore)
+	if !ok {
+		t.Skipf("driver %T has no dead-letter store: idem.LeaseConsumer needs one", drv)
+	}
+	ctx := context.Background()
+	p := leaseProc(t, drv, &idem.LeaseConfig{MaxAttempts: 2, BackoffBase: time.Millisecond, BackoffMax: time.Millisecond})
+	var (
+		calls callCounter
+		down  atomic.Bool
+	)
+	down.Store(true)
+	h := calls.handler("mailer", func(context.Context, *idem.Lease, *idem.Message) error {
+		if down.Load() {
+			return errors.New("smtp: connection refused")
+		}
+		return nil
+	})
+	c, err := idem.NewLeaseConsumer(p, h, dl, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: time.Millisecond, Max: time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v idem.Verdict
+	for i := 1; i <= 20 && !v.DeadLettered; i++ {
+		time.Sleep(5 * time.Millisecond) // past the millisecond backoff
+		v = c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "m-1", Payload: []byte("hello")}, Attempt: i})
+	}
+	if !v.DeadLettered || calls.count("m-1") != 2 {
+		t.Fatalf("after MaxAttempts 2: %+v and %d calls, want a dead letter after 2 calls", v, calls.count("m-1"))
+	}
+	down.Store(false)
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "mailer"}, "ops"); err != nil || n != 1 {
+		t.Fatalf("RequestReplay: %d, %v; want 1", n, err)
+	}
+	res, err := c.Replay(ctx)
+	if err != nil || res.Replayed != 1 || res.Outcomes[idem.Applied] != 1 {
+		t.Fatalf("replay: %+v, %v; want m-1 applied (handler calls %d)", res, err, calls.count("m-1"))
+	}
+	if l := calls.last(); calls.count("m-1") != 3 || l.Attempt != 1 || l.Token != 3 {
+		t.Fatalf("replay ran %d calls, the last with %+v; want a third call at attempt 1, token 3", calls.count("m-1"), l)
+	}
+}

@@ -66,15 +66,16 @@ func testLeaseOrderingFail(t *testing.T, drv driver.LeaseDriver) {
 }
 
 // testLeaseOrderingWait checks GapWait in lease mode: a gap is retriable
-// with a deadline from the durable first sighting.
+// with a deadline from the durable first sighting, and waiting uses up no
+// attempt (more waits than MaxAttempts, then the first call is attempt 1).
 func testLeaseOrderingWait(t *testing.T, drv driver.LeaseDriver) {
 	ctx := context.Background()
-	p := leaseProc(t, drv, nil)
+	p := leaseProc(t, drv, &idem.LeaseConfig{MaxAttempts: 2})
 	var c callCounter
 	h := c.handler("shipper", nil)
 	h.Ordering = &idem.Ordering{Gap: idem.GapWait, WaitFor: time.Hour}
 	var first time.Time
-	for i := range 2 {
+	for i := range 4 {
 		out, err := p.Process(ctx, h, seqMsg("order-9", 2))
 		var ge *idem.GapError
 		if out != idem.OutcomeNone || !errors.As(err, &ge) || ge.Final || idem.IsPermanent(err) || ge.Deadline.IsZero() {
@@ -90,6 +91,9 @@ func testLeaseOrderingWait(t *testing.T, drv driver.LeaseDriver) {
 		if out, err := p.Process(ctx, h, seqMsg("order-9", seq)); out != idem.Applied || err != nil {
 			t.Fatalf("seq %d: got (%v, %v), want applied", seq, out, err)
 		}
+	}
+	if l := c.last(); l.Attempt != 1 || l.Token != 5 {
+		t.Fatalf("seq 2 ran with %+v, want attempt 1 (its four waits were no attempts) and token 5", l)
 	}
 }
 

@@ -115,15 +115,16 @@ func (d *Driver) LeaseFail(ctx context.Context, p *driver.LeaseFailParams) (driv
 	}
 	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+`
 SET status = 'failed', lease_until = NULL, last_error = $4, processed_at = now(),
-    next_attempt_at = now() + $5::bigint * interval '1 microsecond'
+    next_attempt_at = now() + $5::bigint * interval '1 microsecond',
+    attempts = CASE WHEN $6::boolean THEN attempts - 1 ELSE attempts END
 WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
-		p.Handler, p.MessageID, p.Token, p.LastError, retryIn)
+		p.Handler, p.MessageID, p.Token, p.LastError, retryIn, p.NotCalled)
 	return d.fencedWrite(ctx, "mark failed", p.Handler, p.MessageID, tag, err)
 }
 
 // LeaseRearm implements driver.LeaseRearmer.
 func (d *Driver) LeaseRearm(ctx context.Context, handler, messageID string) error {
-	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+` SET next_attempt_at = now()
+	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+` SET next_attempt_at = now(), attempts = 0
 WHERE handler = $1 AND message_id = $2 AND status = 'failed'`, handler, messageID); err != nil {
 		return fmt.Errorf("postgres: rearm lease: %w", err)
 	}

@@ -118,15 +118,16 @@ func (d *Driver) LeaseFail(ctx context.Context, p *driver.LeaseFailParams) (driv
 		next = sql.NullInt64{Int64: time.Now().Add(p.RetryIn).UnixMicro(), Valid: true}
 	}
 	r, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.processed+`
-SET status = 'failed', lease_until = NULL, last_error = ?, next_attempt_at = ?, processed_at = ?
+SET status = 'failed', lease_until = NULL, last_error = ?, next_attempt_at = ?, processed_at = ?,
+    attempts = CASE WHEN ? THEN attempts - 1 ELSE attempts END
 WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`,
-		p.LastError, next, time.Now().UnixMicro(), p.Handler, p.MessageID, p.Token)
+		p.LastError, next, time.Now().UnixMicro(), p.NotCalled, p.Handler, p.MessageID, p.Token)
 	return d.fencedWrite(ctx, "mark failed", p.Handler, p.MessageID, r, err)
 }
 
 // LeaseRearm implements driver.LeaseRearmer.
 func (d *Driver) LeaseRearm(ctx context.Context, handler, messageID string) error {
-	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.processed+` SET next_attempt_at = ?
+	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.processed+` SET next_attempt_at = ?, attempts = 0
 WHERE handler = ? AND message_id = ? AND status = 'failed'`, time.Now().UnixMicro(), handler, messageID); err != nil {
 		return fmt.Errorf("sqlite: rearm lease: %w", err)
 	}
