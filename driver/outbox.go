@@ -63,13 +63,16 @@ type OutboxRelayStore interface {
 	OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]OutboxRow, error)
 	// OutboxMarkPublished marks rows published.
 	OutboxMarkPublished(ctx context.Context, ids []int64) error
-	// OutboxFailed counts a failed publish attempt on a row, keeps the
-	// error text, and keeps every relay off the row's ordering key for
+	// OutboxFailed counts owner's failed publish attempt on a row, keeps
+	// the error text, and keeps every relay off the row's ordering key for
 	// holdFor: the key's claim passes to no owner (the empty string, which
 	// no relay is named) until then, so OutboxClaim skips the key and
 	// OutboxRelease leaves the hold in place. The other keys' rows go on
-	// being claimed meanwhile.
-	OutboxFailed(ctx context.Context, id int64, errText string, holdFor time.Duration) error
+	// being claimed meanwhile. The hold replaces only owner's claim, a
+	// hold or an expired claim: when owner's claim ran out during the
+	// publish and another relay has claimed the key since, that relay
+	// keeps its claim (a hold would end it while it still publishes).
+	OutboxFailed(ctx context.Context, owner string, id int64, errText string, holdFor time.Duration) error
 	// OutboxRelease drops owner's claims.
 	OutboxRelease(ctx context.Context, owner string) error
 	// OutboxStats counts pending and published rows and returns the

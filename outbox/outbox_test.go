@@ -262,6 +262,56 @@ func TestFailingKeyDoesNotHoldUpOthers(t *testing.T) {
 	}
 }
 
+// TestLateFailureKeepsAnotherRelaysClaim: relay A's claim runs out while
+// it publishes and B claims the key; A's failure, recorded late, counts the
+// attempt but does not turn B's live claim into a short hold, after which
+// a third relay would publish the key while B still does.
+func TestLateFailureKeepsAnotherRelaysClaim(t *testing.T) {
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			p := open(t)
+			ctx := context.Background()
+			if err := p.add(ctx, &idem.Message{ID: "m-1", Stream: "s", AggregateID: "acct-1", Seq: 1, Payload: []byte("1")}); err != nil {
+				t.Fatal(err)
+			}
+			rs := p.drv.(driver.OutboxRelayStore)
+			a, err := rs.OutboxClaim(ctx, "A", 10, 50*time.Millisecond)
+			if err != nil || len(a) != 1 {
+				t.Fatalf("A's claim: %+v, %v", a, err)
+			}
+			time.Sleep(100 * time.Millisecond) // A's claim runs out mid-publish
+			if b, err := rs.OutboxClaim(ctx, "B", 10, time.Minute); err != nil || len(b) != 1 {
+				t.Fatalf("B's claim: %+v, %v", b, err)
+			}
+			if err := rs.OutboxFailed(ctx, "A", a[0].ID, "boom", time.Millisecond); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(20 * time.Millisecond) // a hold would have ended
+			if c, err := rs.OutboxClaim(ctx, "C", 10, time.Minute); err != nil || len(c) != 0 {
+				t.Fatalf("C claimed %d rows, %v, while B's claim is live: two relays would publish the key", len(c), err)
+			}
+			if s := outboxStats(t, p); s.Failing != 1 {
+				t.Fatalf("stats %+v: A's failed attempt was not counted", s)
+			}
+			// A's own claim, by contrast, becomes the hold.
+			if err := rs.OutboxRelease(ctx, "B"); err != nil {
+				t.Fatal(err)
+			}
+			a, err = rs.OutboxClaim(ctx, "A", 10, time.Minute)
+			if err != nil || len(a) != 1 {
+				t.Fatalf("A's second claim: %+v, %v", a, err)
+			}
+			if err := rs.OutboxFailed(ctx, "A", a[0].ID, "boom", time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			if c, err := rs.OutboxClaim(ctx, "C", 10, time.Minute); err != nil || len(c) != 0 {
+				t.Fatalf("C claimed %d rows, %v, of a key held for a minute", len(c), err)
+			}
+		})
+	}
+}
+
 // stalledPublisher holds every publish until its context ends, then hands
 // it to the real publisher with that context: a relay stopped mid-publish.
 type stalledPublisher struct {

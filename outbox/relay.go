@@ -262,7 +262,7 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 		// attempts (at least half of Base: a hold of nothing would let
 		// the key take the next cycle again); the other keys go on.
 		hold := max(r.cfg.Backoff.Delay(g[0].Attempts), r.cfg.Backoff.Base/2)
-		if ferr := r.store.OutboxFailed(sctx, g[0].ID, err.Error(), hold); ferr != nil {
+		if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, g[0].ID, err.Error(), hold); ferr != nil {
 			r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
 		}
 		return err

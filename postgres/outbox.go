@@ -165,12 +165,13 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 
 // OutboxFailed implements driver.OutboxRelayStore: the attempt and the
 // key's hold in one statement.
-func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string, holdFor time.Duration) error {
+func (d *Driver) OutboxFailed(ctx context.Context, owner string, id int64, errText string, holdFor time.Duration) error {
 	if _, err := d.pool.Exec(ctx, `WITH f AS (
   UPDATE `+d.t.outbox+` SET attempts = attempts + 1, last_error = $2 WHERE id = $1 RETURNING ordering_key)
 INSERT INTO `+d.t.outboxClaims+` AS c (ordering_key, owner, claimed_until)
 SELECT ordering_key, '', clock_timestamp() + $3::bigint * interval '1 microsecond' FROM f
-ON CONFLICT (ordering_key) DO UPDATE SET owner = '', claimed_until = excluded.claimed_until`, id, errText, holdFor.Microseconds()); err != nil {
+ON CONFLICT (ordering_key) DO UPDATE SET owner = '', claimed_until = excluded.claimed_until
+WHERE c.owner = $4 OR c.owner = '' OR c.claimed_until <= clock_timestamp()`, id, errText, holdFor.Microseconds(), owner); err != nil {
 		return fmt.Errorf("postgres: record outbox failure: %w", err)
 	}
 	return nil

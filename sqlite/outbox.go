@@ -156,7 +156,7 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 
 // OutboxFailed implements driver.OutboxRelayStore: the attempt and the
 // key's hold in one transaction.
-func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string, holdFor time.Duration) (err error) {
+func (d *Driver) OutboxFailed(ctx context.Context, owner string, id int64, errText string, holdFor time.Duration) (err error) {
 	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("sqlite: record outbox failure: %w", err)
@@ -170,9 +170,11 @@ func (d *Driver) OutboxFailed(ctx context.Context, id int64, errText string, hol
 	if _, err = tx.ExecContext(ctx, `UPDATE `+d.tables.outbox+` SET attempts = attempts + 1, last_error = ? WHERE id = ?`, errText, id); err != nil {
 		return err
 	}
+	now := time.Now()
 	if _, err = tx.ExecContext(ctx, `INSERT INTO `+d.tables.outboxClaims+` (ordering_key, owner, claimed_until)
 SELECT ordering_key, '', ? FROM `+d.tables.outbox+` WHERE id = ?
-ON CONFLICT (ordering_key) DO UPDATE SET owner = '', claimed_until = excluded.claimed_until`, time.Now().Add(holdFor).UnixMicro(), id); err != nil {
+ON CONFLICT (ordering_key) DO UPDATE SET owner = '', claimed_until = excluded.claimed_until
+WHERE owner = ? OR owner = '' OR claimed_until <= ?`, now.Add(holdFor).UnixMicro(), id, owner, now.UnixMicro()); err != nil {
 		return err
 	}
 	return tx.Commit()

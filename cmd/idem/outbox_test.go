@@ -38,7 +38,7 @@ func TestOutboxStatsGolden(t *testing.T) {
 	if err := rs.OutboxMarkPublished(ctx, []int64{1}); err != nil {
 		t.Fatal(err)
 	}
-	if err := rs.OutboxFailed(ctx, 2, "jetstream: publish \"b\": nats: no responders available for request", time.Second); err != nil {
+	if err := rs.OutboxFailed(ctx, "relay-1", 2, "jetstream: publish \"b\": nats: no responders available for request", time.Second); err != nil {
 		t.Fatal(err)
 	}
 	for _, step := range []struct {
