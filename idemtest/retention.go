@@ -63,10 +63,11 @@ func RunRetention[TTx any](t *testing.T, h *Harness[TTx]) {
 
 // testPrune processes markers, claims a lease it leaves running and one
 // it fails with a retry to come, finishes two more leases (one done, one
-// failed for good), then prunes with a clock 8 days ahead in batches of
-// 1,000: every done marker and finished lease goes, the running and the
-// retrying lease stay (their fencing tokens go on growing), and a pruned
-// message would apply again.
+// failed for good), leaves two orphans (a retry and a lease that fall due
+// an hour from now), then prunes with a clock 8 days ahead in batches of
+// 1,000: every done marker, finished lease and orphan goes, the running
+// and the retrying lease stay (their fencing tokens go on growing), and a
+// pruned message would apply again.
 func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	ctx := context.Background()
 	p := newProc(t, s)
@@ -105,6 +106,16 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	}
 	claim("still-running")
 	fail("retrying", claim("retrying"), false)
+	// Orphans: a retry due in an hour and a lease running out in one,
+	// neither taken up by the pruning clock's cutoff a day from now.
+	if res, err := ld.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "mailer", MessageID: "orphan-running",
+		PayloadHash: (&idem.Message{ID: "orphan-running"}).PayloadHash(), Owner: "crashed", TTL: time.Hour}); err != nil || !res.Claimed {
+		t.Fatalf("claim orphan-running: %+v, %v", res, err)
+	}
+	if res, err := ld.LeaseFail(ctx, &driver.LeaseFailParams{Handler: "mailer", MessageID: "orphan-retry", Token: claim("orphan-retry"),
+		LastError: "refused", RetryIn: time.Hour}); err != nil || !res.OK {
+		t.Fatalf("fail orphan-retry: %+v, %v", res, err)
+	}
 	fail("failed-for-good", claim("failed-for-good"), true)
 	if res, err := ld.LeaseComplete(ctx, &driver.LeaseCompleteParams{Handler: "mailer", MessageID: "done", Token: claim("done")}); err != nil || !res.OK {
 		t.Fatalf("complete: %+v, %v", res, err)
@@ -119,8 +130,8 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if counts["balances"] != int64(len(ev)) || counts["mailer"] != 2 || oldest.IsZero() || time.Since(oldest) > time.Hour {
-		t.Fatalf("dry run: counts %v, oldest %v; want %d balances markers and the 2 finished leases", counts, oldest, len(ev))
+	if counts["balances"] != int64(len(ev)) || counts["mailer"] != 4 || oldest.IsZero() || time.Since(oldest) > time.Hour {
+		t.Fatalf("dry run: counts %v, oldest %v; want %d balances markers, the 2 finished leases and the 2 orphans", counts, oldest, len(ev))
 	}
 	// Nothing is old yet with the real clock.
 	now, err := idem.NewPruner(s.Driver, nil)
@@ -135,8 +146,8 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.Deleted != len(ev)+2 || st.Batches != (len(ev)+2+999)/1000 {
-		t.Fatalf("prune: %+v, want %d deleted in %d batches", st, len(ev)+2, (len(ev)+2+999)/1000)
+	if st.Deleted != len(ev)+4 || st.Batches != (len(ev)+4+999)/1000 {
+		t.Fatalf("prune: %+v, want %d deleted in %d batches", st, len(ev)+4, (len(ev)+4+999)/1000)
 	}
 	if n, err := s.Markers(ctx, "balances"); err != nil || n != 0 {
 		t.Fatalf("balances markers left: %d, %v", n, err)
@@ -147,7 +158,7 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 			t.Fatalf("lease %s after prune: %+v, %v; want it kept, %s", id, row, err, want)
 		}
 	}
-	for _, id := range []string{"done", "failed-for-good"} {
+	for _, id := range []string{"done", "failed-for-good", "orphan-running", "orphan-retry"} {
 		if row, err := ld.LeaseGet(ctx, &driver.LeaseGetParams{Handler: "mailer", MessageID: id}); err != nil || row != nil {
 			t.Fatalf("lease %s after prune: %+v, %v; want it pruned", id, row, err)
 		}

@@ -12,9 +12,24 @@ import (
 
 var _ driver.MarkerPruner = (*Driver)(nil)
 
+// prunableLease is the condition, besides its age, on a row that retention
+// may delete ($1 is the cutoff): a done marker or lease, a lease failed for
+// good, and the orphans of lease mode: a failed lease whose retry was due
+// before the cutoff and a running one whose lease ran out before it, which
+// nobody took up for the whole retention (a consumer that dead-lettered it
+// on the broker's last delivery, a worker that crashed). A lease still
+// running or still to be retried stays, whatever its age.
+const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < $1)
+    OR status = 'running' AND lease_until < $1)`
+
+// prunableLeaseM is prunableLease on the table aliased m.
+const prunableLeaseM = `(m.status = 'done' OR m.status = 'failed' AND (m.next_attempt_at IS NULL OR m.next_attempt_at < $1)
+    OR m.status = 'running' AND m.lease_until < $1)`
+
 // PruneMarkers implements driver.MarkerPruner. One statement picks the next
 // batch in primary-key order after the cursor and deletes it; rows of
-// running leases and of failed leases still to be retried are skipped.
+// running leases and of failed leases still to be retried are skipped
+// (prunableLease).
 // Each call is its own short transaction, so row locks last one batch.
 func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
 	if p.Limit < 1 {
@@ -27,12 +42,12 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 	)
 	err := d.pool.QueryRow(ctx, `WITH victims AS (
   SELECT handler, message_id FROM `+d.t.processed+`
-  WHERE (handler, message_id) > ($2, $3) AND processed_at < $1 AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL)
+  WHERE (handler, message_id) > ($2, $3) AND processed_at < $1 AND `+prunableLease+`
   ORDER BY handler, message_id
   LIMIT $4
 ), gone AS (
   DELETE FROM `+d.t.processed+` AS m USING victims AS v
-  WHERE m.handler = v.handler AND m.message_id = v.message_id AND (m.status = 'done' OR m.status = 'failed' AND m.next_attempt_at IS NULL)
+  WHERE m.handler = v.handler AND m.message_id = v.message_id AND m.processed_at < $1 AND `+prunableLeaseM+`
   RETURNING 1
 ), last AS (
   SELECT handler, message_id FROM victims ORDER BY handler DESC, message_id DESC LIMIT 1
@@ -53,7 +68,7 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM victims),
 // CountPrunable implements driver.MarkerPruner.
 func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
 	rows, err := d.pool.Query(ctx, `SELECT handler, count(*) FROM `+d.t.processed+`
-WHERE processed_at < $1 AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL) GROUP BY handler`, before)
+WHERE processed_at < $1 AND `+prunableLease+` GROUP BY handler`, before)
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("postgres: count prunable markers: %w", err)
 	}

@@ -11,20 +11,29 @@ import (
 
 var _ driver.MarkerPruner = (*Driver)(nil)
 
+// prunableLease is the condition, besides its age, on a row that retention
+// may delete; its two parameters are the cutoff. A done marker or lease, a
+// lease failed for good, and the orphans of lease mode: a failed lease
+// whose retry was due before the cutoff and a running one whose lease ran
+// out before it, which nobody took up for the whole retention. A lease
+// still running or still to be retried stays, whatever its age.
+const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < ?)
+    OR status = 'running' AND lease_until < ?)`
+
 // PruneMarkers implements driver.MarkerPruner: the next batch after the
 // cursor in primary-key order, deleted in one statement (its own short
 // write transaction); rows of running leases and of failed leases still
-// to be retried are skipped.
+// to be retried are skipped (prunableLease).
 func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
 	if p.Limit < 1 {
 		return driver.PruneResult{}, fmt.Errorf("sqlite: prune limit %d must be at least 1", p.Limit)
 	}
 	rows, err := d.db.QueryContext(ctx, `DELETE FROM `+d.tables.processed+` WHERE (handler, message_id) IN (
   SELECT handler, message_id FROM `+d.tables.processed+`
-  WHERE (handler, message_id) > (?, ?) AND processed_at < ? AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL)
+  WHERE (handler, message_id) > (?, ?) AND processed_at < ? AND `+prunableLease+`
   ORDER BY handler, message_id
   LIMIT ?
-) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Limit)
+) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Before.UnixMicro(), p.Before.UnixMicro(), p.Limit)
 	if err != nil {
 		return driver.PruneResult{}, fmt.Errorf("sqlite: prune markers: %w", err)
 	}
@@ -50,7 +59,7 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 // CountPrunable implements driver.MarkerPruner.
 func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
 	rows, err := d.db.QueryContext(ctx, `SELECT handler, count(*) FROM `+d.tables.processed+`
-WHERE processed_at < ? AND (status = 'done' OR status = 'failed' AND next_attempt_at IS NULL) GROUP BY handler`, before.UnixMicro())
+WHERE processed_at < ? AND `+prunableLease+` GROUP BY handler`, before.UnixMicro(), before.UnixMicro(), before.UnixMicro())
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("sqlite: count prunable markers: %w", err)
 	}

@@ -22,7 +22,8 @@ func cleanupCommand() *command {
 		summary:  "delete markers older than the retention, in small batches",
 		help: `Cleanup deletes the markers of messages processed longer ago than --retention,
 in batches of --batch rows, each its own short transaction, so processors
-keep running meanwhile. Leases still running are never deleted. Only one
+keep running meanwhile. Leases still running or still to be retried are
+never deleted (orphans nobody took up within the retention are). Only one
 cleanup runs at a time per database (PostgreSQL: an advisory lock); a second
 one exits with code 1 and says so.
 
