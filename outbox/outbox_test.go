@@ -262,6 +262,38 @@ func TestFailingKeyDoesNotHoldUpOthers(t *testing.T) {
 	}
 }
 
+// TestRefusedKeyDoesNotDelayNewRows: after a cycle whose only key the
+// broker refused, a running relay does not back off as a whole: another
+// key's new row goes out at once (woken by the commit on Postgres, at the
+// next poll on SQLite), long before a relay-wide backoff of up to 20 s
+// would have ended.
+func TestRefusedKeyDoesNotDelayNewRows(t *testing.T) {
+	b := newNATSBroker(t)
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			p := open(t)
+			ctx := context.Background()
+			if err := p.add(ctx, &idem.Message{ID: "bad-1", Stream: "nostream.x", AggregateID: "acct-bad", Seq: 1, Payload: []byte("1")}); err != nil {
+				t.Fatal(err)
+			}
+			r, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r", PollInterval: 100 * time.Millisecond,
+				Backoff: idem.Backoff{Base: 20 * time.Second, Max: 20 * time.Second}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rctx, stop := context.WithCancel(ctx)
+			done := make(chan struct{})
+			go func() { defer close(done); _ = r.Run(rctx) }()
+			t.Cleanup(func() { stop(); <-done })
+			waitFor(t, "the refused key's failure", 5*time.Second, func() bool { return outboxStats(t, p).Failing == 1 })
+			if err := p.add(ctx, &idem.Message{ID: "good-1", Stream: b.stream(), AggregateID: "acct-good", Seq: 1, Payload: []byte("1")}); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, "the other key's new row published", 2*time.Second, func() bool { return outboxStats(t, p).Published == 1 })
+		})
+	}
+}
+
 // TestLateFailureKeepsAnotherRelaysClaim: relay A's claim runs out while
 // it publishes and B claims the key; A's failure, recorded late, counts the
 // attempt but does not turn B's live claim into a short hold, after which

@@ -320,20 +320,27 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		var wait time.Duration
 		switch {
-		case err != nil && res.Published == 0:
-			// Nothing went out (the broker or the store is down, or every
-			// key claimed failed): back off the whole relay.
+		case err != nil && res.Published == 0 && res.Failed == 0:
+			// The store failed (nothing claimed or nothing marked): back
+			// off the whole relay.
 			wait = r.cfg.Backoff.Delay(failures)
 			failures++
 			r.cfg.Logger.Warn("outbox: relay cycle failed; retrying", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Duration("retry_after", wait), slog.Any("error", err))
 		case err != nil:
-			// Some keys failed and wait out their own backoff; the others
-			// were published, so the relay goes on.
+			// Keys failed to publish and wait out their own backoff, held
+			// where no relay claims them; the others were published, or
+			// there were none. Either way the relay goes on: a wake-up
+			// for another key's new row is not kept waiting behind a key
+			// the broker refuses (and if the broker refuses everything,
+			// each key backs off on its own).
 			failures = 0
 			r.cfg.Logger.Warn("outbox: some keys failed; they are retried after their backoff", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Any("error", err))
-			if res.Claimed >= r.cfg.BatchSize {
+			// More may be waiting; but not at once after a cycle that
+			// published nothing, where a key whose hold could not be
+			// recorded would be tried again in a loop.
+			if res.Claimed >= r.cfg.BatchSize && res.Published > 0 {
 				continue
 			}
 			wait = r.cfg.PollInterval
