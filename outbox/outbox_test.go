@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -291,6 +292,46 @@ func TestRefusedKeyDoesNotDelayNewRows(t *testing.T) {
 			}
 			waitFor(t, "the other key's new row published", 2*time.Second, func() bool { return outboxStats(t, p).Published == 1 })
 		})
+	}
+}
+
+// markFailingStore is a real relay store whose marks fail, as when the
+// database refuses writes but still answers reads.
+type markFailingStore struct {
+	driver.OutboxRelayStore
+	claims atomic.Int64
+}
+
+func (s *markFailingStore) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
+	s.claims.Add(1)
+	return s.OutboxRelayStore.OutboxClaim(ctx, owner, limit, ttl)
+}
+
+func (s *markFailingStore) OutboxMarkPublished(context.Context, []int64) error {
+	return errors.New("mark: disk I/O error")
+}
+
+// TestStoreFailureBacksOffTheRelay: a cycle the store failed (here the
+// marks) backs off the whole relay, rather than publishing the same rows
+// again at every poll.
+func TestStoreFailureBacksOffTheRelay(t *testing.T) {
+	p := sqliteProducer(t)
+	b := newNATSBroker(t)
+	ctx := context.Background()
+	if err := p.add(ctx, &idem.Message{ID: "m-1", Stream: b.stream(), AggregateID: "acct-1", Seq: 1, Payload: []byte("1")}); err != nil {
+		t.Fatal(err)
+	}
+	st := &markFailingStore{OutboxRelayStore: p.drv.(driver.OutboxRelayStore)}
+	r, err := outbox.NewRelay(st, b.publisher(t), &outbox.RelayConfig{Owner: "r", PollInterval: 20 * time.Millisecond,
+		Backoff: idem.Backoff{Base: 5 * time.Second, Max: 30 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	_ = r.Run(rctx)
+	if n := st.claims.Load(); n > 5 {
+		t.Fatalf("%d cycles in 1 s with a 5 s relay backoff: a failing mark did not back the relay off", n)
 	}
 }
 

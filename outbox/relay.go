@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -171,17 +172,25 @@ func (r *Relay) fault(point string) {
 // pending for a later cycle, and a key whose publish failed is skipped by
 // every relay until its backoff (RelayConfig.Backoff) has passed.
 func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
+	res, _, err := r.runOnce(ctx)
+	return res, err
+}
+
+// runOnce is RunOnce, also reporting whether the store failed a write
+// the cycle needed (the claim, a mark, a failure's hold, the release):
+// Run backs the whole relay off then, since a key's own hold cannot be
+// counted on.
+func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool, _ error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	var res CycleResult
 	start := time.Now()
 	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, r.cfg.BatchSize, r.cfg.ClaimTTL)
 	if err != nil {
-		return res, fmt.Errorf("outbox: claim: %w", err)
+		return res, true, fmt.Errorf("outbox: claim: %w", err)
 	}
 	res.Claimed = len(rows)
 	if len(rows) == 0 {
-		return res, nil
+		return res, false, nil
 	}
 	r.fault(FaultBeforePublish)
 	// Stop starting publishes at half the claim; give each until nine
@@ -197,13 +206,14 @@ func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
 		errs      []error
 		wg        sync.WaitGroup
 		sem       = make(chan struct{}, r.cfg.Concurrency)
+		noHold    atomic.Bool // a failure's hold was not recorded
 	)
 	for _, g := range groups {
 		sem <- struct{}{}
 		wg.Add(1)
 		go func(g []driver.OutboxRow) {
 			defer func() { <-sem; wg.Done() }()
-			err := r.publishGroup(pctx, startBy, g)
+			err := r.publishGroup(pctx, startBy, g, &noHold)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -223,6 +233,7 @@ func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
 	defer scancel()
 	if len(published) > 0 {
 		if err := r.store.OutboxMarkPublished(sctx, published); err != nil {
+			storeFailed = true
 			errs = append(errs, fmt.Errorf("outbox: mark published (the rows will be published again): %w", err))
 		} else {
 			res.Published = len(published)
@@ -231,13 +242,15 @@ func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
 	r.fault(FaultAfterMark)
 	res.Failed = res.Claimed - res.Published
 	if err := r.store.OutboxRelease(sctx, r.cfg.Owner); err != nil {
+		storeFailed = true
 		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
 	}
-	return res, errors.Join(errs...)
+	return res, storeFailed || noHold.Load(), errors.Join(errs...)
 }
 
-// publishGroup publishes one ordering key's rows, in order.
-func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.OutboxRow) error {
+// publishGroup publishes one ordering key's rows, in order. It sets noHold
+// when a failure's hold could not be recorded.
+func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.OutboxRow, noHold *atomic.Bool) error {
 	if time.Now().After(startBy) {
 		return fmt.Errorf("outbox: key %q: claim half gone before its turn; left for the next cycle", g[0].OrderingKey)
 	}
@@ -263,6 +276,7 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 		// the key take the next cycle again); the other keys go on.
 		hold := max(r.cfg.Backoff.Delay(g[0].Attempts), r.cfg.Backoff.Base/2)
 		if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, g[0].ID, err.Error(), hold); ferr != nil {
+			noHold.Store(true)
 			r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
 		}
 		return err
@@ -314,15 +328,15 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	failures := 0
 	for {
-		res, err := r.RunOnce(ctx)
+		res, storeFailed, err := r.runOnce(ctx)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
 		var wait time.Duration
 		switch {
-		case err != nil && res.Published == 0 && res.Failed == 0:
-			// The store failed (nothing claimed or nothing marked): back
-			// off the whole relay.
+		case err != nil && storeFailed:
+			// The store failed a write (a claim, a mark, a hold, the
+			// release): back off the whole relay.
 			wait = r.cfg.Backoff.Delay(failures)
 			failures++
 			r.cfg.Logger.Warn("outbox: relay cycle failed; retrying", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
