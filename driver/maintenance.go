@@ -11,10 +11,9 @@ import (
 // re-reads rows an earlier one deleted. Rows of running leases, and of
 // failed leases still to be retried, are never deleted, whatever their
 // age: their fencing token must go on growing. A lease row's processing
-// time is that of its last decision (done, or failed). Orphaned lease rows
-// are deleted like done ones: a failed lease whose retry fell due, or a
-// running one whose lease ran out, before the cutoff (nobody took them up
-// for the whole retention).
+// time is that of its last decision (done, or failed). A failed lease
+// whose retry fell due before the cutoff (nobody took it up for the whole
+// retention) is deleted like a done one.
 type MarkerPruner interface {
 	// PruneMarkers deletes up to p.Limit markers processed before
 	// p.Before whose key sorts after p.After, in key order.

@@ -14,17 +14,15 @@ var _ driver.MarkerPruner = (*Driver)(nil)
 
 // prunableLease is the condition, besides its age, on a row that retention
 // may delete ($1 is the cutoff): a done marker or lease, a lease failed for
-// good, and the orphans of lease mode: a failed lease whose retry was due
-// before the cutoff and a running one whose lease ran out before it, which
-// nobody took up for the whole retention (a consumer that dead-lettered it
-// on the broker's last delivery, a worker that crashed). A lease still
-// running or still to be retried stays, whatever its age.
-const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < $1)
-    OR status = 'running' AND lease_until < $1)`
+// good, and a failed lease whose retry fell due before the cutoff and that
+// nobody took up for the whole retention (a LeaseConsumer dead-lettered it
+// on the broker's last delivery). A failed lease to be retried later stays,
+// and so does every running lease, whatever its age: its holder may be a
+// paused worker that would not be fenced off a row re-created at token 1.
+const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < $1))`
 
 // prunableLeaseM is prunableLease on the table aliased m.
-const prunableLeaseM = `(m.status = 'done' OR m.status = 'failed' AND (m.next_attempt_at IS NULL OR m.next_attempt_at < $1)
-    OR m.status = 'running' AND m.lease_until < $1)`
+const prunableLeaseM = `(m.status = 'done' OR m.status = 'failed' AND (m.next_attempt_at IS NULL OR m.next_attempt_at < $1))`
 
 // PruneMarkers implements driver.MarkerPruner. One statement picks the next
 // batch in primary-key order after the cursor and deletes it; rows of

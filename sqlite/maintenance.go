@@ -12,13 +12,13 @@ import (
 var _ driver.MarkerPruner = (*Driver)(nil)
 
 // prunableLease is the condition, besides its age, on a row that retention
-// may delete; its two parameters are the cutoff. A done marker or lease, a
-// lease failed for good, and the orphans of lease mode: a failed lease
-// whose retry was due before the cutoff and a running one whose lease ran
-// out before it, which nobody took up for the whole retention. A lease
-// still running or still to be retried stays, whatever its age.
-const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < ?)
-    OR status = 'running' AND lease_until < ?)`
+// may delete; its parameter is the cutoff. A done marker or lease, a lease
+// failed for good, and a failed lease whose retry fell due before the
+// cutoff and that nobody took up for the whole retention. A failed lease
+// to be retried later stays, and so does every running lease, whatever
+// its age: its holder may be a paused worker that would not be fenced off
+// a row re-created at token 1.
+const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < ?))`
 
 // PruneMarkers implements driver.MarkerPruner: the next batch after the
 // cursor in primary-key order, deleted in one statement (its own short
@@ -33,7 +33,7 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
   WHERE (handler, message_id) > (?, ?) AND processed_at < ? AND `+prunableLease+`
   ORDER BY handler, message_id
   LIMIT ?
-) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Before.UnixMicro(), p.Before.UnixMicro(), p.Limit)
+) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Before.UnixMicro(), p.Limit)
 	if err != nil {
 		return driver.PruneResult{}, fmt.Errorf("sqlite: prune markers: %w", err)
 	}
@@ -59,7 +59,7 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 // CountPrunable implements driver.MarkerPruner.
 func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
 	rows, err := d.db.QueryContext(ctx, `SELECT handler, count(*) FROM `+d.tables.processed+`
-WHERE processed_at < ? AND `+prunableLease+` GROUP BY handler`, before.UnixMicro(), before.UnixMicro(), before.UnixMicro())
+WHERE processed_at < ? AND `+prunableLease+` GROUP BY handler`, before.UnixMicro(), before.UnixMicro())
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("sqlite: count prunable markers: %w", err)
 	}

@@ -23,7 +23,7 @@ func cleanupCommand() *command {
 		help: `Cleanup deletes the markers of messages processed longer ago than --retention,
 in batches of --batch rows, each its own short transaction, so processors
 keep running meanwhile. Leases still running or still to be retried are
-never deleted (orphans nobody took up within the retention are). Only one
+never deleted (a retry nobody took up within the retention is). Only one
 cleanup runs at a time per database (PostgreSQL: an advisory lock); a second
 one exits with code 1 and says so.
 
