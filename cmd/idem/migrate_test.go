@@ -196,12 +196,46 @@ func TestParseDSN(t *testing.T) {
 func TestRedactDSN(t *testing.T) {
 	t.Parallel()
 	for in, want := range map[string]string{
-		"postgres://u:secret@h:5432/db": "postgres://u:xxxxx@h:5432/db",
-		"postgres://u@h/db":             "postgres://u@h/db",
-		"sqlite:x.db":                   "sqlite:x.db",
+		"postgres://u:secret@h:5432/db":              "postgres://u:xxxxx@h:5432/db",
+		"postgres://u@h/db":                          "postgres://u@h/db",
+		"sqlite:x.db":                                "sqlite:x.db",
+		"postgres://u:p@ss@h/db":                     "postgres://u:xxxxx@h/db",
+		"postgres://u:pa/ss@h/db":                    "postgres://u:xxxxx@h/db",
+		"postgres://h/db?user=u&password=secret&x=1": "postgres://h/db?user=u&password=xxxxx&x=1",
+		"redis://:secret@h:6379/0":                   "redis://:xxxxx@h:6379/0",
+		"host=db user=u password=secret dbname=app":  "host=db user=u password=xxxxx dbname=app",
+		"host=db PASSWORD = 'se cr\\'et' port=5432":  "host=db PASSWORD = xxxxx port=5432",
+		"host=db mypassword=x":                       "host=db mypassword=x",
 	} {
 		if got := redactDSN(in); got != want {
 			t.Errorf("redactDSN(%q) = %q, want %q", in, got, want)
 		}
 	}
+}
+
+// FuzzRedactDSN: whatever the password of a URL DSN or a key/value one, the
+// redacted DSN keeps the rest and shows none of it.
+//
+//	go test ./cmd/idem -run '^$' -fuzz FuzzRedactDSN -fuzztime 30s
+func FuzzRedactDSN(f *testing.F) {
+	f.Add("u", "secret", "h:5432/db")
+	f.Add("u", "p@ss/w:rd", "h/db")
+	f.Add("", "s", "h")
+	f.Fuzz(func(t *testing.T, user, pass, host string) {
+		if pass == "" || strings.ContainsAny(user, ":@/?#") || strings.ContainsAny(host, "@?#") || strings.ContainsAny(pass, "?# \t'\\") ||
+			strings.HasPrefix(host, "/") {
+			t.Skip()
+		}
+		url := "postgres://" + user + ":" + pass + "@" + host
+		if got, want := redactDSN(url), "postgres://"+user+":xxxxx@"+host; got != want && !strings.Contains(strings.ToLower(host), "password") {
+			t.Fatalf("redactDSN(%q) = %q, want %q", url, got, want)
+		}
+		if strings.ContainsAny(pass, " &") {
+			return
+		}
+		kv := "host=" + strings.ReplaceAll(host, " ", "") + " password=" + pass + " dbname=app"
+		if got := redactDSN(kv); strings.Contains(got, "password="+pass+" ") && pass != "xxxxx" {
+			t.Fatalf("redactDSN(%q) = %q shows the password", kv, got)
+		}
+	})
 }

@@ -115,20 +115,72 @@ func sqliteTarget(dsn, path string) (target, error) {
 	return target{kind: kindSQLite, path: path}, nil
 }
 
-// redactDSN hides a password in a URL-shaped DSN before it is printed.
+// redactDSN hides the passwords in a DSN before it is printed: a URL's
+// userinfo password, up to the last '@' before any query (so a raw '@' or
+// '/' in the password does not leak its tail; a path holding an '@' is
+// masked too), and any password=… setting, in a URL's query or a
+// key/value DSN.
 func redactDSN(dsn string) string {
-	scheme, rest, ok := strings.Cut(dsn, "://")
-	if !ok {
-		return dsn
+	out := dsn
+	if scheme, rest, ok := strings.Cut(dsn, "://"); ok {
+		end := len(rest)
+		if i := strings.IndexAny(rest, "?#"); i >= 0 {
+			end = i
+		}
+		if at := strings.LastIndex(rest[:end], "@"); at >= 0 {
+			if user, _, hasPass := strings.Cut(rest[:at], ":"); hasPass {
+				out = scheme + "://" + user + ":xxxxx" + rest[at:]
+			}
+		}
 	}
-	userinfo, hostpart, ok := strings.Cut(rest, "@")
-	if !ok {
-		return dsn
+	return redactPasswordSettings(out)
+}
+
+// redactPasswordSettings masks the value of every password=… setting: in a
+// URL query (up to & or #) or a key/value DSN (a quoted value, or up to the
+// next space). A setting starts the string or follows a space, ? or &.
+func redactPasswordSettings(s string) string {
+	const key = "password"
+	var b strings.Builder
+	for i := 0; i < len(s); {
+		if !(i == 0 || strings.ContainsRune(" \t?&", rune(s[i-1]))) || len(s)-i < len(key) || !strings.EqualFold(s[i:i+len(key)], key) {
+			b.WriteByte(s[i])
+			i++
+			continue
+		}
+		j := i + len(key)
+		for j < len(s) && (s[j] == ' ' || s[j] == '\t') {
+			j++
+		}
+		if j == len(s) || s[j] != '=' {
+			b.WriteString(s[i:j])
+			i = j
+			continue
+		}
+		j++
+		for j < len(s) && (s[j] == ' ' || s[j] == '\t') {
+			j++
+		}
+		b.WriteString(s[i:j])
+		k := j
+		if k < len(s) && s[k] == '\'' {
+			for k++; k < len(s) && s[k] != '\''; k++ {
+				if s[k] == '\\' {
+					k++
+				}
+			}
+			k = min(k+1, len(s))
+		} else {
+			for k < len(s) && !strings.ContainsRune(" \t&#", rune(s[k])) {
+				k++
+			}
+		}
+		if k > j {
+			b.WriteString("xxxxx")
+		}
+		i = k
 	}
-	if user, _, hasPass := strings.Cut(userinfo, ":"); hasPass {
-		return scheme + "://" + user + ":xxxxx@" + hostpart
-	}
-	return dsn
+	return b.String()
 }
 
 // storeFlags are the flags shared by every command that opens a store.
