@@ -352,8 +352,8 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.cfg.Logger.Warn("outbox: some keys failed; they are retried after their backoff", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Any("error", err))
 			// More may be waiting; but not at once after a cycle that
-			// published nothing, where a key whose hold could not be
-			// recorded would be tried again in a loop.
+			// published nothing: keys left unheld (their turn came too
+			// late in the claim) would be claimed again in a loop.
 			if res.Claimed >= r.cfg.BatchSize && res.Published > 0 {
 				continue
 			}
