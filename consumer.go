@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemhq/idem/driver"
 )
@@ -516,7 +517,12 @@ func Fingerprint(err error) string {
 			}
 			i = j - 1
 		default:
-			b.WriteByte(ch)
+			// A whole character: cutting one in two at the length bound
+			// would leave text a store refuses (Postgres: invalid UTF-8),
+			// and the dead letter unwritten.
+			_, size := utf8.DecodeRuneInString(msg[i:])
+			b.WriteString(msg[i : i+size])
+			i += size - 1
 		}
 	}
 	return typ + ": " + b.String()

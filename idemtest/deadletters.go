@@ -3,12 +3,14 @@ package idemtest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -24,6 +26,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		fn   func(t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 	}{
 		{"PoisonDeadLetteredOthersFlow", testPoison[TTx]},
+		{"NonASCIIErrorDeadLettered", testNonASCIIError[TTx]},
 		{"RetriedUntilApplied", testRetriedUntilApplied[TTx]},
 		{"AttemptsExhausted", testExhausted[TTx]},
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
@@ -107,6 +110,34 @@ func testPoison[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 		t.Fatalf("dead letters %+v, want the poison message, permanent, parked, with its reason", got)
 	}
 	wantBalances(t, s, Expected(ev))
+}
+
+// testNonASCIIError: a permanent error whose text is long and not ASCII
+// (a localized message, quoted user data) is dead-lettered and
+// acknowledged: its fingerprint, cut to length, stays valid UTF-8, which a
+// store may require.
+func testNonASCIIError[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	// The message's spaces shift where the length bound falls: inside a
+	// two-byte é for one of them, a three-byte 日 for another.
+	h := &idem.Handler[TTx]{Name: "balances", Apply: func(_ context.Context, _ TTx, m *idem.Message) error {
+		return idem.Permanent(errors.New("compte introuvable :" + string(m.Payload) + strings.Repeat("é", 90) + strings.Repeat("日本", 50)))
+	}}
+	c := newConsumer(t, s, h, dl, nil)
+	for i := range 6 {
+		m := &idem.Message{ID: fmt.Sprintf("m-%d", i), Payload: []byte(strings.Repeat(" ", i))}
+		if v := deliverTo(c, m, 1); !v.Ack || !v.DeadLettered {
+			t.Fatalf("%s: verdict %+v, want dead-lettered and acknowledged", m.ID, v)
+		}
+	}
+	got := deadLetters(t, dl, nil)
+	if len(got) != 6 {
+		t.Fatalf("%d dead letters, want 6", len(got))
+	}
+	for _, d := range got {
+		if !utf8.ValidString(d.Fingerprint) || !utf8.ValidString(d.Error) || !strings.Contains(d.Fingerprint, "compte introuvable") {
+			t.Fatalf("dead letter %s: fingerprint %q, error %q; want valid UTF-8", d.MessageID, d.Fingerprint, d.Error)
+		}
+	}
 }
 
 // testRetriedUntilApplied: a handler failing its first three calls is
