@@ -3,6 +3,7 @@ package sqlite
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -32,6 +33,24 @@ RETURNING id`, dl.Handler, dl.MessageID, dl.Envelope, dl.Raw, dl.Source, dl.Erro
 	return id, nil
 }
 
+// idsIn matches the dead letters whose IDs a JSON array holds (jsonIDs):
+// one parameter however many IDs, where a list of ? would stop at SQLite's
+// 32,766 bound variables — a backlog "idem dlq replay" must still move.
+const idsIn = `id IN (SELECT value FROM json_each(?))`
+
+// jsonIDs is ids as a JSON array, for idsIn.
+func jsonIDs(ids []int64) string {
+	b := make([]byte, 0, 2+8*len(ids))
+	b = append(b, '[')
+	for i, id := range ids {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendInt(b, id, 10)
+	}
+	return string(append(b, ']'))
+}
+
 // DeadLetterList implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter) ([]driver.DeadLetter, error) {
 	where, args := []string{"1 = 1"}, []any{}
@@ -46,10 +65,7 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 			where, args = append(where, "state = ?"), append(args, f.State)
 		}
 		if len(f.IDs) > 0 {
-			where = append(where, "id IN (?"+strings.Repeat(", ?", len(f.IDs)-1)+")")
-			for _, id := range f.IDs {
-				args = append(args, id)
-			}
+			where, args = append(where, idsIn), append(args, jsonIDs(f.IDs))
 		}
 		if !f.Since.IsZero() {
 			where, args = append(where, "last_failed_at >= ?"), append(args, f.Since.UnixMicro())
@@ -95,16 +111,14 @@ func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterSta
 	for _, s := range c.From {
 		args = append(args, s)
 	}
-	for _, id := range c.IDs {
-		args = append(args, id)
-	}
+	args = append(args, jsonIDs(c.IDs))
 	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
 	}
 	defer tx.Rollback()
 	rows, err := tx.QueryContext(ctx, `UPDATE `+d.tables.deadLetters+` SET state = ? WHERE state IN (?`+strings.Repeat(", ?", len(c.From)-1)+
-		`) AND id IN (?`+strings.Repeat(", ?", len(c.IDs)-1)+`) RETURNING id`, args...)
+		`) AND `+idsIn+` RETURNING id`, args...)
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
 	}

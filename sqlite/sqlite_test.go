@@ -6,6 +6,7 @@ import (
 	"errors"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -209,4 +210,33 @@ func TestRetention(t *testing.T) {
 func TestDeadLetters(t *testing.T) {
 	t.Parallel()
 	idemtest.RunDeadLetters(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}
+
+// TestDeadLettersByManyIDs: listing or moving dead letters by more IDs
+// than SQLite binds parameters (32,766) works, as "idem dlq replay" of a
+// large backlog needs.
+func TestDeadLettersByManyIDs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, drv := openMigrated(t, nil)
+	var ids []int64
+	for _, m := range []string{"m-1", "m-2"} {
+		id, err := drv.DeadLetterPut(ctx, &driver.DeadLetter{Handler: "h", MessageID: m, Error: "boom", Class: idem.DeadLetterPermanent,
+			Fingerprint: "f", Attempts: 1, FirstFailed: time.Now(), LastFailed: time.Now(), State: driver.DeadLetterParked})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	for id := int64(1_000_000); len(ids) < 40_000; id++ {
+		ids = append(ids, id) // no such dead letters
+	}
+	if got, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{IDs: ids}); err != nil || len(got) != 2 {
+		t.Fatalf("list by 40,000 IDs: %d, %v; want the 2 that exist", len(got), err)
+	}
+	n, err := drv.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: ids, From: []string{driver.DeadLetterParked},
+		To: driver.DeadLetterReplayRequested, Actor: "ops"})
+	if err != nil || n != 2 {
+		t.Fatalf("move by 40,000 IDs: %d, %v; want 2 moved", n, err)
+	}
 }
