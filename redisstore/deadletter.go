@@ -123,8 +123,9 @@ func matches(f *driver.DeadLetterFilter, dl *driver.DeadLetter) bool {
 	return (f.Handler == "" || dl.Handler == f.Handler) &&
 		(f.Fingerprint == "" || dl.Fingerprint == f.Fingerprint) &&
 		(f.State == "" || dl.State == f.State) &&
-		(f.Since.IsZero() || !dl.LastFailed.Before(f.Since)) &&
-		(f.Until.IsZero() || dl.LastFailed.Before(f.Until))
+		// In whole microseconds, as stored and as the SQL stores compare.
+		(f.Since.IsZero() || dl.LastFailed.UnixMicro() >= f.Since.UnixMicro()) &&
+		(f.Until.IsZero() || dl.LastFailed.UnixMicro() < f.Until.UnixMicro())
 }
 
 func decodeDeadLetter(id int64, m map[string]string) (driver.DeadLetter, error) {
