@@ -27,6 +27,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 	}{
 		{"PoisonDeadLetteredOthersFlow", testPoison[TTx]},
 		{"NonASCIIErrorDeadLettered", testNonASCIIError[TTx]},
+		{"TimeFiltersInMicroseconds", testTimeFilters[TTx]},
 		{"RetriedUntilApplied", testRetriedUntilApplied[TTx]},
 		{"AttemptsExhausted", testExhausted[TTx]},
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
@@ -137,6 +138,27 @@ func testNonASCIIError[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLette
 		if !utf8.ValidString(d.Fingerprint) || !utf8.ValidString(d.Error) || !strings.Contains(d.Fingerprint, "compte introuvable") {
 			t.Fatalf("dead letter %s: fingerprint %q, error %q; want valid UTF-8", d.MessageID, d.Fingerprint, d.Error)
 		}
+	}
+}
+
+// testTimeFilters: Since and Until compare in whole microseconds, as the
+// times are stored, on every store alike: a bound half a microsecond past
+// a dead letter's time takes it in as Since and leaves it out as Until.
+func testTimeFilters[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	c := newConsumer(t, s, CreditHandler(s, "balances", nil), dl, nil)
+	if v := deliverTo(c, &idem.Message{ID: "poison-1", Payload: []byte("not a credit")}, 1); !v.DeadLettered {
+		t.Fatalf("verdict %+v, want dead-lettered", v)
+	}
+	got := deadLetters(t, dl, nil)
+	if len(got) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(got))
+	}
+	bound := got[0].LastFailed.Add(500 * time.Nanosecond)
+	if n := len(deadLetters(t, dl, &driver.DeadLetterFilter{Since: bound})); n != 1 {
+		t.Errorf("Since its time + 500 ns: %d dead letters, want 1", n)
+	}
+	if n := len(deadLetters(t, dl, &driver.DeadLetterFilter{Until: bound})); n != 0 {
+		t.Errorf("Until its time + 500 ns: %d dead letters, want 0", n)
 	}
 }
 
