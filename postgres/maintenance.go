@@ -21,9 +21,6 @@ var _ driver.MarkerPruner = (*Driver)(nil)
 // paused worker that would not be fenced off a row re-created at token 1.
 const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < $1))`
 
-// prunableLeaseM is prunableLease on the table aliased m.
-const prunableLeaseM = `(m.status = 'done' OR m.status = 'failed' AND (m.next_attempt_at IS NULL OR m.next_attempt_at < $1))`
-
 // PruneMarkers implements driver.MarkerPruner. One statement picks the next
 // batch in primary-key order after the cursor and deletes it; rows of
 // running leases and of failed leases still to be retried are skipped
@@ -45,7 +42,7 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
   LIMIT $4
 ), gone AS (
   DELETE FROM `+d.t.processed+` AS m USING victims AS v
-  WHERE m.handler = v.handler AND m.message_id = v.message_id AND m.processed_at < $1 AND `+prunableLeaseM+`
+  WHERE m.handler = v.handler AND m.message_id = v.message_id AND processed_at < $1 AND `+prunableLease+`
   RETURNING 1
 ), last AS (
   SELECT handler, message_id FROM victims ORDER BY handler DESC, message_id DESC LIMIT 1
