@@ -33,9 +33,10 @@ RETURNING id`, dl.Handler, dl.MessageID, dl.Envelope, dl.Raw, dl.Source, dl.Erro
 	return id, nil
 }
 
-// idsIn matches the dead letters whose IDs a JSON array holds (jsonIDs):
-// one parameter however many IDs, where a list of ? would stop at SQLite's
-// 32,766 bound variables — a backlog "idem dlq replay" must still move.
+// idsIn matches the rows whose IDs a JSON array holds (jsonIDs): one
+// parameter however many IDs, where a list of ? would stop at SQLite's
+// 32,766 bound variables — a backlog "idem dlq replay" must still move,
+// and a relay's batch of marks is the user's to size.
 const idsIn = `id IN (SELECT value FROM json_each(?))`
 
 // jsonIDs is ids as a JSON array, for idsIn.

@@ -143,12 +143,8 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 	if len(ids) == 0 {
 		return nil
 	}
-	args := make([]any, 0, len(ids)+1)
-	args = append(args, time.Now().UnixMicro())
-	for _, id := range ids {
-		args = append(args, id)
-	}
-	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.outbox+` SET published_at = ? WHERE published_at IS NULL AND id IN (`+placeholders(len(ids))+`)`, args...); err != nil {
+	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.outbox+` SET published_at = ? WHERE published_at IS NULL AND `+idsIn,
+		time.Now().UnixMicro(), jsonIDs(ids)); err != nil {
 		return fmt.Errorf("sqlite: mark outbox rows published: %w", err)
 	}
 	return nil
