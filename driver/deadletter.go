@@ -87,13 +87,15 @@ type DeadLetter struct {
 
 // DeadLetterFilter selects dead letters. Zero fields match everything.
 type DeadLetterFilter struct {
-	// Handler, Fingerprint, State and IDs each restrict the selection
-	// when set.
+	// Handler, Fingerprint and State each restrict the selection when set.
 	Handler     string
 	Fingerprint string
 	State       string
-	IDs         []int64
-	Since       time.Time // last failure at or after
-	Until       time.Time // last failure before
-	Limit       int       // 0: no limit
+	// IDs restricts the selection to these dead letters when non-nil. An
+	// empty non-nil slice matches none, so that a selection built from
+	// empty input (say, no rows ticked) never widens to every dead letter.
+	IDs   []int64
+	Since time.Time // last failure at or after
+	Until time.Time // last failure before
+	Limit int       // 0: no limit
 }

@@ -28,6 +28,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"PoisonDeadLetteredOthersFlow", testPoison[TTx]},
 		{"NonASCIIErrorDeadLettered", testNonASCIIError[TTx]},
 		{"TimeFiltersInMicroseconds", testTimeFilters[TTx]},
+		{"EmptyIDsMatchNone", testEmptyIDs[TTx]},
 		{"RetriedUntilApplied", testRetriedUntilApplied[TTx]},
 		{"AttemptsExhausted", testExhausted[TTx]},
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
@@ -159,6 +160,35 @@ func testTimeFilters[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterS
 	}
 	if n := len(deadLetters(t, dl, &driver.DeadLetterFilter{Until: bound})); n != 0 {
 		t.Errorf("Until its time + 500 ns: %d dead letters, want 0", n)
+	}
+}
+
+// testEmptyIDs: an empty non-nil IDs selects no dead letter, so a
+// selection built from empty input cannot discard or replay them all.
+func testEmptyIDs[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	c := newConsumer(t, s, CreditHandler(s, "balances", nil), dl, nil)
+	for _, id := range []string{"poison-1", "poison-2"} {
+		if v := deliverTo(c, &idem.Message{ID: id, Payload: []byte("not a credit")}, 1); !v.DeadLettered {
+			t.Fatalf("%s: verdict %+v, want dead-lettered", id, v)
+		}
+	}
+	ctx := context.Background()
+	if n := len(deadLetters(t, dl, &driver.DeadLetterFilter{IDs: []int64{}})); n != 0 {
+		t.Errorf("list with empty IDs: %d dead letters, want 0", n)
+	}
+	if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{}}, "test"); err != nil || n != 0 {
+		t.Errorf("discard with empty IDs: %d, %v; want 0, nil", n, err)
+	}
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{}}, "test"); err != nil || n != 0 {
+		t.Errorf("replay with empty IDs: %d, %v; want 0, nil", n, err)
+	}
+	parked := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterParked})
+	if len(parked) != 2 {
+		t.Fatalf("%d parked dead letters, want both still parked", len(parked))
+	}
+	// nil IDs do not restrict: both are listed.
+	if n := len(deadLetters(t, dl, &driver.DeadLetterFilter{IDs: nil})); n != 2 {
+		t.Errorf("list with nil IDs: %d dead letters, want 2", n)
 	}
 }
 

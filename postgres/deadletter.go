@@ -50,7 +50,7 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 		if f.State != "" {
 			add("state = $?", f.State)
 		}
-		if len(f.IDs) > 0 {
+		if f.IDs != nil {
 			add("id = ANY($?)", f.IDs)
 		}
 		if !f.Since.IsZero() {

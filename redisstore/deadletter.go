@@ -71,7 +71,7 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 		f = &driver.DeadLetterFilter{}
 	}
 	var ids []int64
-	if len(f.IDs) > 0 {
+	if f.IDs != nil {
 		ids = slices.Clone(f.IDs)
 		slices.Sort(ids)
 		ids = slices.Compact(ids)

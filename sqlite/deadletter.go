@@ -65,7 +65,7 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 		if f.State != "" {
 			where, args = append(where, "state = ?"), append(args, f.State)
 		}
-		if len(f.IDs) > 0 {
+		if f.IDs != nil {
 			where, args = append(where, idsIn), append(args, jsonIDs(f.IDs))
 		}
 		if !f.Since.IsZero() {
