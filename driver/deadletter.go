@@ -11,7 +11,11 @@ type DeadLetterStore interface {
 	// DeadLetterPut records a dead letter and returns its ID once it is
 	// committed. A second dead letter for the same (handler, message ID)
 	// updates the row: error, class, fingerprint, attempts and last
-	// failure time, and parks it again; first_failed_at is kept.
+	// failure time, and parks it again; first_failed_at is kept. Without
+	// a message ID (the delivery did not decode), a dead letter with the
+	// same handler, Source and Raw as a stored one updates it the same
+	// way when Source is set: the delivery again, after a crash before
+	// its ack.
 	DeadLetterPut(ctx context.Context, dl *DeadLetter) (int64, error)
 	// DeadLetterList returns the dead letters matching f, oldest first.
 	DeadLetterList(ctx context.Context, f *DeadLetterFilter) ([]DeadLetter, error)

@@ -261,20 +261,33 @@ func testExhausted[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterSto
 // its raw bytes and reason.
 func testDecodeFailure[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
 	c := newConsumer(t, s, CreditHandler(s, "balances", nil), dl, nil)
-	for range 2 {
-		v := c.HandleDelivery(context.Background(), &idem.Delivery{DecodeErr: errors.New("no idem-id header"), Raw: []byte{0xff, 0x00, 'x'}, Source: "kafka:t/0@7", Attempt: 1})
+	undecodable := func(source string, attempt int) {
+		t.Helper()
+		v := c.HandleDelivery(context.Background(), &idem.Delivery{DecodeErr: errors.New("no idem-id header"), Raw: []byte{0xff, 0x00, 'x'}, Source: source, Attempt: attempt})
 		if !v.Ack || !v.DeadLettered {
-			t.Fatalf("undecodable delivery: %+v, want a dead letter", v)
+			t.Fatalf("undecodable delivery at %s: %+v, want a dead letter", source, v)
 		}
 	}
+	// The same delivery twice (redelivered after a crash before its
+	// ack) keeps one dead letter; another offset with the same bytes is
+	// another message.
+	undecodable("kafka:t/0@7", 1)
+	undecodable("kafka:t/0@7", 2)
+	undecodable("kafka:t/0@8", 1)
 	bad := &idem.Message{ID: "bad\x00id", Payload: []byte("p")}
 	if v := deliverTo(c, bad, 1); !v.Ack || !v.DeadLettered {
 		t.Fatalf("invalid message: %+v, want a dead letter", v)
 	}
 	got := deadLetters(t, dl, nil)
-	if len(got) != 3 || got[0].Class != idem.DeadLetterDecode || got[0].MessageID != "" || string(got[0].Raw) != "\xff\x00x" ||
-		got[0].Source != "kafka:t/0@7" || !strings.Contains(got[0].Error, "no idem-id header") || got[2].Class != idem.DeadLetterPermanent {
-		t.Fatalf("dead letters %+v", got)
+	if len(got) != 3 {
+		t.Fatalf("%d dead letters %+v, want 3: one per undecodable message and the invalid one", len(got), got)
+	}
+	if got[0].Class != idem.DeadLetterDecode || got[0].MessageID != "" || string(got[0].Raw) != "\xff\x00x" ||
+		got[0].Source != "kafka:t/0@7" || got[0].Attempts != 2 || !strings.Contains(got[0].Error, "no idem-id header") {
+		t.Errorf("first dead letter %+v, want the undecodable delivery at @7 after 2 attempts", got[0])
+	}
+	if got[1].Source != "kafka:t/0@8" || got[1].Attempts != 1 || got[2].Class != idem.DeadLetterPermanent {
+		t.Errorf("dead letters %+v, want the one at @8, then the invalid message", got[1:])
 	}
 }
 

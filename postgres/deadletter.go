@@ -2,6 +2,7 @@ package postgres
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 
@@ -19,6 +20,22 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 		env = string(dl.Envelope)
 	}
 	var id int64
+	if dl.MessageID == "" && dl.Source != "" {
+		// No ID to key on: the same delivery again (its location and
+		// payload), redelivered after a crash before the ack, updates the
+		// row it wrote.
+		err := d.pool.QueryRow(ctx, `UPDATE `+d.t.deadLetters+` SET
+  error = $4, class = $5, fingerprint = $6, attempts = $7, last_failed_at = now(), state = 'parked'
+WHERE id = (SELECT id FROM `+d.t.deadLetters+`
+  WHERE handler = $1 AND message_id = '' AND source = $2 AND raw IS NOT DISTINCT FROM $3 ORDER BY id LIMIT 1)
+RETURNING id`, dl.Handler, dl.Source, dl.Raw, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+		switch {
+		case err == nil:
+			return id, nil
+		case !errors.Is(err, pgx.ErrNoRows):
+			return 0, fmt.Errorf("postgres: store dead letter: %w", err)
+		}
+	}
 	err := d.pool.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
 (handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)

@@ -213,6 +213,7 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{dead_letters}}", d.t.deadLetters,
 		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
 		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
+		"{{dead_letters_source}}", sqlident.Quote(d.prefix+"dead_letters_source"),
 		"{{dead_letter_log}}", d.t.deadLetterLog,
 		"{{handler_stats}}", d.t.handlerStats,
 		"{{dead_letter_log_dl}}", sqlident.Quote(d.prefix+"dead_letter_log_dl"),

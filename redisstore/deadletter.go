@@ -2,6 +2,8 @@ package redisstore
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -21,10 +23,12 @@ var (
 // Dead letters live under Prefix+"dl:": a counter "dl:seq" hands out IDs,
 // each dead letter is the hash "dl:<id>", the sorted set "dl:ids" lists
 // the IDs in order, the hash "dl:keys" maps "handler|message ID" to the ID
-// (so a second failure of a message updates its dead letter), and the list
-// "dl:log:<id>" is a dead letter's history. Scripts keep each change
-// atomic. Listing reads every dead letter and filters in the client: meant
-// for the hundreds or thousands a store holds, not for millions.
+// (so a second failure of a message updates its dead letter; a delivery
+// that did not decode is keyed by its source and a hash of its payload),
+// and the list "dl:log:<id>" is a dead letter's history. Scripts keep each
+// change atomic. Listing reads every dead letter and filters in the
+// client: meant for the hundreds or thousands a store holds, not for
+// millions.
 
 func (d *Driver) dlKey(suffix string) string { return d.prefix + "dl:" + suffix }
 
@@ -51,8 +55,15 @@ return tonumber(id)
 // DeadLetterPut implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
 	field := ""
-	if dl.MessageID != "" {
+	switch {
+	case dl.MessageID != "":
 		field = dl.Handler + "|" + dl.MessageID
+	case dl.Source != "":
+		// No ID to key on: the same delivery again (its location and
+		// payload), redelivered after a crash before the ack, updates the
+		// dead letter it wrote. A NUL never appears in a message ID.
+		sum := sha256.Sum256(dl.Raw)
+		field = dl.Handler + "|\x00" + dl.Source + "\x00" + hex.EncodeToString(sum[:])
 	}
 	args := []any{d.dlKey(""), field, time.Now().UnixMicro(),
 		"handler", dl.Handler, "message_id", dl.MessageID, "envelope", dl.Envelope, "raw", dl.Raw,

@@ -2,6 +2,8 @@ package sqlite
 
 import (
 	"context"
+	"database/sql"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -18,6 +20,22 @@ const deadLetterColumns = `id, handler, message_id, envelope, raw, source, error
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
 	now := time.Now().UnixMicro()
 	var id int64
+	if dl.MessageID == "" && dl.Source != "" {
+		// No ID to key on: the same delivery again (its location and
+		// payload), redelivered after a crash before the ack, updates the
+		// row it wrote.
+		err := d.db.QueryRowContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
+  error = ?, class = ?, fingerprint = ?, attempts = ?, last_failed_at = ?, state = 'parked'
+WHERE id = (SELECT id FROM `+d.tables.deadLetters+`
+  WHERE handler = ? AND message_id = '' AND source = ? AND raw IS ? ORDER BY id LIMIT 1)
+RETURNING id`, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, now, dl.Handler, dl.Source, dl.Raw).Scan(&id)
+		switch {
+		case err == nil:
+			return id, nil
+		case !errors.Is(err, sql.ErrNoRows):
+			return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
+		}
+	}
 	err := d.db.QueryRowContext(ctx, `INSERT INTO `+d.tables.deadLetters+`
 (handler, message_id, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
