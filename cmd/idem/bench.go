@@ -89,7 +89,7 @@ Examples:
 			fs.StringVar(&cases, "cases", strings.Join(benchCaseNames(), ","), "comma-separated `cases` to run")
 			fs.IntVar(&workers, "workers", 4, "concurrent `workers` (connections)")
 			fs.IntVar(&rounds, "rounds", 5, "plain/idem round `pairs` per case; the medians are reported")
-			fs.DurationVar(&round, "round", 500*time.Millisecond, "`duration` of each variant's run in a round")
+			durationVar(fs, &round, "round", 500*time.Millisecond, "`duration` of each variant's run in a round")
 			fs.BoolVar(&asJSON, "json", false, "print JSON instead of a table")
 			return func(ctx context.Context, e *env, args []string) error {
 				if err := noArgs(args); err != nil {

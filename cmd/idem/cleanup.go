@@ -41,7 +41,7 @@ The DSN comes from --dsn, or from the IDEM_DSN environment variable.
 
 Examples:
   idem cleanup --dsn postgres://app@db/app --schema idem --dry-run
-  idem cleanup --retention 336h --horizon 168h
+  idem cleanup --retention 14d --horizon 7d
   idem cleanup --json`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			sf := addStoreFlags(fs, "cleanup", false)
@@ -50,8 +50,8 @@ Examples:
 				batch              int
 				dryRun, asJSON     bool
 			)
-			fs.DurationVar(&retention, "retention", idem.DefaultRetention, "keep markers this `long` after processing")
-			fs.DurationVar(&horizon, "horizon", 0, "longest `time` after processing at which a message may still be redelivered; a shorter --retention is refused")
+			durationVar(fs, &retention, "retention", idem.DefaultRetention, "keep markers this `long` after processing")
+			durationVar(fs, &horizon, "horizon", 0, "longest `time` after processing at which a message may still be redelivered; a shorter --retention is refused")
 			fs.IntVar(&batch, "batch", idem.DefaultPruneBatch, "markers deleted per transaction (`rows`)")
 			fs.BoolVar(&dryRun, "dry-run", false, "count what would be deleted; delete nothing")
 			fs.BoolVar(&asJSON, "json", false, "print JSON instead of text")

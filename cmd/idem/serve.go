@@ -56,17 +56,18 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			sf := addStoreFlags(fs, "serve", false)
 			addr := fs.String("addr", "127.0.0.1:9464", "`address` to listen on")
-			refresh := fs.Duration("refresh", 15*time.Second, "read the store for /metrics at most once per `interval`; scrapes in between get the last reading")
-			readTimeout := fs.Duration("read-timeout", 10*time.Second, "bound on one read of the store for /metrics or the page (`duration`); counting takes about 0.2 s per million markers on Postgres")
+			var refresh, readTimeout time.Duration
+			durationVar(fs, &refresh, "refresh", 15*time.Second, "read the store for /metrics at most once per `interval`; scrapes in between get the last reading")
+			durationVar(fs, &readTimeout, "read-timeout", 10*time.Second, "bound on one read of the store for /metrics or the page (`duration`); counting takes about 0.2 s per million markers on Postgres")
 			return func(ctx context.Context, e *env, args []string) error {
 				if err := noArgs(args); err != nil {
 					return err
 				}
-				if *refresh < 0 {
-					return usagef("--refresh %s is negative", *refresh)
+				if refresh < 0 {
+					return usagef("--refresh %s is negative", refresh)
 				}
-				if *readTimeout <= 0 {
-					return usagef("--read-timeout %s must be positive", *readTimeout)
+				if readTimeout <= 0 {
+					return usagef("--read-timeout %s must be positive", readTimeout)
 				}
 				s, err := sf.open(ctx, e)
 				if err != nil {
@@ -78,7 +79,7 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 					return fmt.Errorf("listen: %w", err)
 				}
 				fmt.Fprintf(e.stdout, "idem serve: %s on http://%s (metrics at /metrics)\n", s, ln.Addr())
-				return serve(ctx, ln, newServeMux(s, *refresh, *readTimeout))
+				return serve(ctx, ln, newServeMux(s, refresh, readTimeout))
 			}
 		},
 	}
