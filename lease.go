@@ -494,7 +494,9 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		// crash, a lost lease, a stop): the attempts are used up, so no
 		// further call. (After the guard: a stale message is done, not
 		// failed, and a wait behind a gap uses no attempt.)
-		return p.fail(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)))
+		// This claim calls nothing, so it gives its attempt back: the row
+		// records the attempts that ran.
+		return p.failCall(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)), false)
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -636,6 +638,12 @@ func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Mes
 
 // fail marks the row failed with a retry time, or permanently.
 func (p *LeaseProcessor) fail(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error) (Outcome, error) {
+	return p.failCall(ctx, h, msg, l, herr, true)
+}
+
+// failCall is fail; called says whether this claim called the handler
+// (its attempt counts).
+func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error, called bool) (Outcome, error) {
 	permanent := IsPermanent(herr)
 	shutdown := ctx.Err() != nil
 	exhausted := !permanent && !shutdown && p.cfg.MaxAttempts > 0 && l.Attempt >= p.cfg.MaxAttempts
@@ -649,7 +657,7 @@ func (p *LeaseProcessor) fail(ctx context.Context, h *LeaseHandler, msg *Message
 	defer cancel()
 	res, err := p.drv.LeaseFail(wctx, &driver.LeaseFailParams{
 		Handler: h.Name, MessageID: msg.ID, Token: l.Token,
-		LastError: lastErrorText(herr), RetryIn: retryIn, Permanent: permanent || exhausted,
+		LastError: lastErrorText(herr), RetryIn: retryIn, Permanent: permanent || exhausted, NotCalled: !called,
 	})
 	if err != nil {
 		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", herr, err)

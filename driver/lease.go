@@ -146,8 +146,10 @@ type LeaseFailParams struct {
 	// claimed again automatically.
 	Permanent bool
 	// NotCalled says the claim ended without calling the handler (the
-	// ordering guard released it to wait for a gap): the claim's attempt
-	// is given back, so waiting does not use up MaxAttempts.
+	// ordering guard released it to wait for a gap, or MaxAttempts was
+	// used up by attempts that ended without a verdict): the claim's
+	// attempt is given back, so waiting does not use up MaxAttempts and
+	// the row counts the attempts that ran.
 	NotCalled bool
 }
 
@@ -180,7 +182,8 @@ type LeaseRow struct {
 	// Token is the fencing token of the last claim; 0 for rows written by
 	// atomic mode.
 	Token int64
-	// Attempts counts the claims.
+	// Attempts counts the claims that called the handler or ended without
+	// a verdict (a claim released without a call gives its attempt back).
 	Attempts int
 	// LeaseUntil is when the lease of a running row expires; zero
 	// otherwise.

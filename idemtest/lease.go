@@ -694,8 +694,8 @@ func testLeaseMaxAttempts(t *testing.T, drv driver.LeaseDriver) {
 		t.Fatalf("handler ran %d times for acct-10, want 1 (attempt 2 crashed, 3 is past MaxAttempts)", n)
 	}
 	row = leaseRow(t, drv, "sync", "acct-10")
-	if row.Status != driver.LeaseFailed || !row.NextAttemptAt.IsZero() {
-		t.Fatalf("acct-10 after MaxAttempts: %+v, want failed for good", row)
+	if row.Status != driver.LeaseFailed || !row.NextAttemptAt.IsZero() || row.Attempts != 2 {
+		t.Fatalf("acct-10 after MaxAttempts: %+v, want failed for good after the 2 attempts that ran", row)
 	}
 }
 
