@@ -23,8 +23,8 @@ type Delivery struct {
 	// example "kafka:orders/3@1042" or "jetstream:ORDERS/orders.created@17".
 	// Name the one message (with its offset or sequence): a delivery
 	// without a usable message ID is dead-lettered once per handler,
-	// Source and Raw, so its redelivery after a crash updates that dead
-	// letter instead of adding another.
+	// Source, Raw and error, so its redelivery after a crash updates that
+	// dead letter instead of adding another.
 	Source string
 	// Attempt counts deliveries of this message by the broker, from 1
 	// (JetStream's NumDelivered; adapters that retry in-process count

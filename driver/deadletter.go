@@ -13,9 +13,10 @@ type DeadLetterStore interface {
 	// updates the row: error, class, fingerprint, attempts and last
 	// failure time, and parks it again; first_failed_at is kept. Without
 	// a message ID (the delivery did not decode), a dead letter with the
-	// same handler, Source and Raw as a stored one updates it the same
-	// way when Source is set: the delivery again, after a crash before
-	// its ack.
+	// same handler, Source, Raw and Error as a stored one updates it the
+	// same way when Source is set: the delivery again, after a crash
+	// before its ack. Concurrent writes of one such dead letter leave one
+	// row.
 	DeadLetterPut(ctx context.Context, dl *DeadLetter) (int64, error)
 	// DeadLetterList returns the dead letters matching f, oldest first.
 	DeadLetterList(ctx context.Context, f *DeadLetterFilter) ([]DeadLetter, error)

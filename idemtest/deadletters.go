@@ -274,20 +274,53 @@ func testDecodeFailure[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLette
 	undecodable("kafka:t/0@7", 1)
 	undecodable("kafka:t/0@7", 2)
 	undecodable("kafka:t/0@8", 1)
-	bad := &idem.Message{ID: "bad\x00id", Payload: []byte("p")}
-	if v := deliverTo(c, bad, 1); !v.Ack || !v.DeadLettered {
-		t.Fatalf("invalid message: %+v, want a dead letter", v)
+	// Two messages with invalid IDs and the same payload from one source
+	// (deliverTo's "test") are two dead letters: their errors name the IDs.
+	for _, id := range []string{"bad\x00id", "bad\x00other"} {
+		if v := deliverTo(c, &idem.Message{ID: id, Payload: []byte("p")}, 1); !v.Ack || !v.DeadLettered {
+			t.Fatalf("invalid message %q: %+v, want a dead letter", id, v)
+		}
 	}
 	got := deadLetters(t, dl, nil)
-	if len(got) != 3 {
-		t.Fatalf("%d dead letters %+v, want 3: one per undecodable message and the invalid one", len(got), got)
+	if len(got) != 4 {
+		t.Fatalf("%d dead letters %+v, want 4: one per undecodable message and per invalid one", len(got), got)
 	}
 	if got[0].Class != idem.DeadLetterDecode || got[0].MessageID != "" || string(got[0].Raw) != "\xff\x00x" ||
 		got[0].Source != "kafka:t/0@7" || got[0].Attempts != 2 || !strings.Contains(got[0].Error, "no idem-id header") {
 		t.Errorf("first dead letter %+v, want the undecodable delivery at @7 after 2 attempts", got[0])
 	}
-	if got[1].Source != "kafka:t/0@8" || got[1].Attempts != 1 || got[2].Class != idem.DeadLetterPermanent {
-		t.Errorf("dead letters %+v, want the one at @8, then the invalid message", got[1:])
+	if got[1].Source != "kafka:t/0@8" || got[1].Attempts != 1 || got[2].Class != idem.DeadLetterPermanent ||
+		!strings.Contains(got[2].Error, `"bad\x00id"`) || !strings.Contains(got[3].Error, `"bad\x00other"`) {
+		t.Errorf("dead letters %+v, want the one at @8, then the two invalid messages", got[1:])
+	}
+
+	// Two consumers writing the same delivery's dead letter at once (a
+	// rebalance) still leave one row. Three rounds: the first also opens
+	// the pool's connections, which staggers its writers.
+	for round := range 3 {
+		source := fmt.Sprintf("kafka:t/1@%d", round)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for range 16 {
+			wg.Go(func() {
+				<-start
+				if _, err := dl.DeadLetterPut(context.Background(), &driver.DeadLetter{Handler: "balances", Raw: []byte("junk"),
+					Source: source, Error: "no idem-id header", Class: idem.DeadLetterDecode, Fingerprint: "f", Attempts: 1}); err != nil {
+					t.Error(err)
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		var rows int
+		for _, d := range deadLetters(t, dl, nil) {
+			if d.Source == source {
+				rows++
+			}
+		}
+		if rows != 1 {
+			t.Errorf("round %d: %d dead letters for one delivery written 16 times at once, want 1", round, rows)
+		}
 	}
 }
 

@@ -15,27 +15,10 @@ var _ driver.DeadLetterStore = (*Driver)(nil)
 
 // DeadLetterPut implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
-	var env any
-	if dl.Envelope != nil {
-		env = string(dl.Envelope)
+	if dl.MessageID == "" && dl.Source != "" {
+		return d.putUnkeyed(ctx, dl)
 	}
 	var id int64
-	if dl.MessageID == "" && dl.Source != "" {
-		// No ID to key on: the same delivery again (its location and
-		// payload), redelivered after a crash before the ack, updates the
-		// row it wrote.
-		err := d.pool.QueryRow(ctx, `UPDATE `+d.t.deadLetters+` SET
-  error = $4, class = $5, fingerprint = $6, attempts = $7, last_failed_at = now(), state = 'parked'
-WHERE id = (SELECT id FROM `+d.t.deadLetters+`
-  WHERE handler = $1 AND message_id = '' AND source = $2 AND raw IS NOT DISTINCT FROM $3 ORDER BY id LIMIT 1)
-RETURNING id`, dl.Handler, dl.Source, dl.Raw, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
-		switch {
-		case err == nil:
-			return id, nil
-		case !errors.Is(err, pgx.ErrNoRows):
-			return 0, fmt.Errorf("postgres: store dead letter: %w", err)
-		}
-	}
 	err := d.pool.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
 (handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
 VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
@@ -43,7 +26,48 @@ ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
   envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
   class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
   last_failed_at = now(), state = 'parked'
-RETURNING id`, dl.Handler, dl.MessageID, env, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+RETURNING id`, dl.Handler, dl.MessageID, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+	if err != nil {
+		return 0, fmt.Errorf("postgres: store dead letter: %w", err)
+	}
+	return id, nil
+}
+
+// envelopeArg passes an envelope to a jsonb parameter: NULL when absent.
+func envelopeArg(env []byte) any {
+	if env == nil {
+		return nil
+	}
+	return string(env)
+}
+
+// putUnkeyed stores a dead letter without a message ID to key on (the
+// delivery did not decode, or its ID is invalid). The same failure of the
+// same delivery again (handler, source, payload and error), redelivered
+// after a crash before the ack, updates the row it wrote. An advisory lock
+// on the handler and source serialises concurrent writes of one delivery
+// (two consumers during a rebalance), which no unique index can: rows
+// written before this rule may repeat.
+func (d *Driver) putUnkeyed(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
+	var id int64
+	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`,
+			"idem-dead-letter:"+d.t.deadLetters+"|"+dl.Handler+"|"+dl.Source); err != nil {
+			return err
+		}
+		err := tx.QueryRow(ctx, `UPDATE `+d.t.deadLetters+` SET
+  class = $5, fingerprint = $6, attempts = $7, last_failed_at = now(), state = 'parked'
+WHERE id = (SELECT id FROM `+d.t.deadLetters+`
+  WHERE handler = $1 AND message_id = '' AND source = $2 AND raw IS NOT DISTINCT FROM $3 AND error = $4
+  ORDER BY id LIMIT 1)
+RETURNING id`, dl.Handler, dl.Source, dl.Raw, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return err
+		}
+		return tx.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
+(handler, envelope, raw, source, error, class, fingerprint, attempts) VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8)
+RETURNING id`, dl.Handler, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+	})
 	if err != nil {
 		return 0, fmt.Errorf("postgres: store dead letter: %w", err)
 	}

@@ -24,7 +24,8 @@ var (
 // each dead letter is the hash "dl:<id>", the sorted set "dl:ids" lists
 // the IDs in order, the hash "dl:keys" maps "handler|message ID" to the ID
 // (so a second failure of a message updates its dead letter; a delivery
-// that did not decode is keyed by its source and a hash of its payload),
+// that did not decode is keyed by its source and a hash of its payload and
+// error),
 // and the list "dl:log:<id>" is a dead letter's history. Scripts keep each
 // change atomic. Listing reads every dead letter and filters in the
 // client: meant for the hundreds or thousands a store holds, not for
@@ -59,11 +60,15 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 	case dl.MessageID != "":
 		field = dl.Handler + "|" + dl.MessageID
 	case dl.Source != "":
-		// No ID to key on: the same delivery again (its location and
-		// payload), redelivered after a crash before the ack, updates the
-		// dead letter it wrote. A NUL never appears in a message ID.
-		sum := sha256.Sum256(dl.Raw)
-		field = dl.Handler + "|\x00" + dl.Source + "\x00" + hex.EncodeToString(sum[:])
+		// No ID to key on: the same failure of the same delivery again
+		// (its location, payload and error), redelivered after a crash
+		// before the ack, updates the dead letter it wrote. A NUL never
+		// appears in a message ID.
+		h := sha256.New()
+		h.Write(dl.Raw)
+		h.Write([]byte{0})
+		h.Write([]byte(dl.Error))
+		field = dl.Handler + "|\x00" + dl.Source + "\x00" + hex.EncodeToString(h.Sum(nil))
 	}
 	args := []any{d.dlKey(""), field, time.Now().UnixMicro(),
 		"handler", dl.Handler, "message_id", dl.MessageID, "envelope", dl.Envelope, "raw", dl.Raw,

@@ -19,23 +19,10 @@ const deadLetterColumns = `id, handler, message_id, envelope, raw, source, error
 // DeadLetterPut implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
 	now := time.Now().UnixMicro()
-	var id int64
 	if dl.MessageID == "" && dl.Source != "" {
-		// No ID to key on: the same delivery again (its location and
-		// payload), redelivered after a crash before the ack, updates the
-		// row it wrote.
-		err := d.db.QueryRowContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
-  error = ?, class = ?, fingerprint = ?, attempts = ?, last_failed_at = ?, state = 'parked'
-WHERE id = (SELECT id FROM `+d.tables.deadLetters+`
-  WHERE handler = ? AND message_id = '' AND source = ? AND raw IS ? ORDER BY id LIMIT 1)
-RETURNING id`, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, now, dl.Handler, dl.Source, dl.Raw).Scan(&id)
-		switch {
-		case err == nil:
-			return id, nil
-		case !errors.Is(err, sql.ErrNoRows):
-			return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
-		}
+		return d.putUnkeyed(ctx, dl, now)
 	}
+	var id int64
 	err := d.db.QueryRowContext(ctx, `INSERT INTO `+d.tables.deadLetters+`
 (handler, message_id, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
@@ -45,6 +32,39 @@ ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
   last_failed_at = excluded.last_failed_at, state = 'parked'
 RETURNING id`, dl.Handler, dl.MessageID, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint,
 		dl.Attempts, now, now).Scan(&id)
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
+	}
+	return id, nil
+}
+
+// putUnkeyed stores a dead letter without a message ID to key on (the
+// delivery did not decode, or its ID is invalid). The same failure of the
+// same delivery again (handler, source, payload and error), redelivered
+// after a crash before the ack, updates the row it wrote. The lookup and
+// the insert share one write transaction, so concurrent writes of one
+// delivery do not both insert.
+func (d *Driver) putUnkeyed(ctx context.Context, dl *driver.DeadLetter, now int64) (int64, error) {
+	tx, err := d.db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	var id int64
+	err = tx.QueryRowContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
+  class = ?, fingerprint = ?, attempts = ?, last_failed_at = ?, state = 'parked'
+WHERE id = (SELECT id FROM `+d.tables.deadLetters+`
+  WHERE handler = ? AND message_id = '' AND source = ? AND raw IS ? AND error = ? ORDER BY id LIMIT 1)
+RETURNING id`, dl.Class, dl.Fingerprint, dl.Attempts, now, dl.Handler, dl.Source, dl.Raw, dl.Error).Scan(&id)
+	if errors.Is(err, sql.ErrNoRows) {
+		err = tx.QueryRowContext(ctx, `INSERT INTO `+d.tables.deadLetters+`
+(handler, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
+RETURNING id`, dl.Handler, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, now, now).Scan(&id)
+	}
+	if err == nil {
+		err = tx.Commit()
+	}
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
 	}

@@ -35,7 +35,7 @@ conflicts, records that did not decode, retries out of attempts).
 list shows parked dead letters by default (--state all for every state).
 --group is a fingerprint from list: the error's type and its message with
 numbers and quoted values blanked, so alike failures share one. Times are
-RFC 3339 (2026-11-22T10:00:00Z) or a duration back from now (24h).
+RFC 3339 (2026-11-22T10:00:00Z) or a duration back from now (36h, 7d).
 
 replay marks parked dead letters "replay requested"; a running consumer of
 their handler (Consumer.Run, or Consumer.Replay) runs them through the same
@@ -250,7 +250,7 @@ func parseWhen(s string) (time.Time, error) {
 	if s == "" {
 		return time.Time{}, nil
 	}
-	if d, err := time.ParseDuration(s); err == nil {
+	if d, err := parseDuration(s); err == nil {
 		if d < 0 {
 			return time.Time{}, usagef("time %q: a duration counts back from now and must not be negative", s)
 		}
@@ -258,7 +258,7 @@ func parseWhen(s string) (time.Time, error) {
 	}
 	t, err := time.Parse(time.RFC3339, s)
 	if err != nil {
-		return time.Time{}, usagef("time %q: want RFC 3339 (2026-11-22T10:00:00Z) or a duration (24h)", s)
+		return time.Time{}, usagef("time %q: want RFC 3339 (2026-11-22T10:00:00Z) or a duration (36h, 7d)", s)
 	}
 	return t, nil
 }

@@ -56,6 +56,7 @@ func TestOperatorCommandsGolden(t *testing.T) {
 		{"stats_json", []string{"stats", "--json"}, exitOK},
 		{"dlq_list", []string{"dlq", "list"}, exitOK},
 		{"dlq_list_json", []string{"dlq", "list", "--json"}, exitOK},
+		{"dlq_list_since_days", []string{"dlq", "list", "--since", "7d"}, exitOK},
 		{"dlq_show", []string{"dlq", "show", "2"}, exitOK},
 		{"dlq_replay_needs_selection", []string{"dlq", "replay"}, exitUsage},
 		{"dlq_replay_one", []string{"dlq", "replay", "1"}, exitOK},

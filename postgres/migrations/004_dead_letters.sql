@@ -1,7 +1,7 @@
 -- Dead letters: deliveries that will not succeed by retrying, kept verbatim
 -- with the reason until an operator replays or discards them. One row per
 -- (handler, message ID); a delivery that failed to decode has no ID and gets
--- a row of its own.
+-- a row of its own (keyed by source, payload and error since 007).
 CREATE TABLE IF NOT EXISTS {{dead_letters}} (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     handler         text COLLATE "C" NOT NULL,
