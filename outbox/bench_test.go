@@ -3,10 +3,13 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
 )
 
 // BenchmarkAddInTransaction measures what the outbox adds to a business
@@ -85,5 +88,61 @@ func BenchmarkRelay(b *testing.B) {
 				b.ReportMetric(float64(published)/time.Since(start).Seconds(), "rows/s")
 			})
 		}
+	}
+}
+
+// BenchmarkAddConcurrently is BenchmarkAddInTransaction with 4 writers at
+// once, each on its own accounts, and on Postgres also with the NOTIFY
+// trigger on (Driver.SetOutboxNotify): notifying commits take a
+// database-wide lock, so that ratio shows what the trigger costs
+// concurrent writers.
+//
+//	go test ./outbox -run '^$' -bench AddConcurrently -benchtime 8000x
+func BenchmarkAddConcurrently(b *testing.B) {
+	const writers = 4
+	for _, name := range []string{"sqlite", "postgres", "postgres-notify"} {
+		b.Run(name, func(b *testing.B) {
+			store, notify := strings.CutSuffix(name, "-notify")
+			p := producers()[store](b)
+			ctx := context.Background()
+			if notify {
+				if err := p.drv.(*postgres.Driver).SetOutboxNotify(ctx, true); err != nil {
+					b.Fatal(err)
+				}
+			}
+			run := func(per int, fn func(w, i int) error) time.Duration {
+				start := time.Now()
+				var wg sync.WaitGroup
+				for w := range writers {
+					wg.Go(func() {
+						for i := range per {
+							if err := fn(w, i); err != nil {
+								b.Error(err)
+								return
+							}
+						}
+					})
+				}
+				wg.Wait()
+				return time.Since(start)
+			}
+			var plain, withOutbox time.Duration
+			const rounds = 4
+			per := max(b.N/rounds/writers, 1)
+			b.ResetTimer()
+			for range rounds {
+				plain += run(per, func(w, i int) error {
+					return p.plainCredit(ctx, fmt.Sprintf("acct-%d-%d", w, i%25), 1)
+				})
+				withOutbox += run(per, func(w, i int) error {
+					_, err := p.credit(ctx, "credits.ledger", fmt.Sprintf("acct-%d-%d", w, i%25), 1, false)
+					return err
+				})
+			}
+			n := float64(per * rounds * writers)
+			b.ReportMetric(n/plain.Seconds(), "plain-tx/s")
+			b.ReportMetric(n/withOutbox.Seconds(), "outbox-tx/s")
+			b.ReportMetric(plain.Seconds()/withOutbox.Seconds(), "ratio")
+		})
 	}
 }

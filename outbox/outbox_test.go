@@ -15,6 +15,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
 )
 
 // TestAddIsTransactional: a row exists if and only if its transaction
@@ -430,10 +431,14 @@ func TestStoppedRelayLeavesNoFailure(t *testing.T) {
 	}
 }
 
-// TestRelayWakesOnCommit: on Postgres a committed row wakes an idle relay
-// through LISTEN/NOTIFY, long before its poll interval.
+// TestRelayWakesOnCommit: on Postgres, with SetOutboxNotify on, a
+// committed row wakes an idle relay through LISTEN/NOTIFY, long before its
+// poll interval.
 func TestRelayWakesOnCommit(t *testing.T) {
 	p := postgresProducer(t)
+	if err := p.drv.(*postgres.Driver).SetOutboxNotify(context.Background(), true); err != nil {
+		t.Fatal(err)
+	}
 	b := newNATSBroker(t)
 	pub := newCountingPublisher(b.publisher(t))
 	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{PollInterval: time.Hour})

@@ -58,7 +58,8 @@ type RelayConfig struct {
 	// Default 30 s.
 	ClaimTTL time.Duration
 	// PollInterval is how often an idle relay looks for rows when the
-	// store cannot notify it (or as a fallback when it can). Default 1 s.
+	// store does not notify it (or as a fallback when it does). An idle
+	// look is one read of the pending rows' index. Default 200 ms.
 	PollInterval time.Duration
 	// Backoff spaces the retries of an ordering key whose publish failed,
 	// growing with the attempts on the key's first pending row, and the
@@ -135,7 +136,7 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 		return nil, fmt.Errorf("%w: ClaimTTL %s is below 100ms", idem.ErrInvalidConfig, c.ClaimTTL)
 	}
 	if c.PollInterval == 0 {
-		c.PollInterval = time.Second
+		c.PollInterval = 200 * time.Millisecond
 	}
 	if c.Backoff.Base == 0 {
 		c.Backoff.Base = 100 * time.Millisecond

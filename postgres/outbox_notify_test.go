@@ -1,0 +1,55 @@
+package postgres_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
+)
+
+// TestOutboxNotifyIsOptIn: Migrate leaves the outbox without its NOTIFY
+// trigger (it serialises concurrent writers' commits); SetOutboxNotify
+// installs and removes it, and each is idempotent.
+func TestOutboxNotifyIsOptIn(t *testing.T) {
+	ctx := context.Background()
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema, TablePrefix: "app_"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	triggers := func() int {
+		t.Helper()
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_trigger tg JOIN pg_class c ON c.oid = tg.tgrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'app_outbox' AND NOT tg.tgisinternal`, schema).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := triggers(); n != 0 {
+		t.Fatalf("%d triggers on the outbox after Migrate, want none", n)
+	}
+	for _, step := range []struct {
+		on   bool
+		want int
+	}{{true, 1}, {true, 1}, {false, 0}, {false, 0}, {true, 1}} {
+		if err := drv.SetOutboxNotify(ctx, step.on); err != nil {
+			t.Fatal(err)
+		}
+		if n := triggers(); n != step.want {
+			t.Fatalf("SetOutboxNotify(%t): %d triggers, want %d", step.on, n, step.want)
+		}
+	}
+	// Migrate again (a restart) keeps the operator's choice.
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := triggers(); n != 1 {
+		t.Fatalf("%d triggers after a second Migrate, want the 1 SetOutboxNotify installed", n)
+	}
+}
