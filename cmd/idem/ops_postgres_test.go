@@ -115,3 +115,50 @@ func TestImportPostgres(t *testing.T) {
 		t.Fatalf("stats after import: exit %d\n%s%s", code, out, errOut)
 	}
 }
+
+// TestOutboxNotifyCommand: 'idem outbox notify on|off' installs and removes
+// the outbox's NOTIFY trigger on Postgres, and is refused on SQLite.
+func TestOutboxNotifyCommand(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	ctx := context.Background()
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	triggers := func() int {
+		t.Helper()
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_trigger tg JOIN pg_class c ON c.oid = tg.tgrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'idem_outbox' AND NOT tg.tgisinternal`, schema).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	vars := map[string]string{dsnEnv: testenv.PostgresDSN()}
+	for _, step := range []struct {
+		arg  string
+		want int
+	}{{"on", 1}, {"off", 0}} {
+		code, out, errOut := runCLIEnv(t, vars, "outbox", "notify", step.arg, "--schema", schema)
+		if code != exitOK || !strings.Contains(out, "outbox notify "+step.arg) {
+			t.Fatalf("outbox notify %s: exit %d\n%s%s", step.arg, code, out, errOut)
+		}
+		if n := triggers(); n != step.want {
+			t.Fatalf("after notify %s: %d triggers, want %d", step.arg, n, step.want)
+		}
+	}
+	if code, _, errOut := runCLIEnv(t, vars, "outbox", "notify", "maybe", "--schema", schema); code != exitUsage || !strings.Contains(errOut, "notify takes on or off") {
+		t.Fatalf("notify maybe: exit %d\n%s", code, errOut)
+	}
+	db := t.TempDir() + "/x.db"
+	if code, _, errOut := runCLI(t, "migrate", "--dsn", db); code != exitOK {
+		t.Fatalf("migrate sqlite: exit %d\n%s", code, errOut)
+	}
+	if code, _, errOut := runCLI(t, "outbox", "notify", "on", "--dsn", db); code == exitOK || !strings.Contains(errOut, "only PostgreSQL notifies relays") {
+		t.Fatalf("notify on SQLite: exit %d\n%s", code, errOut)
+	}
+}

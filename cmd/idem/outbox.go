@@ -16,7 +16,7 @@ import (
 func outboxCommand() *command {
 	return &command{
 		name:     "outbox",
-		synopsis: "stats --dsn DSN [--schema S] [--prefix P] [--json]",
+		synopsis: "stats|notify on|notify off --dsn DSN [--schema S] [--prefix P] [--json]",
 		summary:  "outbox state: pending rows, the oldest pending row's age, failing rows",
 		help: `Outbox stats prints the state of the transactional outbox (see
 docs/outbox.md):
@@ -28,19 +28,35 @@ docs/outbox.md):
                   recent error
   PUBLISHED       rows published and not yet pruned by 'idem cleanup'
 
+Outbox notify on|off (PostgreSQL) installs or removes the trigger that
+wakes listening relays at commit, instead of at their next poll. Every
+notifying commit takes a database-wide lock until its commit record is
+flushed, so concurrent writers of outbox rows commit one at a time: leave
+it off unless the outbox has few writers and milliseconds matter. It is
+part of the schema, for every process. See docs/outbox.md.
+
 ` + dsnHelp,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			sf := addStoreFlags(fs, "outbox stats", false)
 			asJSON := fs.Bool("json", false, "print JSON")
 			return func(ctx context.Context, e *env, args []string) error {
 				if len(args) == 0 {
-					return usagef("missing subcommand: stats")
+					return usagef("missing subcommand: stats or notify")
 				}
-				if args[0] != "stats" {
-					return usagef("unknown subcommand %q: want stats", args[0])
+				sub, rest := args[0], args[1:]
+				var notifyOn bool
+				switch sub {
+				case "stats":
+				case "notify":
+					if len(rest) == 0 || (rest[0] != "on" && rest[0] != "off") {
+						return usagef("notify takes on or off")
+					}
+					notifyOn, rest = rest[0] == "on", rest[1:]
+				default:
+					return usagef("unknown subcommand %q: want stats or notify", sub)
 				}
 				// Flags may follow the subcommand too.
-				if err := fs.Parse(args[1:]); err != nil {
+				if err := fs.Parse(rest); err != nil {
 					if errors.Is(err, flag.ErrHelp) {
 						return usagef("see 'idem outbox --help'")
 					}
@@ -54,10 +70,41 @@ docs/outbox.md):
 					return err
 				}
 				defer s.Close()
+				if sub == "notify" {
+					return runOutboxNotify(ctx, e.stdout, s, notifyOn)
+				}
 				return runOutboxStats(ctx, e.stdout, s, *asJSON, time.Now())
 			}
 		},
 	}
+}
+
+// outboxNotifier is implemented by drivers whose relays can be woken at
+// commit (postgres.Driver).
+type outboxNotifier interface {
+	SetOutboxNotify(ctx context.Context, on bool) error
+}
+
+// runOutboxNotify turns the store's commit notifications on or off.
+func runOutboxNotify(ctx context.Context, w io.Writer, s *store, on bool) error {
+	n, ok := s.idemDriver().(outboxNotifier)
+	if !ok {
+		return fmt.Errorf("%s: only PostgreSQL notifies relays at commit; relays poll every PollInterval", s)
+	}
+	if count, version, err := s.schemaVersion(ctx); err != nil {
+		return err
+	} else if count == 0 || version < outboxSchemaVersion {
+		return fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
+	}
+	if err := n.SetOutboxNotify(ctx, on); err != nil {
+		return err
+	}
+	if on {
+		fmt.Fprintln(w, "outbox notify on: listening relays are woken at commit; every notifying commit takes a database-wide lock")
+	} else {
+		fmt.Fprintln(w, "outbox notify off: relays find new rows at their next poll")
+	}
+	return nil
 }
 
 // outboxReport is what outbox stats prints with --json.
