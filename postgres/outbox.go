@@ -2,6 +2,7 @@ package postgres
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"log/slog"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/sqlident"
@@ -240,20 +242,60 @@ WHERE id > $1 AND published_at < $2 ORDER BY id LIMIT $3) RETURNING id`, after, 
 // with 4 and 51% with 8. Turn it on when latency matters more than that
 // and the outbox has few concurrent writers.
 func (d *Driver) SetOutboxNotify(ctx context.Context, on bool) error {
-	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-		stmts := []string{`DROP TRIGGER IF EXISTS ` + sqlident.Quote(d.prefix+"outbox_notify") + ` ON ` + d.t.outbox}
-		if on {
-			stmts = append(stmts, `CREATE TRIGGER `+sqlident.Quote(d.prefix+"outbox_notify")+` AFTER INSERT ON `+d.t.outbox+
-				` FOR EACH STATEMENT EXECUTE FUNCTION `+sqlident.Qualified(d.schema, d.prefix+"outbox_notify")+`()`)
+	trigger := sqlident.Quote(d.prefix + "outbox_notify")
+	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		// Under Migrate's lock: a migration still to run could undo the
+		// choice, and concurrent callers would race on the trigger.
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, d.migrateLockKey()); err != nil {
+			return err
 		}
-		for _, q := range stmts {
-			if _, err := tx.Exec(ctx, q); err != nil {
-				return fmt.Errorf("postgres: set outbox notify %t: %w", on, err)
+		var migrated bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+d.t.migrations+` WHERE version = $1)`,
+			outboxNotifyOptInVersion).Scan(&migrated); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+				return ErrNotMigrated
 			}
+			return err
 		}
-		return nil
+		if !migrated {
+			return ErrNotMigrated
+		}
+		var exists bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = $1::regclass AND tgname = $2 AND NOT tgisinternal)`,
+			d.t.outbox, d.prefix+"outbox_notify").Scan(&exists); err != nil {
+			return err
+		}
+		if exists == on {
+			return nil // as wanted: no lock on the outbox taken
+		}
+		// Creating or dropping a trigger locks the outbox against its
+		// writers: give up rather than queue behind a long transaction
+		// with them all waiting behind us.
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '5s'`); err != nil {
+			return err
+		}
+		q := `DROP TRIGGER ` + trigger + ` ON ` + d.t.outbox
+		if on {
+			q = `CREATE TRIGGER ` + trigger + ` AFTER INSERT ON ` + d.t.outbox +
+				` FOR EACH STATEMENT EXECUTE FUNCTION ` + sqlident.Qualified(d.schema, d.prefix+"outbox_notify") + `()`
+		}
+		_, err := tx.Exec(ctx, q)
+		return err
 	})
+	if err != nil && !errors.Is(err, ErrNotMigrated) {
+		err = fmt.Errorf("postgres: set outbox notify %t: %w", on, err)
+	}
+	return err
 }
+
+// outboxNotifyOptInVersion is the migration that made the outbox's NOTIFY
+// trigger opt-in (it drops the trigger).
+const outboxNotifyOptInVersion = 9
+
+// ErrNotMigrated is returned by SetOutboxNotify when the schema lacks a
+// migration of this version of idem: Migrate would undo the setting.
+var ErrNotMigrated = errors.New("postgres: the schema is not migrated to this version of idem; run Migrate first")
 
 // OutboxListen implements driver.OutboxNotifier: a connection held out of
 // the pool LISTENs on the outbox channel; a lost connection is re-made

@@ -200,6 +200,10 @@ SELECT $1, m.id, m.h FROM unnest($2::text[], $3::bytea[]) AS m(id, h)`,
 // Pool returns the pool the driver uses.
 func (d *Driver) Pool() *pgxpool.Pool { return d.pool }
 
+// migrateLockKey names the advisory lock Migrate (and SetOutboxNotify)
+// hold: one per schema and prefix.
+func (d *Driver) migrateLockKey() string { return "idem-migrate:" + d.schema + "." + d.prefix }
+
 // Migrate creates the schema if configured and applies the embedded
 // migrations not yet recorded, all in one transaction under an advisory
 // lock, so concurrent calls from several instances are safe.
@@ -229,7 +233,7 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		return fmt.Errorf("postgres: load migrations: %w", err)
 	}
 	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "idem-migrate:"+d.schema+"."+d.prefix); err != nil {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, d.migrateLockKey()); err != nil {
 			return fmt.Errorf("postgres: migration lock: %w", err)
 		}
 		if d.schema != "" {

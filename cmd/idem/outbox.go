@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/postgres"
 )
 
 // outboxCommand returns the "outbox" subcommand: the state of the
@@ -96,7 +97,9 @@ func runOutboxNotify(ctx context.Context, w io.Writer, s *store, on bool) error 
 	} else if count == 0 || version < outboxSchemaVersion {
 		return fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
 	}
-	if err := n.SetOutboxNotify(ctx, on); err != nil {
+	if err := n.SetOutboxNotify(ctx, on); errors.Is(err, postgres.ErrNotMigrated) {
+		return fmt.Errorf("%s is not migrated to this version of idem: run 'idem migrate' first", s)
+	} else if err != nil {
 		return err
 	}
 	if on {
