@@ -261,9 +261,8 @@ func (d *Driver) SetOutboxNotify(ctx context.Context, on bool) error {
 		if !migrated {
 			return ErrNotMigrated
 		}
-		var exists bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = $1::regclass AND tgname = $2 AND NOT tgisinternal)`,
-			d.t.outbox, d.prefix+"outbox_notify").Scan(&exists); err != nil {
+		exists, err := d.outboxNotifyOn(ctx, tx)
+		if err != nil {
 			return err
 		}
 		if exists == on {
@@ -280,13 +279,32 @@ func (d *Driver) SetOutboxNotify(ctx context.Context, on bool) error {
 			q = `CREATE TRIGGER ` + trigger + ` AFTER INSERT ON ` + d.t.outbox +
 				` FOR EACH STATEMENT EXECUTE FUNCTION ` + sqlident.Qualified(d.schema, d.prefix+"outbox_notify") + `()`
 		}
-		_, err := tx.Exec(ctx, q)
+		_, err = tx.Exec(ctx, q)
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrNotMigrated) {
 		err = fmt.Errorf("postgres: set outbox notify %t: %w", on, err)
 	}
 	return err
+}
+
+// OutboxNotifyOn reports whether the outbox's NOTIFY trigger is installed
+// (see SetOutboxNotify).
+func (d *Driver) OutboxNotifyOn(ctx context.Context) (bool, error) {
+	on, err := d.outboxNotifyOn(ctx, d.pool)
+	if err != nil {
+		return false, fmt.Errorf("postgres: read outbox notify: %w", err)
+	}
+	return on, nil
+}
+
+func (d *Driver) outboxNotifyOn(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) (bool, error) {
+	var on bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = $1::regclass AND tgname = $2 AND NOT tgisinternal)`,
+		d.t.outbox, d.prefix+"outbox_notify").Scan(&on)
+	return on, err
 }
 
 // outboxNotifyOptInVersion is the migration that made the outbox's NOTIFY

@@ -32,6 +32,9 @@ func TestOutboxNotifyIsOptIn(t *testing.T) {
 JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'app_outbox' AND NOT tg.tgisinternal`, schema).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
+		if on, err := drv.OutboxNotifyOn(ctx); err != nil || on != (n == 1) {
+			t.Fatalf("OutboxNotifyOn: %t, %v; the catalog has %d triggers", on, err, n)
+		}
 		return n
 	}
 	if n := triggers(); n != 0 {

@@ -129,26 +129,22 @@ func TestOutboxNotifyCommand(t *testing.T) {
 	if err := drv.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	triggers := func() int {
-		t.Helper()
-		var n int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_trigger tg JOIN pg_class c ON c.oid = tg.tgrelid
-JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'idem_outbox' AND NOT tg.tgisinternal`, schema).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
 	vars := map[string]string{dsnEnv: testenv.PostgresDSN()}
 	for _, step := range []struct {
 		arg  string
-		want int
-	}{{"on", 1}, {"off", 0}} {
+		want bool
+	}{{"on", true}, {"off", false}} {
 		code, out, errOut := runCLIEnv(t, vars, "outbox", "notify", step.arg, "--schema", schema)
 		if code != exitOK || !strings.Contains(out, "outbox notify "+step.arg) {
 			t.Fatalf("outbox notify %s: exit %d\n%s%s", step.arg, code, out, errOut)
 		}
-		if n := triggers(); n != step.want {
-			t.Fatalf("after notify %s: %d triggers, want %d", step.arg, n, step.want)
+		if on, err := drv.OutboxNotifyOn(ctx); err != nil || on != step.want {
+			t.Fatalf("after notify %s: on %t, %v; want %t", step.arg, on, err, step.want)
+		}
+		code, out, errOut = runCLIEnv(t, vars, "outbox", "stats", "--schema", schema, "--json")
+		var rep outboxReport
+		if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil || rep.Notify == nil || *rep.Notify != step.want {
+			t.Fatalf("outbox stats after notify %s: exit %d\n%s%s", step.arg, code, out, errOut)
 		}
 	}
 	if code, _, errOut := runCLIEnv(t, vars, "outbox", "notify", "maybe", "--schema", schema); code != exitUsage || !strings.Contains(errOut, "notify takes on or off") {

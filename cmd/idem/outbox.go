@@ -28,6 +28,7 @@ docs/outbox.md):
   FAILING         pending rows whose last publish failed, with the most
                   recent error
   PUBLISHED       rows published and not yet pruned by 'idem cleanup'
+  NOTIFY          PostgreSQL: whether relays are woken at commit (below)
 
 Outbox notify on|off (PostgreSQL) installs or removes the trigger that
 wakes listening relays at commit, instead of at their next poll. Every
@@ -118,6 +119,8 @@ type outboxReport struct {
 	Failing       int64      `json:"failing"`
 	LastError     string     `json:"last_error,omitempty"`
 	Published     int64      `json:"published"`
+	// Notify is whether relays are woken at commit (PostgreSQL only).
+	Notify *bool `json:"notify,omitempty"`
 }
 
 func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now time.Time) error {
@@ -139,6 +142,13 @@ func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now
 		fmt.Fprintf(w, "last error      %s\n", rep.LastError)
 	}
 	fmt.Fprintf(w, "published       %d (kept until 'idem cleanup' prunes them)\n", rep.Published)
+	if rep.Notify != nil {
+		state := "off (relays poll)"
+		if *rep.Notify {
+			state = "on (relays are woken at commit)"
+		}
+		fmt.Fprintf(w, "notify          %s\n", state)
+	}
 	return nil
 }
 
@@ -167,6 +177,15 @@ func readOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, er
 		return nil, err
 	}
 	rep := &outboxReport{Pending: st.Pending, Failing: st.Failing, LastError: st.LastError, Published: st.Published}
+	if n, ok := s.idemDriver().(interface {
+		OutboxNotifyOn(context.Context) (bool, error)
+	}); ok {
+		on, err := n.OutboxNotifyOn(ctx)
+		if err != nil {
+			return nil, err
+		}
+		rep.Notify = &on
+	}
 	if !st.OldestPending.IsZero() {
 		o := st.OldestPending.UTC().Truncate(time.Second)
 		rep.OldestPending = &o
