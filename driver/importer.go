@@ -7,8 +7,11 @@ import "context"
 // The markers it writes have an empty payload hash: the payload they stood
 // for is unknown, so a redelivery of any payload is a duplicate.
 type MarkerImporter interface {
-	// ImportIDs returns up to limit values of the source column greater
-	// than after (in the column's own order), ascending.
+	// ImportIDs returns up to limit values of the source column, as text
+	// (NULL and empty values left out), ascending in the column's own order: from the first when
+	// after is "", else those greater than after (the text of the last
+	// value of the previous page, which the driver reads back as a value
+	// of the column's type).
 	ImportIDs(ctx context.Context, src *ImportSource, after string, limit int) ([]string, error)
 	// InsertImportedMarkers inserts, in one transaction, a marker with an
 	// empty payload hash for each ID that has no marker of handler yet,
@@ -23,7 +26,8 @@ type ImportSource struct {
 	Schema string
 	// Table is the hand-rolled table.
 	Table string
-	// Column holds the message IDs: a text column, so that it sorts and
-	// compares as text.
+	// Column holds the message IDs. Any type whose text form is the
+	// message ID works: text, a UUID (its canonical lowercase form), an
+	// integer (decimal).
 	Column string
 }

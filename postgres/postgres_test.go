@@ -127,6 +127,32 @@ func TestImportMarkers(t *testing.T) {
 		return err
 	})
 	drv := s.Driver.(*postgres.Driver)
+	// Columns of other types: their text forms are the IDs, and pages
+	// follow each other in the column's own order.
+	ctx := context.Background()
+	for _, typ := range []string{"uuid", "bigint", "varchar(64)"} {
+		typed := pgx.Identifier{schema, "seen_" + strings.Fields(strings.ReplaceAll(typ, "(", " "))[0]}.Sanitize()
+		if _, err := pool.Exec(ctx, `CREATE TABLE `+typed+` (id `+typ+` PRIMARY KEY)`); err != nil {
+			t.Fatal(err)
+		}
+		val := `(i * 7)::text`
+		if typ == "uuid" {
+			val = `md5(i::text)::uuid`
+		}
+		if _, err := pool.Exec(ctx, `INSERT INTO `+typed+` (id) SELECT (`+val+`)::`+typ+` FROM generate_series(1, 2500) i`); err != nil {
+			t.Fatal(err)
+		}
+		src := &driver.ImportSource{Schema: schema, Table: strings.Trim(strings.SplitN(typed, ".", 2)[1], `"`), Column: "id"}
+		res, err := idem.ImportMarkers(ctx, drv, "typed_"+strings.Fields(strings.ReplaceAll(typ, "(", " "))[0], src, &idem.ImportOptions{Batch: 1000})
+		if err != nil || res.Read != 2500 || res.Imported != 2500 {
+			t.Fatalf("import of a %s column: %+v, %v; want all 2,500", typ, res, err)
+		}
+	}
+	var markers int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+
+		` WHERE handler = 'typed_uuid' AND message_id = md5('2500')::uuid::text`).Scan(&markers); err != nil || markers != 1 {
+		t.Fatalf("marker of the last UUID in its canonical text: %d, %v", markers, err)
+	}
 	for _, bad := range []*driver.ImportSource{
 		{Table: "processed_events; DROP TABLE x", Column: "event_id"},
 		{Schema: `public"`, Table: "processed_events", Column: "event_id"},

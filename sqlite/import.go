@@ -3,6 +3,7 @@ package sqlite
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -15,6 +16,12 @@ var _ driver.MarkerImporter = (*Driver)(nil)
 // ImportIDs implements driver.MarkerImporter: the column's values after
 // after, in the column's order. SQLite has no schemas: src.Schema must be
 // empty.
+//
+// SQLite orders every number before every text, so the cursor is read back
+// as the value it came from: a number when after reads as one and the
+// column holds that number (an INTEGER key, or a column without a type
+// holding numbers). Compared as text, no number is greater than "1000",
+// and the import would stop after a page.
 func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after string, limit int) ([]string, error) {
 	if src == nil {
 		return nil, fmt.Errorf("%w: sqlite: nil import source", idem.ErrInvalidConfig)
@@ -26,7 +33,16 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
-	rows, err := d.db.QueryContext(ctx, `SELECT `+col+` FROM `+table+` WHERE `+col+` > ? ORDER BY `+col+` LIMIT ?`, after, limit)
+	q, args := `SELECT CAST(`+col+` AS TEXT) AS idem_value FROM `+table+` WHERE `+col+` IS NOT NULL AND `+col+` <> '' ORDER BY `+col+` LIMIT ?`, []any{limit}
+	if after != "" {
+		cursor, err := d.importCursor(ctx, table, col, after)
+		if err != nil {
+			return nil, err
+		}
+		q = `SELECT CAST(` + col + ` AS TEXT) AS idem_value FROM ` + table + ` WHERE ` + col + ` > ? ORDER BY ` + col + ` LIMIT ?`
+		args = []any{cursor, limit}
+	}
+	rows, err := d.db.QueryContext(ctx, q, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -40,6 +56,40 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 		ids = append(ids, id)
 	}
 	return ids, rows.Err()
+}
+
+// importCursor is after as the value it was read from: the integer or
+// real it reads as if the column holds that number, else the text.
+func (d *Driver) importCursor(ctx context.Context, table, col, after string) (any, error) {
+	var candidates []any
+	if n, err := strconv.ParseInt(after, 10, 64); err == nil {
+		candidates = append(candidates, n)
+	} else if f, err := strconv.ParseFloat(after, 64); err == nil {
+		candidates = append(candidates, f)
+	}
+	for _, c := range candidates {
+		var found bool
+		if err := d.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ? AND typeof(`+col+`) <> 'text')`, c).Scan(&found); err != nil {
+			return nil, err
+		}
+		if found {
+			return c, nil
+		}
+	}
+	if len(candidates) > 0 {
+		// Numeric text that is not a number of the column must be a text
+		// of it; if neither, the page after it cannot be found (a real
+		// whose text form does not read back exactly): say so rather than
+		// end the import early.
+		var found bool
+		if err := d.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, after).Scan(&found); err != nil {
+			return nil, err
+		}
+		if !found {
+			return nil, fmt.Errorf("sqlite: import: cannot find %q back in %s.%s to read the values after it", after, table, col)
+		}
+	}
+	return after, nil
 }
 
 // InsertImportedMarkers implements driver.MarkerImporter: one transaction,

@@ -120,6 +120,27 @@ func TestImportMarkers(t *testing.T) {
 		}
 		return nil
 	})
+	// SQLite orders numbers before texts: an INTEGER key, and a column
+	// without a type holding numbers, are read past their first page.
+	for _, decl := range []string{"INTEGER PRIMARY KEY", ""} {
+		db, drv := openMigrated(t, &sqlite.OpenOptions{Synchronous: "OFF"})
+		if _, err := db.Exec(`CREATE TABLE seen (id ` + decl + `)`); err != nil {
+			t.Fatal(err)
+		}
+		for i := 1; i <= 2500; i++ {
+			if _, err := db.Exec(`INSERT INTO seen (id) VALUES (?)`, i*7); err != nil {
+				t.Fatal(err)
+			}
+		}
+		res, err := idem.ImportMarkers(context.Background(), drv, "balances", &driver.ImportSource{Table: "seen", Column: "id"}, &idem.ImportOptions{Batch: 1000})
+		if err != nil || res.Read != 2500 || res.Imported != 2500 {
+			t.Fatalf("import of an %q column: %+v, %v; want all 2,500", decl, res, err)
+		}
+		var has bool
+		if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM idem_processed WHERE handler = 'balances' AND message_id = '17500')`).Scan(&has); err != nil || !has {
+			t.Fatalf("%q column: marker of the last value 17500: %v, %v", decl, has, err)
+		}
+	}
 	for _, src := range []*driver.ImportSource{
 		{Table: "processed_events; DROP TABLE x", Column: "event_id"},
 		{Table: "processed_events", Column: `event_id"`},

@@ -26,10 +26,11 @@ order, --batch IDs per transaction, and can run again at any time: markers
 already there are kept. Run it before the consumers switch to idem and once
 more after, for IDs recorded in between.
 
-The column must be text (its values sort and compare as text); put a view
-that casts it in front of another type. Values that are not valid message
-IDs (more than 255 bytes, not UTF-8, holding NUL) are listed and skipped,
-and the command then exits 1. NULL and empty values are not read.
+The column may be of any type whose text form is the message ID: text, a
+UUID (its canonical lowercase form), an integer; it is read in its own
+order, so an index on it serves every page. Values that are not valid
+message IDs (more than 255 bytes, not UTF-8, holding NUL) are listed and
+skipped, and the command then exits 1. NULL and empty values are not read.
 
 The DSN comes from --dsn, or from the IDEM_DSN environment variable.
 
