@@ -11,7 +11,10 @@ type DeadLetterStore interface {
 	// DeadLetterPut records a dead letter and returns its ID once it is
 	// committed. A second dead letter for the same (handler, message ID)
 	// updates the row: error, class, fingerprint, attempts and last
-	// failure time, and parks it again; first_failed_at is kept. Without
+	// failure time, and parks it again; first_failed_at is kept. Parking
+	// again one an operator had discarded, or one already replayed, is
+	// logged (actor RefailActor, outcome RefailOutcome(Error)), so that
+	// its history says why it is back. Without
 	// a message ID (the delivery did not decode), a dead letter with the
 	// same handler, Source, Raw and Error as a stored one updates it the
 	// same way when Source is set: the delivery again, after a crash
@@ -51,6 +54,13 @@ type DeadLetterEvent struct {
 	Actor   string
 	Outcome string
 }
+
+// RefailActor is the actor of the log entry DeadLetterPut writes when it
+// parks again a dead letter that was discarded or replayed.
+const RefailActor = "delivery"
+
+// RefailOutcome is the outcome of that log entry: the new error.
+func RefailOutcome(errText string) string { return "failed again: " + errText }
 
 // DeadLetter states.
 const (

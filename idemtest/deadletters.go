@@ -29,6 +29,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"NonASCIIErrorDeadLettered", testNonASCIIError[TTx]},
 		{"TimeFiltersInMicroseconds", testTimeFilters[TTx]},
 		{"EmptyIDsMatchNone", testEmptyIDs[TTx]},
+		{"FailingAgainAfterDiscardIsLogged", testRefailLogged[TTx]},
 		{"RetriedUntilApplied", testRetriedUntilApplied[TTx]},
 		{"AttemptsExhausted", testExhausted[TTx]},
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
@@ -189,6 +190,54 @@ func testEmptyIDs[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStor
 	// nil IDs do not restrict: both are listed.
 	if n := len(deadLetters(t, dl, &driver.DeadLetterFilter{IDs: nil})); n != 2 {
 		t.Errorf("list with nil IDs: %d dead letters, want 2", n)
+	}
+}
+
+// testRefailLogged: a message whose dead letter an operator discarded (or
+// that was replayed) and that fails again is parked again, and its
+// history says so; a failure of a parked one adds no entry.
+func testRefailLogged[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	c := newConsumer(t, s, CreditHandler(s, "balances", nil), dl, nil)
+	for _, m := range []*idem.Message{
+		{ID: "junk-1", Payload: []byte("not a credit")},
+		{ID: "", Payload: []byte("no ID")}, // unkeyed: found again by source, payload and error
+	} {
+		deliver := func(attempt int) {
+			t.Helper()
+			d := &idem.Delivery{Msg: m, Source: "kafka:t/0@" + m.ID, Attempt: attempt}
+			if m.ID == "" {
+				d = &idem.Delivery{DecodeErr: errors.New("no ID header"), Raw: m.Payload, Source: "kafka:t/0@9", Attempt: attempt}
+			}
+			if v := c.HandleDelivery(ctx, d); !v.DeadLettered {
+				t.Fatalf("%q attempt %d: %+v, want dead-lettered", m.ID, attempt, v)
+			}
+		}
+		deliver(1)
+		deliver(2) // parked already: no entry
+		got := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterParked})
+		if len(got) != 1 {
+			t.Fatalf("%q: %d parked dead letters, want 1", m.ID, len(got))
+		}
+		id := got[0].ID
+		if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{id}}, "ops"); err != nil || n != 1 {
+			t.Fatalf("discard: %d, %v", n, err)
+		}
+		deliver(3)
+		hist, err := dl.DeadLetterHistory(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(hist) != 2 || hist[0].State != driver.DeadLetterDiscarded || hist[1].State != driver.DeadLetterParked ||
+			hist[1].Actor != driver.RefailActor || !strings.HasPrefix(hist[1].Outcome, "failed again: ") {
+			t.Fatalf("%q: history %+v, want discarded, then parked by a delivery that failed again", m.ID, hist)
+		}
+		if got := deadLetters(t, dl, &driver.DeadLetterFilter{IDs: []int64{id}}); len(got) != 1 || got[0].State != driver.DeadLetterParked || got[0].Attempts != 3 {
+			t.Fatalf("%q: dead letter %+v, want parked again after 3 attempts", m.ID, got)
+		}
+		if _, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{id}}, "ops"); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 

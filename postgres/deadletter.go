@@ -19,14 +19,23 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 		return d.putUnkeyed(ctx, dl)
 	}
 	var id int64
-	err := d.pool.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
-(handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
-VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
-  envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
-  class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
-  last_failed_at = now(), state = 'parked'
-RETURNING id`, dl.Handler, dl.MessageID, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+	err := d.pool.QueryRow(ctx, `WITH prev AS (
+  SELECT id, state FROM `+d.t.deadLetters+` WHERE handler = $1 AND message_id = $2 AND message_id <> ''
+), up AS (
+  INSERT INTO `+d.t.deadLetters+`
+  (handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
+  VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
+  ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
+    envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
+    class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
+    last_failed_at = now(), state = 'parked'
+  RETURNING id
+), logged AS (
+  INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome)
+  SELECT id, 'parked', $10, $11 FROM prev WHERE state IN ('discarded', 'replayed')
+)
+SELECT id FROM up`, dl.Handler, dl.MessageID, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts,
+		driver.RefailActor, driver.RefailOutcome(dl.Error)).Scan(&id)
 	if err != nil {
 		return 0, fmt.Errorf("postgres: store dead letter: %w", err)
 	}
@@ -55,12 +64,21 @@ func (d *Driver) putUnkeyed(ctx context.Context, dl *driver.DeadLetter) (int64, 
 			"idem-dead-letter:"+d.t.deadLetters+"|"+dl.Handler+"|"+dl.Source); err != nil {
 			return err
 		}
-		err := tx.QueryRow(ctx, `UPDATE `+d.t.deadLetters+` SET
-  class = $5, fingerprint = $6, attempts = $7, last_failed_at = now(), state = 'parked'
-WHERE id = (SELECT id FROM `+d.t.deadLetters+`
+		err := tx.QueryRow(ctx, `WITH prev AS (
+  SELECT id, state FROM `+d.t.deadLetters+`
   WHERE handler = $1 AND message_id = '' AND source = $2 AND raw IS NOT DISTINCT FROM $3 AND error = $4
-  ORDER BY id LIMIT 1)
-RETURNING id`, dl.Handler, dl.Source, dl.Raw, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+  ORDER BY id LIMIT 1
+), up AS (
+  UPDATE `+d.t.deadLetters+` AS d SET
+    class = $5, fingerprint = $6, attempts = $7, last_failed_at = now(), state = 'parked'
+  FROM prev WHERE d.id = prev.id
+  RETURNING d.id, prev.state AS was
+), logged AS (
+  INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome)
+  SELECT id, 'parked', $8, $9 FROM up WHERE was IN ('discarded', 'replayed')
+)
+SELECT id FROM up`, dl.Handler, dl.Source, dl.Raw, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts,
+			driver.RefailActor, driver.RefailOutcome(dl.Error)).Scan(&id)
 		if !errors.Is(err, pgx.ErrNoRows) {
 			return err
 		}

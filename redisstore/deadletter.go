@@ -35,13 +35,18 @@ func (d *Driver) dlKey(suffix string) string { return d.prefix + "dl:" + suffix 
 
 // putScript stores a dead letter. KEYS: seq, ids, keys. ARGV: prefix of the
 // dead-letter hashes, key field ("" when the message ID is unknown), now in
-// µs, then the fields as name/value pairs.
+// µs, the log entry to add if it parks again a discarded or replayed dead
+// letter, then the fields as name/value pairs.
 var putScript = redis.NewScript(`
 local id = false
 if ARGV[2] ~= '' then id = redis.call('HGET', KEYS[3], ARGV[2]) end
 local h
 if id then
   h = ARGV[1] .. id
+  local was = redis.call('HGET', h, 'state')
+  if was == 'discarded' or was == 'replayed' then
+    redis.call('RPUSH', ARGV[1] .. 'log:' .. id, ARGV[4])
+  end
 else
   id = redis.call('INCR', KEYS[1])
   h = ARGV[1] .. id
@@ -49,7 +54,7 @@ else
   if ARGV[2] ~= '' then redis.call('HSET', KEYS[3], ARGV[2], id) end
   redis.call('HSET', h, 'first', ARGV[3])
 end
-redis.call('HSET', h, 'last', ARGV[3], 'state', 'parked', unpack(ARGV, 4))
+redis.call('HSET', h, 'last', ARGV[3], 'state', 'parked', unpack(ARGV, 5))
 return tonumber(id)
 `)
 
@@ -70,7 +75,12 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 		h.Write([]byte(dl.Error))
 		field = dl.Handler + "|\x00" + dl.Source + "\x00" + hex.EncodeToString(h.Sum(nil))
 	}
-	args := []any{d.dlKey(""), field, time.Now().UnixMicro(),
+	now := time.Now().UnixMicro()
+	entry, err := json.Marshal(logEntry{At: now, State: driver.DeadLetterParked, Actor: driver.RefailActor, Outcome: driver.RefailOutcome(dl.Error)})
+	if err != nil {
+		return 0, fmt.Errorf("redisstore: store dead letter: %w", err)
+	}
+	args := []any{d.dlKey(""), field, now, entry,
 		"handler", dl.Handler, "message_id", dl.MessageID, "envelope", dl.Envelope, "raw", dl.Raw,
 		"source", dl.Source, "error", dl.Error, "class", dl.Class, "fingerprint", dl.Fingerprint,
 		"attempts", dl.Attempts}

@@ -16,57 +16,68 @@ var _ driver.DeadLetterStore = (*Driver)(nil)
 
 const deadLetterColumns = `id, handler, message_id, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state`
 
-// DeadLetterPut implements driver.DeadLetterStore.
+// DeadLetterPut implements driver.DeadLetterStore. The lookup of the row
+// it updates, the write and the log entry share one write transaction.
+//
+// Without a message ID to key on (the delivery did not decode, or its ID
+// is invalid), the same failure of the same delivery again (handler,
+// source, payload and error), redelivered after a crash before the ack,
+// updates the row it wrote.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
 	now := time.Now().UnixMicro()
-	if dl.MessageID == "" && dl.Source != "" {
-		return d.putUnkeyed(ctx, dl, now)
+	tx, err := d.db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
 	}
-	var id int64
-	err := d.db.QueryRowContext(ctx, `INSERT INTO `+d.tables.deadLetters+`
-(handler, message_id, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
-ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
-  envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
-  class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
-  last_failed_at = excluded.last_failed_at, state = 'parked'
-RETURNING id`, dl.Handler, dl.MessageID, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint,
-		dl.Attempts, now, now).Scan(&id)
+	defer func() { _ = tx.Rollback() }()
+	id, err := d.putTx(ctx, tx, dl, now)
+	if err == nil {
+		err = tx.Commit()
+	}
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
 	}
 	return id, nil
 }
 
-// putUnkeyed stores a dead letter without a message ID to key on (the
-// delivery did not decode, or its ID is invalid). The same failure of the
-// same delivery again (handler, source, payload and error), redelivered
-// after a crash before the ack, updates the row it wrote. The lookup and
-// the insert share one write transaction, so concurrent writes of one
-// delivery do not both insert.
-func (d *Driver) putUnkeyed(ctx context.Context, dl *driver.DeadLetter, now int64) (int64, error) {
-	tx, err := d.db.BeginTx(ctx, nil)
-	if err != nil {
-		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
+func (d *Driver) putTx(ctx context.Context, tx *sql.Tx, dl *driver.DeadLetter, now int64) (int64, error) {
+	unkeyed := dl.MessageID == ""
+	var (
+		id  int64
+		was string
+		err = sql.ErrNoRows
+	)
+	switch {
+	case !unkeyed:
+		err = tx.QueryRowContext(ctx, `SELECT id, state FROM `+d.tables.deadLetters+` WHERE handler = ? AND message_id = ?`,
+			dl.Handler, dl.MessageID).Scan(&id, &was)
+	case dl.Source != "":
+		err = tx.QueryRowContext(ctx, `SELECT id, state FROM `+d.tables.deadLetters+`
+WHERE handler = ? AND message_id = '' AND source = ? AND raw IS ? AND error = ? ORDER BY id LIMIT 1`,
+			dl.Handler, dl.Source, dl.Raw, dl.Error).Scan(&id, &was)
 	}
-	defer func() { _ = tx.Rollback() }()
-	var id int64
-	err = tx.QueryRowContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
-  class = ?, fingerprint = ?, attempts = ?, last_failed_at = ?, state = 'parked'
-WHERE id = (SELECT id FROM `+d.tables.deadLetters+`
-  WHERE handler = ? AND message_id = '' AND source = ? AND raw IS ? AND error = ? ORDER BY id LIMIT 1)
-RETURNING id`, dl.Class, dl.Fingerprint, dl.Attempts, now, dl.Handler, dl.Source, dl.Raw, dl.Error).Scan(&id)
 	if errors.Is(err, sql.ErrNoRows) {
 		err = tx.QueryRowContext(ctx, `INSERT INTO `+d.tables.deadLetters+`
-(handler, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
-RETURNING id`, dl.Handler, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, now, now).Scan(&id)
-	}
-	if err == nil {
-		err = tx.Commit()
+(handler, message_id, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
+RETURNING id`, dl.Handler, dl.MessageID, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint,
+			dl.Attempts, now, now).Scan(&id)
+		return id, err
 	}
 	if err != nil {
-		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
+		return 0, err
+	}
+	_, err = tx.ExecContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
+  envelope = ?, raw = ?, source = ?, error = ?, class = ?, fingerprint = ?, attempts = ?, last_failed_at = ?, state = 'parked'
+WHERE id = ?`, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, now, id)
+	if err != nil {
+		return 0, err
+	}
+	if was == driver.DeadLetterDiscarded || was == driver.DeadLetterReplayed {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.deadLetterLog+` (dead_letter_id, at, state, actor, outcome) VALUES (?, ?, ?, ?, ?)`,
+			id, now, driver.DeadLetterParked, driver.RefailActor, driver.RefailOutcome(dl.Error)); err != nil {
+			return 0, err
+		}
 	}
 	return id, nil
 }
