@@ -14,19 +14,27 @@ import (
 	"github.com/idemhq/idem/postgres"
 )
 
-// TestOperatorCommandsPostgres runs stats and dlq against a Postgres
-// schema holding one applied message and one dead letter.
-func TestOperatorCommandsPostgres(t *testing.T) {
+// migratedSchema returns a fresh schema with idem migrated into it, and
+// its driver.
+func migratedSchema(t *testing.T) (string, *postgres.Driver) {
+	t.Helper()
 	pool := testenv.PostgresPool(t, 4)
 	schema := testenv.FreshSchema(t, pool)
-	ctx := context.Background()
 	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := drv.Migrate(ctx); err != nil {
+	if err := drv.Migrate(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	return schema, drv
+}
+
+// TestOperatorCommandsPostgres runs stats and dlq against a Postgres
+// schema holding one applied message and one dead letter.
+func TestOperatorCommandsPostgres(t *testing.T) {
+	schema, drv := migratedSchema(t)
+	ctx := context.Background()
 	proc, err := idem.NewProcessor(drv, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -119,16 +127,8 @@ func TestImportPostgres(t *testing.T) {
 // TestOutboxNotifyCommand: 'idem outbox notify on|off' installs and removes
 // the outbox's NOTIFY trigger on Postgres, and is refused on SQLite.
 func TestOutboxNotifyCommand(t *testing.T) {
-	pool := testenv.PostgresPool(t, 4)
-	schema := testenv.FreshSchema(t, pool)
+	schema, drv := migratedSchema(t)
 	ctx := context.Background()
-	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
 	vars := map[string]string{dsnEnv: testenv.PostgresDSN()}
 	for _, step := range []struct {
 		arg  string
