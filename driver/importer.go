@@ -8,10 +8,10 @@ import "context"
 // for is unknown, so a redelivery of any payload is a duplicate.
 type MarkerImporter interface {
 	// ImportIDs returns up to limit values of the source column, as text
-	// (NULL and empty values left out), ascending in the column's own order: from the first when
-	// after is "", else those greater than after (the text of the last
-	// value of the previous page, which the driver reads back as a value
-	// of the column's type).
+	// (NULL and empty values left out), ascending in the column's own
+	// order: from the first when after is "", else those greater than
+	// after (the text of the last value of the previous page, which the
+	// driver reads back as a value of the column's type).
 	ImportIDs(ctx context.Context, src *ImportSource, after string, limit int) ([]string, error)
 	// InsertImportedMarkers inserts, in one transaction, a marker with an
 	// empty payload hash for each ID that has no marker of handler yet,

@@ -150,6 +150,10 @@ func TestOutboxNotifyCommand(t *testing.T) {
 	if code, _, errOut := runCLIEnv(t, vars, "outbox", "notify", "maybe", "--schema", schema); code != exitUsage || !strings.Contains(errOut, "notify takes on or off") {
 		t.Fatalf("notify maybe: exit %d\n%s", code, errOut)
 	}
+	bare := testenv.FreshSchema(t, testenv.PostgresPool(t, 2))
+	if code, _, errOut := runCLIEnv(t, vars, "outbox", "notify", "on", "--schema", bare); code == exitOK || !strings.Contains(errOut, "run 'idem migrate' first") {
+		t.Fatalf("notify on an unmigrated schema: exit %d\n%s", code, errOut)
+	}
 	db := t.TempDir() + "/x.db"
 	if code, _, errOut := runCLI(t, "migrate", "--dsn", db); code != exitOK {
 		t.Fatalf("migrate sqlite: exit %d\n%s", code, errOut)

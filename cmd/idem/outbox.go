@@ -85,6 +85,7 @@ part of the schema, for every process. See docs/outbox.md.
 // commit (postgres.Driver).
 type outboxNotifier interface {
 	SetOutboxNotify(ctx context.Context, on bool) error
+	OutboxNotifyOn(ctx context.Context) (bool, error)
 }
 
 // runOutboxNotify turns the store's commit notifications on or off.
@@ -92,11 +93,6 @@ func runOutboxNotify(ctx context.Context, w io.Writer, s *store, on bool) error 
 	n, ok := s.idemDriver().(outboxNotifier)
 	if !ok {
 		return fmt.Errorf("%s: only PostgreSQL notifies relays at commit; relays poll every PollInterval", s)
-	}
-	if count, version, err := s.schemaVersion(ctx); err != nil {
-		return err
-	} else if count == 0 || version < outboxSchemaVersion {
-		return fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
 	}
 	if err := n.SetOutboxNotify(ctx, on); errors.Is(err, postgres.ErrNotMigrated) {
 		return fmt.Errorf("%s is not migrated to this version of idem: run 'idem migrate' first", s)
@@ -177,9 +173,7 @@ func readOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, er
 		return nil, err
 	}
 	rep := &outboxReport{Pending: st.Pending, Failing: st.Failing, LastError: st.LastError, Published: st.Published}
-	if n, ok := s.idemDriver().(interface {
-		OutboxNotifyOn(context.Context) (bool, error)
-	}); ok {
+	if n, ok := s.idemDriver().(outboxNotifier); ok {
 		on, err := n.OutboxNotifyOn(ctx)
 		if err != nil {
 			return nil, err
