@@ -103,7 +103,7 @@ func ImportMarkers(ctx context.Context, imp driver.MarkerImporter, handler strin
 			return res, nil
 		}
 		last := values[len(values)-1]
-		if last == after {
+		if last == after || last == "" {
 			// The driver read the cursor back as another value than the
 			// one it came from; going on would read the same page again.
 			return res, fmt.Errorf("idem: import: read %s.%s: the page after ID %q ends with it again; the column's values must sort the same as text and as themselves", src.Table, src.Column, after)

@@ -647,25 +647,28 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 	}
 	// The column's type, from the catalog (format_type quotes what needs
 	// it): the cursor is read back as a value of it, so that pages follow
-	// the column's own order and its index. (The text form is selected
-	// under another name: ORDER BY would take an output column of the
-	// column's own name, and sort as text.)
+	// the column's own order and its index.
 	var typ string
-	var isText bool
-	err = d.pool.QueryRow(ctx, `SELECT format_type(a.atttypid, a.atttypmod), a.atttypid = ANY ('{text,varchar,bpchar}'::regtype[])
-FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`, table, src.Column).Scan(&typ, &isText)
+	err = d.pool.QueryRow(ctx, `SELECT format_type(a.atttypid, a.atttypmod)
+FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`, table, src.Column).Scan(&typ)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("postgres: import: %s has no column %s", table, col)
 	} else if err != nil {
 		return nil, err
 	}
-	q, args := `SELECT `+col+`::text AS idem_value FROM `+table+` WHERE `+col+`::text <> '' ORDER BY `+col+` LIMIT $1`, []any{limit}
+	// Pages are ordered by the value, then by its text in byte order:
+	// values that compare equal but read differently (numeric 1.5 and
+	// 1.50, citext B and b) are distinct IDs, and a page boundary between
+	// them must not skip one. The text form is selected under another
+	// name: ORDER BY would take an output column of the column's own name,
+	// and sort as text.
+	text := col + `::text`
+	order := ` ORDER BY ` + col + `, ` + text + ` COLLATE "C"`
+	q, args := `SELECT `+text+` AS idem_value FROM `+table+` WHERE `+text+` <> ''`+order+` LIMIT $1`, []any{limit}
 	if after != "" {
-		cursor := "$1"
-		if !isText {
-			cursor = "$1::text::" + typ
-		}
-		q = `SELECT ` + col + `::text AS idem_value FROM ` + table + ` WHERE ` + col + ` > ` + cursor + ` ORDER BY ` + col + ` LIMIT $2`
+		v := `$1::text::` + typ
+		q = `SELECT ` + text + ` AS idem_value FROM ` + table + ` WHERE ` + text + ` <> '' AND ` + col + ` >= ` + v +
+			` AND (` + col + ` > ` + v + ` OR ` + text + ` COLLATE "C" > $1::text COLLATE "C")` + order + ` LIMIT $2`
 		args = []any{after, limit}
 	}
 	rows, err := d.pool.Query(ctx, q, args...)

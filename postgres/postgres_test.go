@@ -148,6 +148,16 @@ func TestImportMarkers(t *testing.T) {
 			t.Fatalf("import of a %s column: %+v, %v; want all 2,500", typ, res, err)
 		}
 	}
+	// Values equal as values but not as text (numeric 1.5 and 1.50) are
+	// two IDs, and a page boundary between them skips neither.
+	nums := pgx.Identifier{schema, "seen_numeric"}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+nums+` (id numeric); INSERT INTO `+nums+` VALUES (1), (1.5), (1.50), (2), (3), (NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	res, err := idem.ImportMarkers(ctx, drv, "typed_numeric", &driver.ImportSource{Schema: schema, Table: "seen_numeric", Column: "id"}, &idem.ImportOptions{Batch: 2})
+	if err != nil || res.Read != 5 || res.Imported != 5 {
+		t.Fatalf("import of 1, 1.5, 1.50, 2, 3 in pages of 2: %+v, %v; want all 5", res, err)
+	}
 	var markers int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+
 		` WHERE handler = 'typed_uuid' AND message_id = md5('2500')::uuid::text`).Scan(&markers); err != nil || markers != 1 {

@@ -33,14 +33,22 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
-	q, args := `SELECT CAST(`+col+` AS TEXT) AS idem_value FROM `+table+` WHERE `+col+` IS NOT NULL AND `+col+` <> '' ORDER BY `+col+` LIMIT ?`, []any{limit}
+	// Pages are ordered by the value, then by its text: values that
+	// compare equal but read differently (5 and 5.0 in a column without a
+	// type, B and b under NOCASE) are distinct IDs, and a page boundary
+	// between them must not skip one. NULL and empty values are left out
+	// on every page: after a number, '' sorts greater.
+	text := `CAST(` + col + ` AS TEXT)`
+	where := col + ` IS NOT NULL AND ` + col + ` <> ''`
+	order := ` ORDER BY ` + col + `, ` + text + ` COLLATE BINARY`
+	q, args := `SELECT `+text+` AS idem_value FROM `+table+` WHERE `+where+order+` LIMIT ?`, []any{limit}
 	if after != "" {
 		cursor, err := d.importCursor(ctx, table, col, after)
 		if err != nil {
 			return nil, err
 		}
-		q = `SELECT CAST(` + col + ` AS TEXT) AS idem_value FROM ` + table + ` WHERE ` + col + ` > ? ORDER BY ` + col + ` LIMIT ?`
-		args = []any{cursor, limit}
+		q = `SELECT ` + text + ` AS idem_value FROM ` + table + ` WHERE ` + where + ` AND ` + col + ` >= ? AND (` + col + ` > ? OR ` + text + ` COLLATE BINARY > ?)` + order + ` LIMIT ?`
+		args = []any{cursor, cursor, after, limit}
 	}
 	rows, err := d.db.QueryContext(ctx, q, args...)
 	if err != nil {

@@ -141,6 +141,36 @@ func TestImportMarkers(t *testing.T) {
 			t.Fatalf("%q column: marker of the last value 17500: %v, %v", decl, has, err)
 		}
 	}
+	// Empty values are left out on every page (after a number, '' sorts
+	// greater), and values equal as numbers but not as text (5 and 5.0)
+	// are two IDs a page boundary does not merge.
+	{
+		db, drv := openMigrated(t, &sqlite.OpenOptions{Synchronous: "OFF"})
+		if _, err := db.Exec(`CREATE TABLE odd (id BIGINT NOT NULL DEFAULT '')`); err != nil {
+			t.Fatal(err)
+		}
+		for i := 1; i <= 15; i++ {
+			if _, err := db.Exec(`INSERT INTO odd (id) VALUES (?)`, i); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := db.Exec(`INSERT INTO odd (id) VALUES (''), (''), (''), (''), (''), ('abc')`); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		res, err := idem.ImportMarkers(ctx, drv, "balances", &driver.ImportSource{Table: "odd", Column: "id"}, &idem.ImportOptions{Batch: 10})
+		if err != nil || res.Read != 16 || res.Imported != 16 || res.Invalid != 0 {
+			t.Fatalf("15 numbers, 5 empty values and abc in pages of 10: %+v, %v; want the 16 non-empty ones", res, err)
+		}
+		if _, err := db.Exec(`CREATE TABLE mixed (id); INSERT INTO mixed VALUES (5), (5.0), (6), ('x')`); err != nil {
+			t.Fatal(err)
+		}
+		res, err = idem.ImportMarkers(ctx, drv, "mixed", &driver.ImportSource{Table: "mixed", Column: "id"}, &idem.ImportOptions{Batch: 1})
+		if err != nil || res.Read != 4 || res.Imported != 4 {
+			t.Fatalf("5, 5.0, 6 and x in pages of 1: %+v, %v; want all 4", res, err)
+		}
+	}
 	for _, src := range []*driver.ImportSource{
 		{Table: "processed_events; DROP TABLE x", Column: "event_id"},
 		{Table: "processed_events", Column: `event_id"`},
