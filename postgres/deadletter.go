@@ -13,31 +13,77 @@ import (
 
 var _ driver.DeadLetterStore = (*Driver)(nil)
 
-// DeadLetterPut implements driver.DeadLetterStore.
+// DeadLetterPut implements driver.DeadLetterStore, in one transaction:
+// the row it updates is locked first (FOR UPDATE), so that its state is
+// read after any operator's change in flight, and a dead letter parked
+// again after a discard or a replay is logged as such.
+//
+// Without a message ID to key on (the delivery did not decode, or its ID
+// is invalid), the same failure of the same delivery again (handler,
+// source, payload and error), redelivered after a crash before the ack,
+// updates the row it wrote. An advisory lock on the handler and source
+// serialises concurrent writes of one such delivery (two consumers during
+// a rebalance), which no unique index can: rows written before this rule
+// may repeat.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
-	if dl.MessageID == "" && dl.Source != "" {
-		return d.putUnkeyed(ctx, dl)
-	}
 	var id int64
-	err := d.pool.QueryRow(ctx, `WITH prev AS (
-  SELECT id, state FROM `+d.t.deadLetters+` WHERE handler = $1 AND message_id = $2 AND message_id <> ''
-), up AS (
-  INSERT INTO `+d.t.deadLetters+`
-  (handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
-  VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
-  ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
-    envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
-    class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
-    last_failed_at = now(), state = 'parked'
-  RETURNING id
-), logged AS (
-  INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome)
-  SELECT id, 'parked', $10, $11 FROM prev WHERE state IN ('discarded', 'replayed')
-)
-SELECT id FROM up`, dl.Handler, dl.MessageID, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts,
-		driver.RefailActor, driver.RefailOutcome(dl.Error)).Scan(&id)
+	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+		var err error
+		id, err = d.putTx(ctx, tx, dl)
+		return err
+	})
 	if err != nil {
 		return 0, fmt.Errorf("postgres: store dead letter: %w", err)
+	}
+	return id, nil
+}
+
+func (d *Driver) putTx(ctx context.Context, tx pgx.Tx, dl *driver.DeadLetter) (int64, error) {
+	var (
+		id  int64
+		was string
+		err = pgx.ErrNoRows
+	)
+	switch {
+	case dl.MessageID != "":
+		err = tx.QueryRow(ctx, `SELECT id, state FROM `+d.t.deadLetters+` WHERE handler = $1 AND message_id = $2 FOR UPDATE`,
+			dl.Handler, dl.MessageID).Scan(&id, &was)
+	case dl.Source != "":
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`,
+			"idem-dead-letter:"+d.t.deadLetters+"|"+dl.Handler+"|"+dl.Source); err != nil {
+			return 0, err
+		}
+		err = tx.QueryRow(ctx, `SELECT id, state FROM `+d.t.deadLetters+`
+WHERE handler = $1 AND message_id = '' AND source = $2 AND raw IS NOT DISTINCT FROM $3 AND error = $4
+ORDER BY id LIMIT 1 FOR UPDATE`, dl.Handler, dl.Source, dl.Raw, dl.Error).Scan(&id, &was)
+	}
+	if errors.Is(err, pgx.ErrNoRows) {
+		// A new dead letter; a concurrent first write of the same key
+		// meets it here and updates it instead.
+		err = tx.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
+(handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
+VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
+  envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
+  class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
+  last_failed_at = now(), state = 'parked'
+RETURNING id`, dl.Handler, dl.MessageID, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+		return id, err
+	}
+	if err != nil {
+		return 0, err
+	}
+	if _, err := tx.Exec(ctx, `UPDATE `+d.t.deadLetters+` SET
+  envelope = $2::jsonb, raw = $3, source = $4, error = $5, class = $6, fingerprint = $7, attempts = $8,
+  last_failed_at = now(), state = 'parked'
+WHERE id = $1`, id, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts); err != nil {
+		return 0, err
+	}
+	if was == driver.DeadLetterDiscarded || was == driver.DeadLetterReplayed {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome) VALUES ($1, $2, $3, $4)`,
+			id, driver.DeadLetterParked, driver.RefailActor, driver.RefailOutcome(dl.Error)); err != nil {
+			return 0, err
+		}
 	}
 	return id, nil
 }
@@ -48,48 +94,6 @@ func envelopeArg(env []byte) any {
 		return nil
 	}
 	return string(env)
-}
-
-// putUnkeyed stores a dead letter without a message ID to key on (the
-// delivery did not decode, or its ID is invalid). The same failure of the
-// same delivery again (handler, source, payload and error), redelivered
-// after a crash before the ack, updates the row it wrote. An advisory lock
-// on the handler and source serialises concurrent writes of one delivery
-// (two consumers during a rebalance), which no unique index can: rows
-// written before this rule may repeat.
-func (d *Driver) putUnkeyed(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
-	var id int64
-	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`,
-			"idem-dead-letter:"+d.t.deadLetters+"|"+dl.Handler+"|"+dl.Source); err != nil {
-			return err
-		}
-		err := tx.QueryRow(ctx, `WITH prev AS (
-  SELECT id, state FROM `+d.t.deadLetters+`
-  WHERE handler = $1 AND message_id = '' AND source = $2 AND raw IS NOT DISTINCT FROM $3 AND error = $4
-  ORDER BY id LIMIT 1
-), up AS (
-  UPDATE `+d.t.deadLetters+` AS d SET
-    class = $5, fingerprint = $6, attempts = $7, last_failed_at = now(), state = 'parked'
-  FROM prev WHERE d.id = prev.id
-  RETURNING d.id, prev.state AS was
-), logged AS (
-  INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome)
-  SELECT id, 'parked', $8, $9 FROM up WHERE was IN ('discarded', 'replayed')
-)
-SELECT id FROM up`, dl.Handler, dl.Source, dl.Raw, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts,
-			driver.RefailActor, driver.RefailOutcome(dl.Error)).Scan(&id)
-		if !errors.Is(err, pgx.ErrNoRows) {
-			return err
-		}
-		return tx.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
-(handler, envelope, raw, source, error, class, fingerprint, attempts) VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8)
-RETURNING id`, dl.Handler, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
-	})
-	if err != nil {
-		return 0, fmt.Errorf("postgres: store dead letter: %w", err)
-	}
-	return id, nil
 }
 
 // DeadLetterList implements driver.DeadLetterStore.
