@@ -305,6 +305,9 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 		Handler: c.name, Raw: d.Raw, Source: storableText(d.Source), Error: storableText(cause.Error()),
 		Class: class, Fingerprint: Fingerprint(cause), Attempts: max(d.Attempt, 1),
 	}
+	if d.replay {
+		dl.Actor, dl.Outcome = c.actor(), "replay failed: "+storableText(cause.Error())
+	}
 	if d.Msg != nil {
 		if d.Raw == nil {
 			dl.Raw = d.Msg.Payload
@@ -388,15 +391,9 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 				return res, fmt.Errorf("idem: make %s claimable for its replay: %w", msg.ID, err)
 			}
 		}
-		v := c.handle(ctx, &Delivery{Msg: msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true})
-		if v.DeadLettered {
-			// Parked again by deadLetter (the upsert resets the state):
-			// log the attempt.
-			if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterParked},
-				To: driver.DeadLetterParked, Actor: c.actor(), Outcome: "replay failed: " + storableText(fmt.Sprint(v.Err))}); err != nil {
-				return res, err
-			}
-		}
+		// A failure parks it again through deadLetter, whose write logs
+		// the replay's attempt.
+		v := c.handle(ctx, &Delivery{Msg: msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true, replay: true})
 		if !v.Ack || v.DeadLettered {
 			// Not even stored: leave it requested for the next run.
 			res.Parked++

@@ -34,6 +34,10 @@ type Delivery struct {
 	// again (for example JetStream's MaxDeliver is reached): the handler
 	// must then dead-letter a failure instead of asking for a retry.
 	LastAttempt bool
+
+	// replay marks a delivery of a dead letter by Replay: a failure parks
+	// it again with the replay's log entry.
+	replay bool
 }
 
 // Verdict is what a source adapter must do with a delivery.

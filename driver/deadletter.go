@@ -12,9 +12,10 @@ type DeadLetterStore interface {
 	// committed. A second dead letter for the same (handler, message ID)
 	// updates the row: error, class, fingerprint, attempts and last
 	// failure time, and parks it again; first_failed_at is kept. Parking
-	// again one an operator had discarded, or one already replayed, is
-	// logged (actor RefailActor, outcome RefailOutcome(Error)), so that
-	// its history says why it is back. Without
+	// again one in another state (discarded, replayed, replay requested)
+	// is logged (dl.Actor and dl.Outcome, by default RefailActor and
+	// RefailOutcome(Error)), so that its history says why it is back.
+	// Without
 	// a message ID (the delivery did not decode), a dead letter with the
 	// same handler, Source, Raw and Error as a stored one updates it the
 	// same way when Source is set: the delivery again, after a crash
@@ -55,12 +56,25 @@ type DeadLetterEvent struct {
 	Outcome string
 }
 
-// RefailActor is the actor of the log entry DeadLetterPut writes when it
-// parks again a dead letter that was discarded or replayed.
+// RefailActor is the default actor of the log entry DeadLetterPut writes
+// when it parks again a dead letter in another state.
 const RefailActor = "delivery"
 
-// RefailOutcome is the outcome of that log entry: the new error.
+// RefailOutcome is the default outcome of that log entry: the new error.
 func RefailOutcome(errText string) string { return "failed again: " + errText }
+
+// RefailLog returns the actor and outcome of the log entry DeadLetterPut
+// writes for dl, with their defaults applied.
+func RefailLog(dl *DeadLetter) (actor, outcome string) {
+	actor, outcome = dl.Actor, dl.Outcome
+	if actor == "" {
+		actor = RefailActor
+	}
+	if outcome == "" {
+		outcome = RefailOutcome(dl.Error)
+	}
+	return actor, outcome
+}
 
 // DeadLetter states.
 const (
@@ -98,6 +112,11 @@ type DeadLetter struct {
 	LastFailed  time.Time
 	// State is one of the DeadLetter* states.
 	State string
+	// Actor and Outcome are written by DeadLetterPut only: the log entry
+	// it adds when it parks again a dead letter in another state
+	// (discarded, replayed, replay requested). Empty: RefailActor and
+	// RefailOutcome(Error).
+	Actor, Outcome string
 }
 
 // DeadLetterFilter selects dead letters. Zero fields match everything.

@@ -239,6 +239,45 @@ func testRefailLogged[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetter
 			t.Fatal(err)
 		}
 	}
+
+	// Replay requested: an ordinary delivery failing again parks it again
+	// (logged as the delivery's); a replay failing logs one entry, the
+	// replay's.
+	last := func(id int64, n int) driver.DeadLetterEvent {
+		t.Helper()
+		hist, err := dl.DeadLetterHistory(ctx, id)
+		if err != nil || len(hist) != n {
+			t.Fatalf("history %+v, %v; want %d entries", hist, err, n)
+		}
+		return hist[n-1]
+	}
+	m := &idem.Message{ID: "junk-2", Payload: []byte("not a credit either")}
+	if v := deliverTo(c, m, 1); !v.DeadLettered {
+		t.Fatalf("junk-2: %+v, want dead-lettered", v)
+	}
+	got := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterParked})
+	if len(got) != 1 || got[0].MessageID != "junk-2" {
+		t.Fatalf("parked %+v, want junk-2 alone", got)
+	}
+	id := got[0].ID
+	if _, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{id}}, "ops"); err != nil {
+		t.Fatal(err)
+	}
+	if v := deliverTo(c, m, 2); !v.DeadLettered {
+		t.Fatalf("junk-2 again: %+v, want dead-lettered", v)
+	}
+	if e := last(id, 2); e.State != driver.DeadLetterParked || e.Actor != driver.RefailActor {
+		t.Fatalf("after a failing delivery while replay was requested: %+v, want parked by the delivery", e)
+	}
+	if _, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{id}}, "ops"); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := c.Replay(ctx); err != nil || res.Parked != 1 {
+		t.Fatalf("replay: %+v, %v; want it parked again", res, err)
+	}
+	if e := last(id, 4); e.State != driver.DeadLetterParked || e.Actor != "consumer balances" || !strings.HasPrefix(e.Outcome, "replay failed: ") {
+		t.Fatalf("after a failing replay: %+v, want one entry, the replay's", e)
+	}
 }
 
 // testRetriedUntilApplied: a handler failing its first three calls is

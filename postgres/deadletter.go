@@ -16,7 +16,7 @@ var _ driver.DeadLetterStore = (*Driver)(nil)
 // DeadLetterPut implements driver.DeadLetterStore, in one transaction:
 // the row it updates is locked first (FOR UPDATE), so that its state is
 // read after any operator's change in flight, and a dead letter parked
-// again after a discard or a replay is logged as such.
+// again from another state is logged as such.
 //
 // Without a message ID to key on (the delivery did not decode, or its ID
 // is invalid), the same failure of the same delivery again (handler,
@@ -79,9 +79,10 @@ RETURNING id`, dl.Handler, dl.MessageID, envelopeArg(dl.Envelope), dl.Raw, dl.So
 WHERE id = $1`, id, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts); err != nil {
 		return 0, err
 	}
-	if was == driver.DeadLetterDiscarded || was == driver.DeadLetterReplayed {
+	if was != driver.DeadLetterParked {
+		actor, outcome := driver.RefailLog(dl)
 		if _, err := tx.Exec(ctx, `INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome) VALUES ($1, $2, $3, $4)`,
-			id, driver.DeadLetterParked, driver.RefailActor, driver.RefailOutcome(dl.Error)); err != nil {
+			id, driver.DeadLetterParked, actor, outcome); err != nil {
 			return 0, err
 		}
 	}

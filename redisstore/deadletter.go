@@ -35,8 +35,8 @@ func (d *Driver) dlKey(suffix string) string { return d.prefix + "dl:" + suffix 
 
 // putScript stores a dead letter. KEYS: seq, ids, keys. ARGV: prefix of the
 // dead-letter hashes, key field ("" when the message ID is unknown), now in
-// µs, the log entry to add if it parks again a discarded or replayed dead
-// letter, then the fields as name/value pairs.
+// µs, the log entry to add if it parks again a dead letter in another
+// state, then the fields as name/value pairs.
 var putScript = redis.NewScript(`
 local id = false
 if ARGV[2] ~= '' then id = redis.call('HGET', KEYS[3], ARGV[2]) end
@@ -44,7 +44,7 @@ local h
 if id then
   h = ARGV[1] .. id
   local was = redis.call('HGET', h, 'state')
-  if was == 'discarded' or was == 'replayed' then
+  if was and was ~= 'parked' then
     redis.call('RPUSH', ARGV[1] .. 'log:' .. id, ARGV[4])
   end
 else
@@ -76,7 +76,8 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 		field = dl.Handler + "|\x00" + dl.Source + "\x00" + hex.EncodeToString(h.Sum(nil))
 	}
 	now := time.Now().UnixMicro()
-	entry, err := json.Marshal(logEntry{At: now, State: driver.DeadLetterParked, Actor: driver.RefailActor, Outcome: driver.RefailOutcome(dl.Error)})
+	actor, outcome := driver.RefailLog(dl)
+	entry, err := json.Marshal(logEntry{At: now, State: driver.DeadLetterParked, Actor: actor, Outcome: outcome})
 	if err != nil {
 		return 0, fmt.Errorf("redisstore: store dead letter: %w", err)
 	}

@@ -73,9 +73,10 @@ WHERE id = ?`, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprin
 	if err != nil {
 		return 0, err
 	}
-	if was == driver.DeadLetterDiscarded || was == driver.DeadLetterReplayed {
+	if was != driver.DeadLetterParked {
+		actor, outcome := driver.RefailLog(dl)
 		if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.deadLetterLog+` (dead_letter_id, at, state, actor, outcome) VALUES (?, ?, ?, ?, ?)`,
-			id, now, driver.DeadLetterParked, driver.RefailActor, driver.RefailOutcome(dl.Error)); err != nil {
+			id, now, driver.DeadLetterParked, actor, outcome); err != nil {
 			return 0, err
 		}
 	}
