@@ -69,35 +69,29 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 // importCursor is after as the value it was read from: the integer or
 // real it reads as if the column holds that number, else the text.
 func (d *Driver) importCursor(ctx context.Context, table, col, after string) (any, error) {
-	var candidates []any
+	var num any
 	if n, err := strconv.ParseInt(after, 10, 64); err == nil {
-		candidates = append(candidates, n)
+		num = n
 	} else if f, err := strconv.ParseFloat(after, 64); err == nil {
-		candidates = append(candidates, f)
+		num = f
+	} else {
+		return after, nil
 	}
-	for _, c := range candidates {
-		var found bool
-		if err := d.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ? AND typeof(`+col+`) <> 'text')`, c).Scan(&found); err != nil {
-			return nil, err
-		}
-		if found {
-			return c, nil
-		}
+	var isNum, isText bool
+	if err := d.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ? AND typeof(`+col+`) <> 'text'),
+EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, num, after).Scan(&isNum, &isText); err != nil {
+		return nil, err
 	}
-	if len(candidates) > 0 {
-		// Numeric text that is not a number of the column must be a text
-		// of it; if neither, the page after it cannot be found (a real
-		// whose text form does not read back exactly): say so rather than
-		// end the import early.
-		var found bool
-		if err := d.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, after).Scan(&found); err != nil {
-			return nil, err
-		}
-		if !found {
-			return nil, fmt.Errorf("sqlite: import: cannot find %q back in %s.%s to read the values after it", after, table, col)
-		}
+	switch {
+	case isNum:
+		return num, nil
+	case isText:
+		return after, nil
 	}
-	return after, nil
+	// Neither (a real whose text form does not read back exactly): the
+	// page after it cannot be found; say so rather than end the import
+	// early.
+	return nil, fmt.Errorf("sqlite: import: cannot find %q back in %s.%s to read the values after it", after, table, col)
 }
 
 // InsertImportedMarkers implements driver.MarkerImporter: one transaction,
