@@ -256,10 +256,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 		orderBySeq(c.name, c.ordering, all, idx)
 		for _, i := range idx {
 			m := ds[i].Msg
-			agg := m.AggregateID
-			if o := c.ordering; o != nil && o.Normalize != nil {
-				agg = o.Normalize(agg) // the aggregate as the guard sees it
-			}
+			agg := c.aggregateKey(m.AggregateID) // the aggregate as the guard sees it
 			if first, ok := held[agg]; ok && !ds[i].LastAttempt {
 				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("%w: message %s waits for %s to be retried first", ErrWaitsForAggregate, m.ID, ds[first].Msg.ID)}
 				c.report(ctx, ds[i], vs[i])
@@ -342,6 +339,30 @@ type ReplayResult struct {
 	Outcomes map[Outcome]int
 	// Parked dead letters failed again and were parked with the new error.
 	Parked int
+}
+
+// AggregateKeyer is implemented by delivery handlers whose ordering guard
+// maps aggregate IDs (Ordering.Normalize): AggregateKey returns an
+// aggregate ID as the guard sees it. An adapter that decides several
+// aggregates at once (the jetstream package's Config.Concurrency) keys its
+// lanes by it, so that two IDs the guard takes for one aggregate, "ACC"
+// and "acc" under FoldAggregateID say, are never decided at the same time.
+// Consumer and LeaseConsumer implement it; a handler that wraps one should
+// pass the call on.
+type AggregateKeyer interface {
+	AggregateKey(aggregateID string) string
+}
+
+// AggregateKey implements AggregateKeyer: aggregateID normalized by the
+// handler's Ordering.Normalize, or unchanged without one.
+func (c *Consumer[TTx]) AggregateKey(aggregateID string) string { return c.aggregateKey(aggregateID) }
+
+// aggregateKey is AggregateKey.
+func (c *deliveries) aggregateKey(aggregateID string) string {
+	if o := c.ordering; o != nil && o.Normalize != nil {
+		return o.Normalize(aggregateID)
+	}
+	return aggregateID
 }
 
 // Replay runs this handler's dead letters in state replay_requested through

@@ -65,6 +65,10 @@ func (c *LeaseConsumer) HandleDelivery(ctx context.Context, d *Delivery) Verdict
 	return c.handle(ctx, d)
 }
 
+// AggregateKey implements AggregateKeyer: aggregateID normalized by the
+// handler's Ordering.Normalize, or unchanged without one.
+func (c *LeaseConsumer) AggregateKey(aggregateID string) string { return c.aggregateKey(aggregateID) }
+
 // Replay runs this handler's dead letters in state replay_requested, as
 // Consumer.Replay does; a message that failed for good is made claimable
 // again first (see LeaseConsumer).
