@@ -27,6 +27,7 @@ const (
 	HeaderAggregate = "idem-aggregate"
 	HeaderSeq       = "idem-seq"
 	HeaderType      = "idem-type"
+	HeaderTime      = "idem-time" // RFC 3339, as Publisher writes Message.Time
 )
 
 // Config configures a Consumer.
@@ -50,12 +51,15 @@ type Config struct {
 	// until it is decided, and idem.ConsumerConfig.MaxAttempts alone
 	// turns a failure that does not pass into a dead letter. Only then is
 	// a message safe from a crash on its last delivery, which JetStream
-	// drops with no more than an advisory (see docs/jetstream.md).
+	// drops with no more than an advisory (see docs/jetstream.md). Run
+	// sets it on the durable; when another consumer of the durable set a
+	// lower one since, the lower one marks the last delivery.
 	MaxDeliver int
 	// AckWait is how long JetStream waits for an ack before redelivering.
 	// While the handler runs, the consumer resets it every AckWait/2
 	// (InProgress), so only a consumer that stopped (crashed, lost its
-	// connection) has its messages redelivered. Default 30 s.
+	// connection) has its messages redelivered. Default 30 s. Like
+	// MaxDeliver, the durable's is used when another consumer set it lower.
 	AckWait time.Duration
 	// Batch, above 1, fetches up to that many messages at a time and hands
 	// them to the Handler's HandleDeliveries when it is an
@@ -74,8 +78,9 @@ type Config struct {
 	Prefetch int
 	// Concurrency, above 1, decides up to that many messages (or, with
 	// Batch, batches) at once. Messages are spread over Concurrency lanes
-	// by key, the mapped message's AggregateID, or its subject when it has
-	// none; each lane decides its messages one after another in the order
+	// by key, the mapped message's AggregateID (as the Handler's ordering
+	// guard sees it, when the Handler is an idem.AggregateKeyer), or its
+	// subject when it has none; each lane decides its messages one after another in the order
 	// JetStream handed them out, so two messages of one aggregate are never
 	// decided at once and keep their delivery order. With Batch, each
 	// fetched batch is split by lane and the lanes' parts are decided at
@@ -97,6 +102,7 @@ type Consumer struct {
 	js   jetstream.JetStream
 	cfg  Config
 	seed maphash.Seed // spreads keys over lanes
+	dur  durable
 }
 
 // New returns a Consumer on js. It creates or updates the durable consumer
@@ -152,6 +158,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("jetstream: consumer %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 	}
+	c.dur.set(cons, cons.CachedInfo())
 	if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
 		return c.runBatches(ctx, cons, bh)
 	}
@@ -196,7 +203,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		if ctx.Err() == nil {
 			// Failed, or closed under us (the connection was closed).
-			return fmt.Errorf("jetstream: next message: %w", err)
+			return fmt.Errorf("jetstream: next message from %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 		}
 		c.putBack(context.WithoutCancel(ctx), unstarted)
 		return ctx.Err()
@@ -242,6 +249,7 @@ func streamSeq(m jetstream.Msg) uint64 {
 // runBatches fetches up to Batch messages at a time and decides them
 // together, or with Concurrency each lane's part of them together.
 func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh idem.BatchDeliveryHandler) error {
+	failures := 0 // fetches in a row that failed with no message
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -262,8 +270,16 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 			ds = append(ds, c.delivery(m))
 		}
 		if err := mb.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && ctx.Err() == nil {
+			if len(ds) == 0 {
+				failures++
+				if err := c.fetchFailed(ctx, cons, err, failures); err != nil {
+					return err
+				}
+				continue
+			}
 			c.cfg.Logger.Warn("jetstream: fetch ended with an error", slog.Any("error", err))
 		}
+		failures = 0
 		if len(ds) == 0 {
 			continue
 		}
@@ -291,6 +307,35 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 	}
 }
 
+// fetchFailed handles the failures-th fetch in a row that ended with err
+// and no message. What JetStream's own iterator takes as final (the durable
+// deleted, a bad request, the connection closed) ends Run, and so does a
+// durable or stream that no longer exists (a fetch then finds no
+// responders); anything else, such as no responders while a new leader is
+// elected, is logged once and the next fetch waits, longer after each
+// failure, up to a second.
+func (c *Consumer) fetchFailed(ctx context.Context, cons jetstream.Consumer, err error, failures int) error {
+	where := c.cfg.Stream + "/" + c.cfg.Durable
+	if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrBadRequest) ||
+		errors.Is(err, jetstream.ErrConnectionClosed) || errors.Is(err, nats.ErrConnectionClosed) {
+		return fmt.Errorf("jetstream: fetch from %s: %w", where, err)
+	}
+	if _, ierr := cons.Info(ctx); errors.Is(ierr, jetstream.ErrConsumerNotFound) || errors.Is(ierr, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("jetstream: fetch from %s: %w (%w)", where, err, ierr)
+	}
+	if failures == 1 {
+		c.cfg.Logger.Warn("jetstream: fetch failed; fetching again", slog.String("consumer", where), slog.Any("error", err))
+	}
+	t := time.NewTimer(min(10*time.Millisecond<<min(failures-1, 7), time.Second))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
 // decideBatch decides msgs, mapped to ds, in one call and settles each.
 func (c *Consumer) decideBatch(ctx context.Context, bh idem.BatchDeliveryHandler, msgs []jetstream.Msg, ds []*idem.Delivery) {
 	stop := c.keepAlive(msgs...)
@@ -309,9 +354,13 @@ func (c *Consumer) decide(ctx context.Context, m jetstream.Msg, d *idem.Delivery
 	c.settle(m, d, v)
 }
 
-// key returns what orders m, mapped to d: its aggregate, else its subject.
+// key returns what orders m, mapped to d: its aggregate as the Handler's
+// ordering guard sees it (idem.AggregateKeyer), else its subject.
 func (c *Consumer) key(m jetstream.Msg, d *idem.Delivery) string {
 	if d.Msg != nil && d.Msg.AggregateID != "" {
+		if k, ok := c.cfg.Handler.(idem.AggregateKeyer); ok {
+			return k.AggregateKey(d.Msg.AggregateID)
+		}
 		return d.Msg.AggregateID
 	}
 	return m.Subject()
@@ -381,7 +430,7 @@ func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
 		stopped bool
 		t       *time.Timer
 	)
-	every := c.cfg.AckWait / 2
+	every := c.dur.ackWait(c.cfg.AckWait) / 2
 	tick := func() {
 		mu.Lock()
 		defer mu.Unlock()
@@ -393,7 +442,7 @@ func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
 				c.cfg.Logger.Debug("jetstream: in-progress ack failed", slog.Any("error", err))
 			}
 		}
-		t.Reset(every)
+		t.Reset(c.dur.ackWait(c.cfg.AckWait) / 2)
 	}
 	mu.Lock()
 	t = time.AfterFunc(every, tick)
@@ -411,7 +460,8 @@ func (c *Consumer) delivery(m jetstream.Msg) *idem.Delivery {
 	d := &idem.Delivery{Raw: m.Data(), Source: "jetstream:" + c.cfg.Stream + "/" + m.Subject()}
 	if md, err := m.Metadata(); err == nil {
 		d.Attempt = int(md.NumDelivered)
-		d.LastAttempt = c.cfg.MaxDeliver > 0 && d.Attempt >= c.cfg.MaxDeliver
+		maxDeliver := c.maxDeliver(d.Attempt > 1)
+		d.LastAttempt = maxDeliver > 0 && d.Attempt >= maxDeliver
 		d.Source += "@" + strconv.FormatUint(md.Sequence.Stream, 10)
 	}
 	d.Msg, d.DecodeErr = c.cfg.Map(m)
@@ -440,8 +490,8 @@ func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 }
 
 // DefaultMap reads the message ID from Nats-Msg-Id, else idem-id; the
-// aggregate from idem-aggregate, the sequence from idem-seq and the type
-// from idem-type; the payload is the message data and Stream the subject.
+// aggregate from idem-aggregate, the sequence from idem-seq, the type
+// from idem-type and the time from idem-time; the payload is the message data and Stream the subject.
 // Every other header goes to Headers (its first value), so metadata such
 // as a producer's trace context (traceparent) reaches the handler and the
 // hooks. A message with neither ID header is a decode failure: JetStream's own
@@ -463,7 +513,7 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 	msg := &idem.Message{ID: id, Stream: subject, Type: h.Get(HeaderType), AggregateID: h.Get(HeaderAggregate), Payload: data}
 	for k, vs := range h {
 		switch k {
-		case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType:
+		case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType, HeaderTime:
 			continue
 		}
 		if len(vs) == 0 {
@@ -481,8 +531,99 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 		}
 		msg.Seq = seq
 	}
+	if s := h.Get(HeaderTime); s != "" {
+		t, err := time.Parse(time.RFC3339Nano, s)
+		if err != nil {
+			return nil, fmt.Errorf("jetstream: message %q: %s header %q is not an RFC 3339 time", id, HeaderTime, s)
+		}
+		msg.Time = t
+	}
 	if err := msg.Validate(); err != nil {
 		return nil, err
 	}
 	return msg, nil
+}
+
+// Refresh periods of durable: any delivery rereads the durable's limits
+// once they are durableRefresh old, a redelivery (the ones a lower
+// MaxDeliver would drop) once they are redeliveryRefresh old.
+const (
+	durableRefresh    = 5 * time.Second
+	redeliveryRefresh = 100 * time.Millisecond
+)
+
+// durable holds the durable consumer's limits as JetStream last reported
+// them. Run sets them from Config, but every Consumer sharing the durable
+// does the same, so another process (a rolling deploy with new settings)
+// may have changed them since: LastAttempt and the in-progress interval go
+// by the lower of the durable's and this Config's, so that a message is
+// dead-lettered no later than JetStream would drop it, and its AckWait is
+// reset before it runs out.
+type durable struct {
+	mu         sync.Mutex
+	cons       jetstream.Consumer
+	maxDeliver int // <= 0: no limit
+	wait       time.Duration
+	readAt     time.Time
+	warned     [2]int64 // the limits last warned about
+}
+
+// set records info, the durable's as cons last reported it.
+func (u *durable) set(cons jetstream.Consumer, info *jetstream.ConsumerInfo) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.cons, u.readAt = cons, time.Now()
+	if info != nil {
+		u.maxDeliver, u.wait = info.Config.MaxDeliver, info.Config.AckWait
+	}
+}
+
+// ackWait returns the lower of own and the durable's AckWait.
+func (u *durable) ackWait(own time.Duration) time.Duration {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.wait > 0 && u.wait < own {
+		return u.wait
+	}
+	return own
+}
+
+// maxDeliver returns the delivery limit a delivery is judged by: the lower
+// of Config.MaxDeliver and the durable's, <= 0 for none. It rereads the
+// durable's first when they are old (see durableRefresh); redelivery says
+// whether the delivery is one.
+func (c *Consumer) maxDeliver(redelivery bool) int {
+	u := &c.dur
+	u.mu.Lock()
+	age, cons := time.Since(u.readAt), u.cons
+	u.mu.Unlock()
+	if cons != nil && (age >= durableRefresh || redelivery && age >= redeliveryRefresh) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		info, err := cons.Info(ctx)
+		cancel()
+		if err != nil {
+			c.cfg.Logger.Debug("jetstream: reading the durable's limits failed; keeping the last ones", slog.Any("error", err))
+			u.mu.Lock()
+			u.readAt = time.Now()
+			u.mu.Unlock()
+		} else {
+			u.set(cons, info)
+		}
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	own, theirs := c.cfg.MaxDeliver, u.maxDeliver
+	if u.cons != nil && (theirs != own || u.wait != c.cfg.AckWait) && u.warned != [2]int64{int64(theirs), int64(u.wait)} {
+		u.warned = [2]int64{int64(theirs), int64(u.wait)}
+		c.cfg.Logger.Warn("jetstream: the durable's limits differ from this consumer's Config (another consumer set them); going by the lower",
+			slog.String("consumer", c.cfg.Stream+"/"+c.cfg.Durable), slog.Int("max_deliver", theirs), slog.Int("config_max_deliver", own),
+			slog.Duration("ack_wait", u.wait), slog.Duration("config_ack_wait", c.cfg.AckWait))
+	}
+	switch {
+	case theirs <= 0:
+		return own
+	case own <= 0:
+		return theirs
+	}
+	return min(own, theirs)
 }

@@ -2,8 +2,10 @@ package jetstream
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -16,8 +18,8 @@ import (
 // (see idem's outbox package). The subject is the message's Stream; the ID
 // travels as Nats-Msg-Id, so the stream's duplicate window drops a
 // republished copy inside it, and the consumer's markers catch the rest.
-// The aggregate, sequence and type go in the headers DefaultMap reads,
-// with the message's own Headers.
+// The aggregate, sequence, type and time go in the headers DefaultMap
+// reads, with the message's own Headers.
 type Publisher struct {
 	js jetstream.JetStream
 }
@@ -30,12 +32,31 @@ func NewPublisher(js jetstream.JetStream) (*Publisher, error) {
 	return &Publisher{js: js}, nil
 }
 
-// Publish sends msgs in order, each once the previous one is stored.
+// ErrStatusHeader is returned by Publisher.Publish for a message with an
+// empty payload and a Status header: nats.go takes such a message for one
+// of the server's status messages and drops it before any consumer sees
+// it, so it would be lost. Give it a payload, or another header name.
+var ErrStatusHeader = errors.New("jetstream: an empty message with a Status header never reaches a consumer")
+
+// Publish sends msgs in order, each once the previous one is stored. It
+// refuses the call, publishing nothing, if any message has an empty
+// payload and a Status header (ErrStatusHeader).
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
+	for _, m := range msgs {
+		if len(m.Payload) > 0 {
+			continue
+		}
+		if v := m.Headers["Status"]; v != "" { // NATS header names are case-sensitive
+			return fmt.Errorf("%w: message %q, Status %q", ErrStatusHeader, m.ID, v)
+		}
+	}
 	for _, m := range msgs {
 		nm := &nats.Msg{Subject: m.Stream, Data: m.Payload, Header: nats.Header{}}
 		for k, v := range m.Headers {
 			nm.Header.Set(k, v)
+		}
+		if !m.Time.IsZero() {
+			nm.Header.Set(HeaderTime, m.Time.Format(time.RFC3339Nano))
 		}
 		nm.Header.Set(HeaderMsgID, m.ID)
 		if m.AggregateID != "" {

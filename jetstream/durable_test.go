@@ -1,0 +1,186 @@
+package jetstream_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	natsjs "github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/adaptertest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/jetstream"
+)
+
+// Another consumer of the durable (a rolling deploy with new settings)
+// lowers its MaxDeliver after this one started with 20: the delivery that
+// reaches the durable's limit is still dead-lettered, not dropped by
+// JetStream with no more than an advisory.
+func TestLastAttemptFollowsTheDurablesMaxDeliver(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t, testenv.EmbeddedNATS(t)), adaptertest.NewEnv(t)
+	var tries atomic.Int64
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		tries.Add(1)
+		return errors.New("dependency down")
+	}}
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{
+		Backoff: idem.Backoff{Base: time.Millisecond, Max: 2 * time.Millisecond}, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, js := b.connect(t)
+	defer nc.Close()
+	cons, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: c, AckWait: time.Second, MaxDeliver: 20, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = cons.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitDurable(t, js, b.stream, 20)
+	// The other consumer's Run, later than the tenth of a second within
+	// which this one goes by the limits it read last.
+	time.Sleep(250 * time.Millisecond)
+	if _, err := js.CreateOrUpdateConsumer(ctx, b.stream, natsjs.ConsumerConfig{Durable: "idem", AckPolicy: natsjs.AckExplicitPolicy, AckWait: time.Second, MaxDeliver: 3}); err != nil {
+		t.Fatal(err)
+	}
+	b.publishQueue(t, "stuck", "ok", 0)
+	waitDeadLetter(t, e, idem.DeadLetterExhausted, 3)
+	if n := tries.Load(); n != 3 {
+		t.Fatalf("the stuck message was tried %d times, want 3 (the durable's MaxDeliver)", n)
+	}
+}
+
+// waitDurable waits until the stream's durable "idem" exists with
+// MaxDeliver maxDeliver.
+func waitDurable(t *testing.T, js natsjs.JetStream, stream string, maxDeliver int) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		c, err := js.Consumer(context.Background(), stream, "idem")
+		if err == nil && c.CachedInfo().Config.MaxDeliver == maxDeliver {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("durable not created with MaxDeliver %d: %v", maxDeliver, err)
+		}
+	}
+}
+
+// Run returns when its durable is deleted, fetching in batches as one at a
+// time, rather than fetching (and logging) again forever.
+func TestRunEndsWhenTheDurableIsDeleted(t *testing.T) {
+	t.Parallel()
+	for _, batch := range []int{1, 10} {
+		b, e := newBroker(t, testenv.EmbeddedNATS(t)), adaptertest.NewEnv(t)
+		nc, js := b.connect(t)
+		defer nc.Close()
+		cons, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: e.BatchConsumer(), Batch: batch, Logger: testenv.Logger(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		done := make(chan error, 1)
+		go func() { done <- cons.Run(ctx) }()
+		waitDurable(t, js, b.stream, 20)
+		if err := js.DeleteConsumer(ctx, b.stream, "idem"); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-done:
+			if err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "idem") {
+				t.Fatalf("batch %d: Run returned %v, want the failure naming the durable", batch, err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("batch %d: Run still running 5 s after its durable was deleted", batch)
+		}
+	}
+}
+
+// A message with an empty payload and a Status header would be taken by
+// nats.go for a status message and never reach a consumer: the Publisher
+// refuses the call, publishing nothing of it.
+func TestPublisherRefusesEmptyMessageWithStatusHeader(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	nc, js := b.connect(t)
+	defer nc.Close()
+	p, err := jetstream.NewPublisher(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = p.Publish(context.Background(), []*idem.Message{
+		{ID: "before", Stream: b.stream + ".x", Payload: []byte("x")},
+		{ID: "tombstone", Stream: b.stream + ".x", Headers: map[string]string{"Status": "deleted"}},
+	})
+	if !errors.Is(err, jetstream.ErrStatusHeader) || !strings.Contains(err.Error(), "tombstone") {
+		t.Fatalf("Publish: %v, want ErrStatusHeader naming the message", err)
+	}
+	info, err := js.Stream(context.Background(), b.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := info.CachedInfo().State.Msgs; n != 0 {
+		t.Fatalf("%d messages in the stream, want none", n)
+	}
+	// With a payload, or another header, it goes through.
+	if err := p.Publish(context.Background(), []*idem.Message{
+		{ID: "with-payload", Stream: b.stream + ".x", Payload: []byte("{}"), Headers: map[string]string{"Status": "deleted"}},
+		{ID: "lower-case", Stream: b.stream + ".x", Headers: map[string]string{"status": "deleted"}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Message.Time travels from the Publisher to DefaultMap in idem-time.
+func TestPublisherCarriesTime(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	nc, js := b.connect(t)
+	defer nc.Close()
+	p, err := jetstream.NewPublisher(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := time.Date(2026, 11, 25, 10, 30, 0, 123456789, time.FixedZone("x", 3600))
+	if err := p.Publish(context.Background(), []*idem.Message{
+		{ID: "timed", Stream: b.stream + ".x", Payload: []byte("x"), Time: at},
+		{ID: "untimed", Stream: b.stream + ".x", Payload: []byte("x")},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	cons, err := js.OrderedConsumer(context.Background(), b.stream, natsjs.OrderedConsumerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []time.Time{at, {}} {
+		m, err := cons.Next(natsjs.FetchMaxWait(5 * time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg, err := jetstream.DefaultMap(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !msg.Time.Equal(want) || (want.IsZero() && m.Headers().Get(jetstream.HeaderTime) != "") {
+			t.Fatalf("message %s: Time %v, want %v", msg.ID, msg.Time, want)
+		}
+	}
+	bad := &nats.Msg{Subject: b.stream + ".x", Data: []byte("x"), Header: nats.Header{jetstream.HeaderID: {"bad-time"}, jetstream.HeaderTime: {"yesterday"}}}
+	b.send(t, []*nats.Msg{bad})
+	m, err := cons.Next(natsjs.FetchMaxWait(5 * time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := jetstream.DefaultMap(m); err == nil || !strings.Contains(err.Error(), jetstream.HeaderTime) {
+		t.Fatalf("DefaultMap of an unreadable idem-time: %v, want an error naming the header", err)
+	}
+}
