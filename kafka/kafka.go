@@ -549,14 +549,20 @@ func (m *member) failed(p partition, r *kgo.Record, attempt int) {
 
 // DefaultMap reads the message ID from the idem-id header, the aggregate
 // from the record key, the sequence from idem-seq and the type from
-// idem-type; Stream is the topic and Payload the value. Every other header
-// goes to Headers (the last value of a repeated key), so metadata such as a
-// producer's trace context (traceparent) reaches the handler and the
-// hooks. A record without
+// idem-type; Stream is the topic, Payload the value and Time the record's
+// timestamp. Every other header goes to Headers (the last value of a
+// repeated key), so metadata such as a producer's trace context
+// (traceparent) reaches the handler and the hooks. A record without
 // idem-id is a decode failure: a topic/partition/offset fallback would give
 // a producer's retry, a new record, a new ID, hiding the duplicate.
+//
+// A key that is not a valid aggregate ID (binary, such as a big-endian
+// integer, or longer than idem.MaxIDLen) leaves AggregateID empty when the
+// record has no idem-seq, which is all the ordering guard needs it for; a
+// record with idem-seq and such a key is a decode failure (map it with
+// Config.Map).
 func DefaultMap(r *kgo.Record) (*idem.Message, error) {
-	msg := &idem.Message{Stream: r.Topic, AggregateID: string(r.Key), Payload: r.Value}
+	msg := &idem.Message{Stream: r.Topic, AggregateID: string(r.Key), Payload: r.Value, Time: r.Timestamp}
 	for _, h := range r.Headers {
 		switch h.Key {
 		case HeaderID:
@@ -579,7 +585,12 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 	if msg.ID == "" {
 		return nil, fmt.Errorf("kafka: record %s/%d@%d has no %s header", r.Topic, r.Partition, r.Offset, HeaderID)
 	}
-	if err := msg.Validate(); err != nil {
+	err := msg.Validate()
+	if ve := (*idem.ValidationError)(nil); msg.Seq == 0 && errors.As(err, &ve) && ve.Field == "AggregateID" {
+		msg.AggregateID = ""
+		err = msg.Validate()
+	}
+	if err != nil {
 		return nil, err
 	}
 	return msg, nil

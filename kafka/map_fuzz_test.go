@@ -1,17 +1,21 @@
 package kafka_test
 
 import (
+	"errors"
 	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/kafka"
 )
 
 // FuzzDefaultMap: any record maps to a valid message or a clear error,
 // never a panic; a mapped message carries the header's ID and the key as
-// its aggregate.
+// its aggregate (or none, for a key no message can carry and no sequence).
 func FuzzDefaultMap(f *testing.F) {
 	f.Add([]byte("acct-1"), []byte("10"), "evt-1", "3", "Credited", false)
 	f.Add([]byte(nil), []byte{}, "", "", "", false)
@@ -43,8 +47,11 @@ func FuzzDefaultMap(f *testing.F) {
 		if err := m.Validate(); err != nil {
 			t.Fatalf("mapped message invalid: %v", err)
 		}
-		if m.ID != id || m.AggregateID != string(key) {
-			t.Fatalf("mapped ID %q aggregate %q from header %q key %q", m.ID, m.AggregateID, id, key)
+		// The key is the aggregate, unless it is none a message can carry
+		// and no sequence needs one.
+		keyValid := (&idem.Message{ID: "x", AggregateID: string(key)}).Validate() == nil
+		if m.ID != id || (keyValid && m.AggregateID != string(key)) || (!keyValid && (m.AggregateID != "" || m.Seq != 0)) {
+			t.Fatalf("mapped ID %q aggregate %q seq %d from header %q key %q", m.ID, m.AggregateID, m.Seq, id, key)
 		}
 		if seq != "" {
 			if n, _ := strconv.ParseInt(seq, 10, 64); n != m.Seq {
@@ -80,5 +87,31 @@ func TestDefaultMapKeepsOtherHeaders(t *testing.T) {
 	plain, err := kafka.DefaultMap(&kgo.Record{Value: []byte("1"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte("evt-2")}}})
 	if err != nil || plain.Headers != nil {
 		t.Errorf("record with idem's headers only: Headers %v, %v; want nil", plain.Headers, err)
+	}
+}
+
+// A binary key (a big-endian integer) or an overlong one is no aggregate
+// ID: without a sequence the record maps with no aggregate rather than
+// being dead-lettered; with one it is a decode failure naming the field.
+func TestDefaultMapBinaryKey(t *testing.T) {
+	for _, key := range [][]byte{{0, 0, 0, 0, 0, 0, 0x30, 0x39}, []byte("\xff\xfe"), make([]byte, 300)} {
+		r := &kgo.Record{Topic: "credits", Key: key, Value: []byte("10"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte("evt-1")}}}
+		m, err := kafka.DefaultMap(r)
+		if err != nil || m.ID != "evt-1" || m.AggregateID != "" {
+			t.Fatalf("key %q: %+v, %v; want evt-1 with no aggregate", key, m, err)
+		}
+		r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.HeaderSeq, Value: []byte("1")})
+		if m, err := kafka.DefaultMap(r); err == nil || !errors.Is(err, idem.ErrInvalidMessage) || !strings.Contains(err.Error(), "AggregateID") {
+			t.Fatalf("key %q with idem-seq: %+v, %v; want an invalid AggregateID", key, m, err)
+		}
+	}
+}
+
+// The record's timestamp is the message's Time.
+func TestDefaultMapTime(t *testing.T) {
+	at := time.UnixMilli(1_764_000_000_123)
+	m, err := kafka.DefaultMap(&kgo.Record{Topic: "credits", Value: []byte("10"), Timestamp: at, Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte("evt-1")}}})
+	if err != nil || !m.Time.Equal(at) {
+		t.Fatalf("%+v, %v; want Time %v", m, err, at)
 	}
 }

@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -19,7 +20,11 @@ import (
 //
 // Order within a partition rests on the client's idempotent producer
 // (franz-go's default): records of one Publish call are written in order,
-// and a failed record fails the ones after it rather than being overtaken.
+// and a batch the brokers refuse fails the partition's records buffered
+// after it. The client fails a record too large for a batch on its own,
+// though, and would write the ones after it: Publish refuses such a call
+// before producing anything (ErrRecordTooLarge), so that no record
+// overtakes an earlier one of its aggregate.
 type Publisher struct {
 	cl *kgo.Client
 }
@@ -33,7 +38,41 @@ func NewPublisher(cl *kgo.Client) (*Publisher, error) {
 	return &Publisher{cl: cl}, nil
 }
 
-// Publish produces msgs and returns once all are acknowledged.
+// ErrRecordTooLarge is returned by Publisher.Publish, with nothing of the
+// call produced, when a message's record would exceed the client's batch
+// limit (kgo.ProducerBatchMaxBytes, about 1 MB by default) or buffer limit
+// (kgo.MaxBufferedBytes). Raise the limit on the client (and the topic's
+// max.message.bytes on the brokers), or keep such payloads out of Kafka.
+var ErrRecordTooLarge = errors.New("kafka: record too large for the producer")
+
+// recordOverhead bounds what a record batch of one record adds to the
+// record's key, value and header bytes: the batch header (61 bytes) and the
+// record's varint lengths, deltas and attributes at their widest.
+const recordOverhead = 61 + 5 + 1 + 10 + 5 + 5 + 5 + 5
+
+// checkSize returns an error wrapping ErrRecordTooLarge if r, the record
+// of message id, may not fit a batch or the buffer of cl.
+func checkSize(cl *kgo.Client, id string, r *kgo.Record) error {
+	user := int64(len(r.Key) + len(r.Value))
+	wire := int64(recordOverhead) + user
+	for _, h := range r.Headers {
+		user += int64(len(h.Key) + len(h.Value))
+		wire += int64(len(h.Key)+len(h.Value)) + 10
+	}
+	if fn, ok := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32); ok && fn != nil {
+		if limit := int64(fn(r.Topic)); wire > limit {
+			return fmt.Errorf("%w: message %q: a record of up to %d bytes, over the batch limit of %d for topic %q", ErrRecordTooLarge, id, wire, limit, r.Topic)
+		}
+	}
+	if limit, ok := cl.OptValue(kgo.MaxBufferedBytes).(int64); ok && limit > 0 && user > limit {
+		return fmt.Errorf("%w: message %q: %d bytes, over the buffer limit of %d", ErrRecordTooLarge, id, user, limit)
+	}
+	return nil
+}
+
+// Publish produces msgs and returns once all are acknowledged. A message
+// whose record may not fit the client's limits fails the call before
+// anything is produced (ErrRecordTooLarge).
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	recs := make([]*kgo.Record, len(msgs))
 	for i, m := range msgs {
@@ -50,6 +89,9 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		}
 		if !m.Time.IsZero() {
 			r.Timestamp = m.Time
+		}
+		if err := checkSize(p.cl, m.ID, r); err != nil {
+			return err
 		}
 		recs[i] = r
 	}

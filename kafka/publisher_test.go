@@ -1,0 +1,87 @@
+package kafka_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/kafka"
+)
+
+// The client fails a record too large for a batch on its own and writes
+// the ones after it: Publish refuses the whole call first, so a later
+// message of the aggregate never overtakes the one that cannot go out.
+func TestPublisherRefusesTooLargeRecord(t *testing.T) {
+	b := newBroker(t).(*broker)
+	for _, c := range []struct {
+		opts []kgo.Opt
+		size int // of the first message's payload
+	}{
+		{nil, 1_100_000},
+		{[]kgo.Opt{kgo.ProducerBatchMaxBytes(4096)}, 4096},
+		{[]kgo.Opt{kgo.MaxBufferedBytes(2048)}, 3000},
+	} {
+		cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(b.addrs...)}, c.opts...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer cl.Close()
+		pub, err := kafka.NewPublisher(cl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = pub.Publish(context.Background(), []*idem.Message{
+			{ID: "big", Stream: topic, AggregateID: "acct-1", Seq: 1, Payload: bytes.Repeat([]byte("x"), c.size)},
+			{ID: "after", Stream: topic, AggregateID: "acct-1", Seq: 2, Payload: []byte("small")},
+		})
+		if !errors.Is(err, kafka.ErrRecordTooLarge) || !strings.Contains(err.Error(), `"big"`) {
+			t.Fatalf("payload of %d bytes: Publish: %v, want ErrRecordTooLarge naming the message", c.size, err)
+		}
+	}
+	// A record that fits goes out, and nothing of the refused calls did.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.ProducerBatchMaxBytes(4096))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	pub, _ := kafka.NewPublisher(cl)
+	if err := pub.Publish(context.Background(), []*idem.Message{
+		{ID: "fits", Stream: topic, AggregateID: "acct-1", Payload: bytes.Repeat([]byte("x"), 3900)},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if ids := topicIDs(t, b, 1); !slices.Equal(ids, []string{"fits"}) {
+		t.Fatalf("topic holds %v, want only fits", ids)
+	}
+}
+
+// topicIDs reads the idem-id of every record in the topic until it has
+// read n of them.
+func topicIDs(t *testing.T, b *broker, n int) []string {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.ConsumeTopics(topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var ids []string
+	for len(ids) < n && ctx.Err() == nil {
+		cl.PollFetches(ctx).EachRecord(func(r *kgo.Record) {
+			for _, h := range r.Headers {
+				if h.Key == kafka.HeaderID {
+					ids = append(ids, string(h.Value))
+				}
+			}
+		})
+	}
+	return ids
+}
