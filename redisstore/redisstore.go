@@ -111,6 +111,13 @@ var (
 	// ProcessTx, say). Waiting would mean dropping the caller's watches,
 	// so it fails instead. Roll back and retry the transaction.
 	ErrLockBusy = errors.New("redisstore: message locked by a concurrent transaction")
+	// ErrLockWait matches a wait for another transaction's lock that
+	// lasted over 2 s (or LockTTL if shorter), plus up to half as much at
+	// random, in a transaction that holds locks of its own: Redis cannot
+	// see a lock cycle (two transactions each waiting for a lock the
+	// other holds), and the wait keeps the waiter's own locks alive, so a
+	// cycle ends this way. Roll back and retry the transaction.
+	ErrLockWait = errors.New("redisstore: waited too long for a concurrent transaction while holding locks")
 )
 
 // Config configures the driver. The zero value is valid.
@@ -374,7 +381,8 @@ func (tx *Tx) addClaim(c *claim) {
 // the transaction keeps what it holds, drops its watches and sleeps, with
 // backoff; the next attempt first watches its claims again and checks that
 // nothing moved (a lock that expired meanwhile: ErrAborted). In a
-// transaction the caller watched keys in, it does not wait: ErrLockBusy.
+// transaction the caller watched keys in, it does not wait: ErrLockBusy;
+// nor for longer than lockWaitLimit while it holds locks: ErrLockWait.
 func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) func() (bool, error)) error {
 	if tx.done {
 		return errors.New("redisstore: transaction is finished")
@@ -382,6 +390,10 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 	ttl := tx.d.lockTTL.Milliseconds()
 	wait := 200 * time.Microsecond
 	recheck := false
+	var (
+		waitStart time.Time
+		waitLimit time.Duration
+	)
 	for {
 		pipe := tx.conn.Pipeline()
 		var verify *redis.Cmd
@@ -400,7 +412,15 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 			// FLUSH). The pipeline's WATCH ran although its script did
 			// not, and a connection that writes a key it watches
 			// aborts its own EXEC: drop the watches before the retry
-			// writes those keys, and watch what is held again.
+			// writes those keys, and watch what is held again. The
+			// caller's watches cannot be dropped (its commit would miss
+			// a change of its keys), so its transaction starts over.
+			if tx.userWatched {
+				if err := loadScripts(ctx, tx.conn); err != nil {
+					return err
+				}
+				return fmt.Errorf("redisstore: the server lost its scripts while the caller's keys were watched: %w", ErrAborted)
+			}
 			if err := tx.conn.Do(ctx, "unwatch").Err(); err != nil {
 				return fmt.Errorf("redisstore: unwatch: %w", err)
 			}
@@ -424,6 +444,17 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 		if tx.userWatched {
 			return ErrLockBusy
 		}
+		if held := len(tx.held()); held > 0 {
+			// Redis sees no lock cycle, and this wait keeps the
+			// transaction's own locks alive: bound it, a little
+			// differently for each transaction so that one of a cycle
+			// gives up first.
+			if waitStart.IsZero() {
+				waitStart, waitLimit = time.Now(), lockWaitLimit(tx.d.lockTTL)
+			} else if waited := time.Since(waitStart); waited > waitLimit {
+				return fmt.Errorf("%w (%s, holding %d; a lock cycle?)", ErrLockWait, waited.Round(time.Millisecond), held)
+			}
+		}
 		if err := tx.conn.Do(ctx, "unwatch").Err(); err != nil {
 			return fmt.Errorf("redisstore: unwatch: %w", err)
 		}
@@ -437,6 +468,21 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 		}
 		wait = min(2*wait, 50*time.Millisecond)
 	}
+}
+
+// maxLockWait bounds how long a transaction that holds locks waits for
+// another transaction's (see lockWaitLimit).
+const maxLockWait = 2 * time.Second
+
+// lockWaitLimit returns how long a transaction that holds locks waits for
+// another's before it fails with ErrLockWait: maxLockWait, or lockTTL if
+// shorter, plus up to half of it at random. Two transactions that each
+// wait for a lock the other holds (a handler that takes two aggregates'
+// versions in either order, say) would otherwise wait until their
+// contexts end.
+func lockWaitLimit(lockTTL time.Duration) time.Duration {
+	limit := min(maxLockWait, lockTTL)
+	return limit + rand.N(limit/2+1)
 }
 
 // verifyArgs returns verifyScript's keys and arguments for the claims
