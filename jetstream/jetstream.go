@@ -80,9 +80,10 @@ type Config struct {
 	// Batch, batches) at once. Messages are spread over Concurrency lanes
 	// by key, the mapped message's AggregateID (as the Handler's ordering
 	// guard sees it, when the Handler is an idem.AggregateKeyer), or its
-	// subject when it has none; each lane decides its messages one after another in the order
-	// JetStream handed them out, so two messages of one aggregate are never
-	// decided at once and keep their delivery order. With Batch, each
+	// subject when it has none; each lane decides its messages one after
+	// another in the order JetStream handed them out, so two messages of
+	// one aggregate are never decided at once and keep their delivery
+	// order. With Batch, each
 	// fetched batch is split by lane and the lanes' parts are decided at
 	// once, each in a transaction of its own; the next fetch waits for all
 	// of them. A message a lane holds but has not started when Run's
@@ -173,6 +174,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 	var once sync.Once
 	defer once.Do(it.Stop)
 	defer context.AfterFunc(ctx, func() { once.Do(it.Drain) })()
+	// The iterator learns that the durable was deleted only from a pull
+	// request pending at that moment; later ones find no responders,
+	// which it retries for ever. A watch ends it instead.
+	var gone error
+	stopWatch := c.watchDurable(ctx, cons, func(err error) {
+		gone = err
+		once.Do(it.Stop)
+	})
 	var (
 		mu        sync.Mutex
 		unstarted []pending
@@ -201,12 +210,59 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if ls != nil {
 			ls.close()
 		}
+		if stopWatch() {
+			return fmt.Errorf("jetstream: consumer %s/%s: %w", c.cfg.Stream, c.cfg.Durable, gone)
+		}
 		if ctx.Err() == nil {
 			// Failed, or closed under us (the connection was closed).
 			return fmt.Errorf("jetstream: next message from %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 		}
 		c.putBack(context.WithoutCancel(ctx), unstarted)
 		return ctx.Err()
+	}
+}
+
+// watchDurable reads the durable's info every durableRefresh until ctx
+// ends or the returned stop is called, keeping its limits current (see
+// durable). If the durable or its stream no longer exists it calls
+// gone with the error and ends. stop waits for the watch to end and
+// reports whether gone was called (its effects are visible then).
+func (c *Consumer) watchDurable(ctx context.Context, cons jetstream.Consumer, gone func(error)) (stop func() bool) {
+	quit, done := make(chan struct{}), make(chan bool, 1)
+	go func() {
+		t := time.NewTicker(durableRefresh)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				done <- false
+				return
+			case <-quit:
+				done <- false
+				return
+			case <-t.C:
+			}
+			ictx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			info, err := cons.Info(ictx)
+			cancel()
+			if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
+				gone(err)
+				done <- true
+				return
+			}
+			if err == nil {
+				c.dur.set(cons, info)
+			}
+		}
+	}()
+	var once sync.Once
+	var wasGone bool
+	return func() bool {
+		once.Do(func() {
+			close(quit)
+			wasGone = <-done
+		})
+		return wasGone
 	}
 }
 
@@ -490,13 +546,14 @@ func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 }
 
 // DefaultMap reads the message ID from Nats-Msg-Id, else idem-id; the
-// aggregate from idem-aggregate, the sequence from idem-seq, the type
-// from idem-type and the time from idem-time; the payload is the message data and Stream the subject.
-// Every other header goes to Headers (its first value), so metadata such
-// as a producer's trace context (traceparent) reaches the handler and the
-// hooks. A message with neither ID header is a decode failure: JetStream's own
-// stream sequence would differ between a message and its republished copy,
-// so it cannot stand in for a producer's ID.
+// aggregate from idem-aggregate, the sequence from idem-seq, the type from
+// idem-type and the time from idem-time; the payload is the message data
+// and Stream the subject. Every other header goes to Headers (its first
+// value), so metadata such as a producer's trace context (traceparent)
+// reaches the handler and the hooks. A message with neither ID header is a
+// decode failure: JetStream's own stream sequence would differ between a
+// message and its republished copy, so it cannot stand in for a producer's
+// ID.
 func DefaultMap(m jetstream.Msg) (*idem.Message, error) {
 	return mapMessage(m.Subject(), m.Headers(), m.Data())
 }
