@@ -104,6 +104,9 @@ type Consumer struct {
 	cfg  Config
 	seed maphash.Seed // spreads keys over lanes
 	dur  durable
+	// watchEvery is how often Run reads the durable's info:
+	// durableRefresh, shorter in tests.
+	watchEvery time.Duration
 }
 
 // New returns a Consumer on js. It creates or updates the durable consumer
@@ -112,7 +115,7 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	if js == nil || cfg == nil || cfg.Stream == "" || cfg.Durable == "" || cfg.Handler == nil {
 		return nil, fmt.Errorf("%w: jetstream: JetStream, Stream, Durable and Handler are required", idem.ErrInvalidConfig)
 	}
-	c := &Consumer{js: js, cfg: *cfg, seed: maphash.MakeSeed()}
+	c := &Consumer{js: js, cfg: *cfg, seed: maphash.MakeSeed(), watchEvery: durableRefresh}
 	if c.cfg.Map == nil {
 		c.cfg.Map = DefaultMap
 	}
@@ -182,6 +185,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		gone = err
 		once.Do(it.Stop)
 	})
+	defer stopWatch()
 	var (
 		mu        sync.Mutex
 		unstarted []pending
@@ -222,7 +226,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 }
 
-// watchDurable reads the durable's info every durableRefresh until ctx
+// watchDurable reads the durable's info every watchEvery until ctx
 // ends or the returned stop is called, keeping its limits current (see
 // durable). If the durable or its stream no longer exists it calls
 // gone with the error and ends. stop waits for the watch to end and
@@ -230,7 +234,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 func (c *Consumer) watchDurable(ctx context.Context, cons jetstream.Consumer, gone func(error)) (stop func() bool) {
 	quit, done := make(chan struct{}), make(chan bool, 1)
 	go func() {
-		t := time.NewTicker(durableRefresh)
+		t := time.NewTicker(c.watchEvery)
 		defer t.Stop()
 		for {
 			select {
@@ -306,6 +310,9 @@ func streamSeq(m jetstream.Msg) uint64 {
 // together, or with Concurrency each lane's part of them together.
 func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh idem.BatchDeliveryHandler) error {
 	failures := 0 // fetches in a row that failed with no message
+	// The watch keeps the durable's limits current; a fetch itself finds
+	// out that the durable is gone (fetchFailed).
+	defer c.watchDurable(ctx, cons, func(error) {})()
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -475,6 +482,10 @@ func (ls *lanes) close() {
 	ls.wg.Wait()
 }
 
+// minKeepAlive bounds keepAlive's interval from below, whatever AckWait
+// another consumer set on the durable.
+const minKeepAlive = 5 * time.Millisecond
+
 // keepAlive tells JetStream every AckWait/2 that msgs are still being
 // worked on (InProgress resets their AckWait), so that a handler slower
 // than AckWait, a lease-mode call say, does not see its message
@@ -486,7 +497,7 @@ func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
 		stopped bool
 		t       *time.Timer
 	)
-	every := c.dur.ackWait(c.cfg.AckWait) / 2
+	every := func() time.Duration { return max(c.dur.ackWait(c.cfg.AckWait)/2, minKeepAlive) }
 	tick := func() {
 		mu.Lock()
 		defer mu.Unlock()
@@ -498,10 +509,10 @@ func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
 				c.cfg.Logger.Debug("jetstream: in-progress ack failed", slog.Any("error", err))
 			}
 		}
-		t.Reset(c.dur.ackWait(c.cfg.AckWait) / 2)
+		t.Reset(every())
 	}
 	mu.Lock()
-	t = time.AfterFunc(every, tick)
+	t = time.AfterFunc(every(), tick)
 	mu.Unlock()
 	return func() {
 		mu.Lock()
@@ -601,12 +612,15 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 	return msg, nil
 }
 
-// Refresh periods of durable: any delivery rereads the durable's limits
-// once they are durableRefresh old, a redelivery (the ones a lower
-// MaxDeliver would drop) once they are redeliveryRefresh old.
+// Refresh periods of durable: Run's watch rereads the durable's limits
+// every durableRefresh, and a redelivery (the ones a lower MaxDeliver would
+// drop) rereads them first once they are redeliveryRefresh old, waiting
+// for the answer at most refreshTimeout; after a failed read, the next
+// comes durableRefresh later, so a slow server holds up deliveries little.
 const (
 	durableRefresh    = 5 * time.Second
 	redeliveryRefresh = 100 * time.Millisecond
+	refreshTimeout    = 250 * time.Millisecond
 )
 
 // durable holds the durable consumer's limits as JetStream last reported
@@ -621,8 +635,9 @@ type durable struct {
 	cons       jetstream.Consumer
 	maxDeliver int // <= 0: no limit
 	wait       time.Duration
-	readAt     time.Time
-	warned     [2]int64 // the limits last warned about
+	readAt     time.Time // last read, or last failed read plus durableRefresh
+	reading    bool      // a redelivery's read is under way
+	warned     [2]int64  // the limits last warned about
 }
 
 // set records info, the durable's as cons last reported it.
@@ -646,26 +661,30 @@ func (u *durable) ackWait(own time.Duration) time.Duration {
 }
 
 // maxDeliver returns the delivery limit a delivery is judged by: the lower
-// of Config.MaxDeliver and the durable's, <= 0 for none. It rereads the
-// durable's first when they are old (see durableRefresh); redelivery says
-// whether the delivery is one.
+// of Config.MaxDeliver and the durable's, <= 0 for none. For a redelivery
+// it rereads the durable's first when they are old (see redeliveryRefresh).
 func (c *Consumer) maxDeliver(redelivery bool) int {
 	u := &c.dur
 	u.mu.Lock()
-	age, cons := time.Since(u.readAt), u.cons
+	cons := u.cons
+	read := redelivery && cons != nil && !u.reading && time.Since(u.readAt) >= redeliveryRefresh
+	u.reading = u.reading || read
 	u.mu.Unlock()
-	if cons != nil && (age >= durableRefresh || redelivery && age >= redeliveryRefresh) {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	if read {
+		ctx, cancel := context.WithTimeout(context.Background(), refreshTimeout)
 		info, err := cons.Info(ctx)
 		cancel()
 		if err != nil {
 			c.cfg.Logger.Debug("jetstream: reading the durable's limits failed; keeping the last ones", slog.Any("error", err))
 			u.mu.Lock()
-			u.readAt = time.Now()
+			u.readAt = time.Now().Add(durableRefresh)
 			u.mu.Unlock()
 		} else {
 			u.set(cons, info)
 		}
+		u.mu.Lock()
+		u.reading = false
+		u.mu.Unlock()
 	}
 	u.mu.Lock()
 	defer u.mu.Unlock()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -50,6 +51,10 @@ var ErrRecordTooLarge = errors.New("kafka: record too large for the producer")
 // record's varint lengths, deltas and attributes at their widest.
 const recordOverhead = 61 + 5 + 1 + 10 + 5 + 5 + 5 + 5
 
+// requestOverhead bounds what a produce request of one batch adds to the
+// batch, its client ID and topic name: franz-go counts about 54 bytes.
+const requestOverhead = 128
+
 // checkSize returns an error wrapping ErrRecordTooLarge if r, the record
 // of message id, may not fit a batch or the buffer of cl.
 func checkSize(cl *kgo.Client, id string, r *kgo.Record) error {
@@ -59,10 +64,19 @@ func checkSize(cl *kgo.Client, id string, r *kgo.Record) error {
 		user += int64(len(h.Key) + len(h.Value))
 		wire += int64(len(h.Key)+len(h.Value)) + 10
 	}
+	// The client's limit for a topic's batches is the lower of its batch
+	// limit and what fits a produce request of one batch under its write
+	// limit (the request's header, client ID and topic name besides).
+	limit := int64(math.MaxInt64)
 	if fn, ok := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32); ok && fn != nil {
-		if limit := int64(fn(r.Topic)); wire > limit {
-			return fmt.Errorf("%w: message %q: a record of up to %d bytes, over the batch limit of %d for topic %q", ErrRecordTooLarge, id, wire, limit, r.Topic)
-		}
+		limit = int64(fn(r.Topic))
+	}
+	if w, ok := cl.OptValue(kgo.BrokerMaxWriteBytes).(int32); ok && w > 0 {
+		clientID, _ := cl.OptValue(kgo.ClientID).(string)
+		limit = min(limit, int64(w)-requestOverhead-int64(max(len(r.Topic), 16)+len(clientID)))
+	}
+	if wire > limit {
+		return fmt.Errorf("%w: message %q: a record of up to %d bytes, over the batch limit of %d for topic %q", ErrRecordTooLarge, id, wire, limit, r.Topic)
 	}
 	if limit, ok := cl.OptValue(kgo.MaxBufferedBytes).(int64); ok && limit > 0 && user > limit {
 		return fmt.Errorf("%w: message %q: %d bytes, over the buffer limit of %d", ErrRecordTooLarge, id, user, limit)

@@ -27,6 +27,13 @@ func TestPublisherRefusesTooLargeRecord(t *testing.T) {
 		{nil, 1_100_000},
 		{[]kgo.Opt{kgo.ProducerBatchMaxBytes(4096)}, 4096},
 		{[]kgo.Opt{kgo.MaxBufferedBytes(2048)}, 3000},
+		// The topic's batch limit is above what a request may carry.
+		{[]kgo.Opt{kgo.BrokerMaxWriteBytes(2 << 20), kgo.ProducerBatchMaxBytesFn(func(topic string) int32 {
+			if topic == "" {
+				return 1 << 20
+			}
+			return 4 << 20
+		})}, 2<<20 - 40},
 	} {
 		cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(b.addrs...)}, c.opts...)...)
 		if err != nil {

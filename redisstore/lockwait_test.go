@@ -66,13 +66,13 @@ func TestScriptCacheLostKeepsCallersWatch(t *testing.T) {
 
 // Two transactions that each hold a lock the other waits for (a handler
 // taking two aggregates' versions in either order) would wait until their
-// contexts end: Redis sees no cycle. A transaction holding locks waits a
-// bounded time, so one gives up with ErrLockWait, rolls back, and the
+// contexts end: Redis sees no cycle. A transaction holding locks waits
+// LockTTL to 1.5 × LockTTL at most, so one gives up with ErrLockWait, rolls back, and the
 // other goes on.
 func TestLockCycleEnds(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	_, _, _, drv, _ := openProc(t, nil)
+	_, _, _, drv, _ := openProc(t, &redisstore.Config{LockTTL: time.Second})
 	vs, err := idem.NewVersions[*redisstore.Tx](drv)
 	if err != nil {
 		t.Fatal(err)

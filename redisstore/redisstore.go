@@ -112,8 +112,8 @@ var (
 	// so it fails instead. Roll back and retry the transaction.
 	ErrLockBusy = errors.New("redisstore: message locked by a concurrent transaction")
 	// ErrLockWait matches a wait for another transaction's lock that
-	// lasted over 2 s (or LockTTL if shorter), plus up to half as much at
-	// random, in a transaction that holds locks of its own: Redis cannot
+	// lasted over LockTTL, plus up to half as much at random, in a
+	// transaction that holds locks of its own: Redis cannot
 	// see a lock cycle (two transactions each waiting for a lock the
 	// other holds), and the wait keeps the waiter's own locks alive, so a
 	// cycle ends this way. Roll back and retry the transaction.
@@ -470,19 +470,14 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 	}
 }
 
-// maxLockWait bounds how long a transaction that holds locks waits for
-// another transaction's (see lockWaitLimit).
-const maxLockWait = 2 * time.Second
-
 // lockWaitLimit returns how long a transaction that holds locks waits for
-// another's before it fails with ErrLockWait: maxLockWait, or lockTTL if
-// shorter, plus up to half of it at random. Two transactions that each
-// wait for a lock the other holds (a handler that takes two aggregates'
-// versions in either order, say) would otherwise wait until their
-// contexts end.
+// another's before it fails with ErrLockWait: lockTTL, as long as its own
+// locks would last unrenewed, plus up to half of it at random. Two
+// transactions that each wait for a lock the other holds (a handler that
+// takes two aggregates' versions in either order, say) would otherwise
+// wait until their contexts end, renewing their locks.
 func lockWaitLimit(lockTTL time.Duration) time.Duration {
-	limit := min(maxLockWait, lockTTL)
-	return limit + rand.N(limit/2+1)
+	return lockTTL + rand.N(lockTTL/2+1)
 }
 
 // verifyArgs returns verifyScript's keys and arguments for the claims
