@@ -110,14 +110,8 @@ func TestRunEndsWhenTheDurableIsDeleted(t *testing.T) {
 // refuses the call, publishing nothing of it.
 func TestPublisherRefusesEmptyMessageWithStatusHeader(t *testing.T) {
 	t.Parallel()
-	b := newBroker(t, testenv.EmbeddedNATS(t))
-	nc, js := b.connect(t)
-	defer nc.Close()
-	p, err := jetstream.NewPublisher(js)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = p.Publish(context.Background(), []*idem.Message{
+	b, js, p := newPublisher(t)
+	err := p.Publish(context.Background(), []*idem.Message{
 		{ID: "before", Stream: b.stream + ".x", Payload: []byte("x")},
 		{ID: "tombstone", Stream: b.stream + ".x", Headers: map[string]string{"Status": "deleted"}},
 	})
@@ -143,13 +137,7 @@ func TestPublisherRefusesEmptyMessageWithStatusHeader(t *testing.T) {
 // Message.Time travels from the Publisher to DefaultMap in idem-time.
 func TestPublisherCarriesTime(t *testing.T) {
 	t.Parallel()
-	b := newBroker(t, testenv.EmbeddedNATS(t))
-	nc, js := b.connect(t)
-	defer nc.Close()
-	p, err := jetstream.NewPublisher(js)
-	if err != nil {
-		t.Fatal(err)
-	}
+	b, js, p := newPublisher(t)
 	at := time.Date(2026, 11, 25, 10, 30, 0, 123456789, time.FixedZone("x", 3600))
 	if err := p.Publish(context.Background(), []*idem.Message{
 		{ID: "timed", Stream: b.stream + ".x", Payload: []byte("x"), Time: at},
@@ -183,4 +171,18 @@ func TestPublisherCarriesTime(t *testing.T) {
 	if _, err := jetstream.DefaultMap(m); err == nil || !strings.Contains(err.Error(), jetstream.HeaderTime) {
 		t.Fatalf("DefaultMap of an unreadable idem-time: %v, want an error naming the header", err)
 	}
+}
+
+// newPublisher returns a stream on the embedded server, a JetStream
+// connection and a Publisher on it.
+func newPublisher(t *testing.T) (*broker, natsjs.JetStream, *jetstream.Publisher) {
+	t.Helper()
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	nc, js := b.connect(t)
+	t.Cleanup(nc.Close)
+	p, err := jetstream.NewPublisher(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b, js, p
 }

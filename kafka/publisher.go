@@ -28,6 +28,12 @@ import (
 // overtakes an earlier one of its aggregate.
 type Publisher struct {
 	cl *kgo.Client
+	// The client's size limits, read once (OptValue looks options up by
+	// reflection): its batch limit per topic, write limit less a produce
+	// request's overhead and client ID, and buffer limit (0: none).
+	batchMax func(topic string) int32
+	writeMax int64
+	bufMax   int64
 }
 
 // NewPublisher returns a Publisher on cl. Keep cl's idempotent producer
@@ -36,7 +42,14 @@ func NewPublisher(cl *kgo.Client) (*Publisher, error) {
 	if cl == nil {
 		return nil, fmt.Errorf("%w: kafka: NewPublisher needs a client", idem.ErrInvalidConfig)
 	}
-	return &Publisher{cl: cl}, nil
+	p := &Publisher{cl: cl, writeMax: math.MaxInt64}
+	p.batchMax, _ = cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32)
+	if w, ok := cl.OptValue(kgo.BrokerMaxWriteBytes).(int32); ok && w > 0 {
+		clientID, _ := cl.OptValue(kgo.ClientID).(string)
+		p.writeMax = int64(w) - requestOverhead - int64(len(clientID))
+	}
+	p.bufMax, _ = cl.OptValue(kgo.MaxBufferedBytes).(int64)
+	return p, nil
 }
 
 // ErrRecordTooLarge is returned by Publisher.Publish, with nothing of the
@@ -56,8 +69,8 @@ const recordOverhead = 61 + 5 + 1 + 10 + 5 + 5 + 5 + 5
 const requestOverhead = 128
 
 // checkSize returns an error wrapping ErrRecordTooLarge if r, the record
-// of message id, may not fit a batch or the buffer of cl.
-func checkSize(cl *kgo.Client, id string, r *kgo.Record) error {
+// of message id, may not fit a batch or the buffer of the client.
+func (p *Publisher) checkSize(id string, r *kgo.Record) error {
 	user := int64(len(r.Key) + len(r.Value))
 	wire := int64(recordOverhead) + user
 	for _, h := range r.Headers {
@@ -67,19 +80,15 @@ func checkSize(cl *kgo.Client, id string, r *kgo.Record) error {
 	// The client's limit for a topic's batches is the lower of its batch
 	// limit and what fits a produce request of one batch under its write
 	// limit (the request's header, client ID and topic name besides).
-	limit := int64(math.MaxInt64)
-	if fn, ok := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32); ok && fn != nil {
-		limit = int64(fn(r.Topic))
-	}
-	if w, ok := cl.OptValue(kgo.BrokerMaxWriteBytes).(int32); ok && w > 0 {
-		clientID, _ := cl.OptValue(kgo.ClientID).(string)
-		limit = min(limit, int64(w)-requestOverhead-int64(max(len(r.Topic), 16)+len(clientID)))
+	limit := p.writeMax - int64(max(len(r.Topic), 16))
+	if p.batchMax != nil {
+		limit = min(limit, int64(p.batchMax(r.Topic)))
 	}
 	if wire > limit {
 		return fmt.Errorf("%w: message %q: a record of up to %d bytes, over the batch limit of %d for topic %q", ErrRecordTooLarge, id, wire, limit, r.Topic)
 	}
-	if limit, ok := cl.OptValue(kgo.MaxBufferedBytes).(int64); ok && limit > 0 && user > limit {
-		return fmt.Errorf("%w: message %q: %d bytes, over the buffer limit of %d", ErrRecordTooLarge, id, user, limit)
+	if p.bufMax > 0 && user > p.bufMax {
+		return fmt.Errorf("%w: message %q: %d bytes, over the buffer limit of %d", ErrRecordTooLarge, id, user, p.bufMax)
 	}
 	return nil
 }
@@ -104,7 +113,7 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		if !m.Time.IsZero() {
 			r.Timestamp = m.Time
 		}
-		if err := checkSize(p.cl, m.ID, r); err != nil {
+		if err := p.checkSize(m.ID, r); err != nil {
 			return err
 		}
 		recs[i] = r
