@@ -113,10 +113,10 @@ var (
 	ErrLockBusy = errors.New("redisstore: message locked by a concurrent transaction")
 	// ErrLockWait matches a wait for another transaction's lock that
 	// lasted over LockTTL, plus up to half as much at random, in a
-	// transaction that holds locks of its own: Redis cannot
-	// see a lock cycle (two transactions each waiting for a lock the
-	// other holds), and the wait keeps the waiter's own locks alive, so a
-	// cycle ends this way. Roll back and retry the transaction.
+	// transaction that holds locks of its own: Redis cannot see a lock
+	// cycle (two transactions each waiting for a lock the other holds),
+	// and the wait keeps the waiter's own locks alive, so a cycle ends
+	// this way. Roll back and retry the transaction.
 	ErrLockWait = errors.New("redisstore: waited too long for a concurrent transaction while holding locks")
 )
 
