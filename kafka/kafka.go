@@ -416,7 +416,12 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 				m.settled(p, r)
 				done = append(done, r)
 			default:
-				m.failed(p, r, attempts[i])
+				// The partition's first record not settled. Waiting
+				// behind a record of its aggregate later in the
+				// partition but earlier in sequence is no attempt.
+				if !errors.Is(vs[i].Err, idem.ErrWaitsForAggregate) {
+					m.failed(p, r, attempts[i])
+				}
 				skip[p] = true
 				retries = append(retries, retry{r, vs[i].RetryAfter})
 			}

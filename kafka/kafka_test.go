@@ -609,16 +609,33 @@ func TestFailureBehindARetryCountsItsAttempts(t *testing.T) {
 // Waiting behind an earlier record of its own aggregate is no attempt: a2
 // waits while a1 (same key) is retried twice, then fails once on its own,
 // and with MaxAttempts 3 it is retried and applied, not dead-lettered as
-// if its waits had been tries.
+// if its waits had been tries. Also when a2 comes first in its partition
+// but after a1 in sequence, so that under the ordering guard it is the
+// partition's first record the batch did not settle.
 func TestWaitingBehindItsAggregateIsNoAttempt(t *testing.T) {
 	t.Parallel()
+	t.Run("partition order", func(t *testing.T) {
+		t.Parallel()
+		waitingIsNoAttempt(t, nil, []*idem.Message{
+			{ID: "a1", AggregateID: "A", Payload: []byte("a1")},
+			{ID: "b1", AggregateID: "B", Payload: []byte("b1")},
+			{ID: "a2", AggregateID: "A", Payload: []byte("a2")},
+			{ID: "b2", AggregateID: "B", Payload: []byte("b2")},
+		})
+	})
+	t.Run("sequence order", func(t *testing.T) {
+		t.Parallel()
+		waitingIsNoAttempt(t, &idem.Ordering{Gap: idem.GapAllow}, []*idem.Message{
+			{ID: "a2", AggregateID: "A", Seq: 2, Payload: []byte("a2")},
+			{ID: "b1", AggregateID: "B", Seq: 1, Payload: []byte("b1")},
+			{ID: "a1", AggregateID: "A", Seq: 1, Payload: []byte("a1")},
+			{ID: "b2", AggregateID: "B", Seq: 2, Payload: []byte("b2")},
+		})
+	})
+}
+
+func waitingIsNoAttempt(t *testing.T, ordering *idem.Ordering, msgs []*idem.Message) {
 	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
-	msgs := []*idem.Message{
-		{ID: "a1", AggregateID: "A", Payload: []byte("a1")},
-		{ID: "b1", AggregateID: "B", Payload: []byte("b1")},
-		{ID: "a2", AggregateID: "A", Payload: []byte("a2")},
-		{ID: "b2", AggregateID: "B", Payload: []byte("b2")},
-	}
 	b.Publish(t, msgs, 0)
 	var retries sync.Map // message ID → *atomic.Int64: retry verdicts that were tries
 	tries := func(id string) int64 {
@@ -626,7 +643,7 @@ func TestWaitingBehindItsAggregateIsNoAttempt(t *testing.T) {
 		return v.(*atomic.Int64).Load()
 	}
 	failFor := map[string]int64{"a1": 2, "a2": 1}
-	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Ordering: ordering, Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
 		if tries(m.ID) < failFor[m.ID] {
 			return errors.New("dependency down")
 		}
