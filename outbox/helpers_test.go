@@ -30,8 +30,9 @@ import (
 // producer is a service that writes business rows and outbox rows in one
 // transaction: an account ledger that emits a Credited event per credit.
 type producer struct {
-	name string
-	drv  any // the driver: OutboxRelayStore for the relay
+	name   string
+	schema string // Postgres: the producer's fresh schema
+	drv    any    // the driver: OutboxRelayStore for the relay
 	// credit adds amount to account and emits the event to stream, in
 	// one transaction; fail rolls it back after both writes.
 	credit func(ctx context.Context, stream, account string, amount int64, fail bool) (*idem.Message, error)
@@ -141,7 +142,7 @@ func postgresProducer(t testing.TB) *producer {
 		return tx.Commit(ctx)
 	}
 	return &producer{
-		name: "postgres", drv: drv,
+		name: "postgres", schema: schema, drv: drv,
 		credit: func(ctx context.Context, stream, account string, amount int64, fail bool) (m *idem.Message, err error) {
 			err = inTx(ctx, func(tx postgres.Tx) error {
 				if _, err := tx.Exec(ctx, `INSERT INTO `+ledger+` VALUES ($1, $2) ON CONFLICT (account) DO UPDATE SET amount = `+ledger+`.amount + excluded.amount`, account, amount); err != nil {

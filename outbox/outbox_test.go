@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/postgres"
 )
@@ -457,6 +458,106 @@ func TestRelayWakesOnCommit(t *testing.T) {
 	waitFor(t, "the relay to publish", 10*time.Second, func() bool { return pub.acked.Load() == 1 })
 	t.Logf("published %s after commit (poll interval 1h)", time.Since(start).Round(time.Millisecond))
 	cancel()
+}
+
+// failOnce refuses its first publish, then passes on.
+type failOnce struct {
+	next  outbox.Publisher
+	calls atomic.Int64
+}
+
+func (p *failOnce) Publish(ctx context.Context, msgs []*idem.Message) error {
+	if p.calls.Add(1) == 1 {
+		return errors.New("broker blip")
+	}
+	return p.next.Publish(ctx, msgs)
+}
+
+// A key held after a failed publish is retried after its backoff, not
+// after PollInterval: no commit wakes the relay for it.
+func TestRelayRetriesHeldKeyAfterBackoff(t *testing.T) {
+	p := postgresProducer(t)
+	if err := p.drv.(*postgres.Driver).SetOutboxNotify(context.Background(), true); err != nil {
+		t.Fatal(err)
+	}
+	b := newNATSBroker(t)
+	pub := newCountingPublisher(&failOnce{next: b.publisher(t)})
+	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{PollInterval: time.Hour, Backoff: idem.Backoff{Base: 100 * time.Millisecond, Max: 200 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	wait := runBackground(ctx, r.Run)
+	defer func() { cancel(); wait() }()
+	time.Sleep(300 * time.Millisecond) // the relay's first cycle finds nothing and sleeps
+	if _, err := p.credit(ctx, b.stream(), "acct-1", 1, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the held key to be published after its 100-200 ms backoff (poll interval 1h)", 10*time.Second, func() bool { return pub.acked.Load() == 1 })
+}
+
+// A row committed while the relay's LISTEN connection is being re-made is
+// published once it is back, not after PollInterval.
+func TestRelayWakesAfterListenerReconnect(t *testing.T) {
+	p := postgresProducer(t)
+	if err := p.drv.(*postgres.Driver).SetOutboxNotify(context.Background(), true); err != nil {
+		t.Fatal(err)
+	}
+	b := newNATSBroker(t)
+	pub := newCountingPublisher(b.publisher(t))
+	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{PollInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	wait := runBackground(ctx, r.Run)
+	defer func() { cancel(); wait() }()
+	time.Sleep(300 * time.Millisecond)
+	admin := testenv.PostgresPool(t, 2)
+	var n int
+	if err := admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND query LIKE 'LISTEN %' AND strpos(query, $1) > 0`, p.schema+".").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("terminated %d listeners, %v; want this relay's one", n, err)
+	}
+	if _, err := p.credit(ctx, b.stream(), "acct-1", 1, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "a row committed during the listener's reconnect to be published (poll interval 1h)", 10*time.Second, func() bool { return pub.acked.Load() == 1 })
+}
+
+// A row whose headers do not decode (written other than by Add) fails its
+// key as a refused publish does: recorded and held, while the other keys
+// are published.
+func TestRelayUnreadableRowIsHeld(t *testing.T) {
+	p := postgresProducer(t)
+	b := newNATSBroker(t)
+	pub := newCountingPublisher(b.publisher(t))
+	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{Backoff: idem.Backoff{Base: time.Minute, Max: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	admin := testenv.PostgresPool(t, 2)
+	if _, err := admin.Exec(ctx, `INSERT INTO `+p.schema+`.idem_outbox (destination, message_id, ordering_key, headers, payload, payload_hash)
+VALUES ($1, 'foreign-1', 'foreign', '{"n": 1}', 'x', 'h')`, b.stream()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.credit(ctx, b.stream(), "acct-1", 1, false); err != nil {
+		t.Fatal(err)
+	}
+	res, err := r.RunOnce(ctx)
+	if res.Published != 1 || res.Failed != 1 || err == nil || !strings.Contains(err.Error(), "headers") {
+		t.Fatalf("cycle %+v, %v; want acct-1 published and the foreign row failed on its headers", res, err)
+	}
+	st, err := r.Stats(ctx)
+	if err != nil || st.Failing != 1 || !strings.Contains(st.LastError, "headers") {
+		t.Fatalf("stats %+v, %v; want the foreign row failing with its reason", st, err)
+	}
+	if res, err := r.RunOnce(ctx); res.Claimed != 0 || err != nil {
+		t.Fatalf("next cycle %+v, %v; want the held key left alone", res, err)
+	}
 }
 
 // TestRelayCrashEndToEnd: outbox → broker → idem consumer, with the relay

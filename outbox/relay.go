@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -69,8 +70,10 @@ type RelayConfig struct {
 	// cycles after one that published nothing: exponential with full
 	// jitter, by default from 100 ms up to 30 s (a key waits at least half
 	// of Base). A key waiting out its backoff is skipped by every relay,
-	// so one key the broker refuses does not hold up the others. Retries
-	// is ignored: the relay retries until the broker takes the rows.
+	// so one key the broker refuses does not hold up the others; the
+	// relay that held it runs a cycle when its backoff ends, whatever
+	// PollInterval. Retries is ignored: the relay retries until the
+	// broker takes the rows.
 	Backoff idem.Backoff
 	// Logger receives failed publishes and store errors. Default
 	// slog.Default().
@@ -90,6 +93,12 @@ type Relay struct {
 	pub      Publisher
 	cfg      RelayConfig
 	mu       sync.Mutex // one cycle at a time
+	holdMu   sync.Mutex // guards retries
+	// retries are when the keys this relay held after a failed publish
+	// become claimable again (with a margin): Run's wait ends at the
+	// first rather than after PollInterval, since no commit would wake it
+	// for those keys.
+	retries []time.Time
 }
 
 // CycleResult counts one relay cycle.
@@ -189,6 +198,9 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	start := time.Now()
+	r.holdMu.Lock()
+	r.retries = slices.DeleteFunc(r.retries, func(at time.Time) bool { return !start.Before(at) }) // claimable now
+	r.holdMu.Unlock()
 	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, r.cfg.BatchSize, r.cfg.ClaimTTL)
 	if err != nil {
 		return res, true, fmt.Errorf("outbox: claim: %w", err)
@@ -260,33 +272,58 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 		return fmt.Errorf("outbox: key %q: claim half gone before its turn; left for the next cycle", g[0].OrderingKey)
 	}
 	msgs := make([]*idem.Message, len(g))
+	var err error
 	for i, row := range g {
-		m, err := rowMessage(&row)
-		if err != nil {
-			return err
+		if msgs[i], err = rowMessage(&row); err != nil {
+			// A row written other than by Add: the key fails as a
+			// refused publish does, held and visible, so that it does
+			// not take every cycle's claim from the other keys.
+			err = fmt.Errorf("outbox: key %q: %w", g[0].OrderingKey, err)
+			break
 		}
-		msgs[i] = m
 	}
-	if err := r.pub.Publish(ctx, msgs); err != nil {
+	if err == nil {
+		if err = r.pub.Publish(ctx, msgs); err == nil {
+			return nil
+		}
 		err = fmt.Errorf("outbox: publish %d rows of key %q from %q: %w", len(msgs), g[0].OrderingKey, g[0].MessageID, err)
 		if errors.Is(ctx.Err(), context.Canceled) {
 			// The relay is stopping: not the key's failure, and no reason
 			// to keep the next relay off it.
 			return err
 		}
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		// The key waits out its own backoff, growing with its head row's
-		// attempts (at least half of Base: a hold of nothing would let
-		// the key take the next cycle again); the other keys go on.
-		hold := max(r.cfg.Backoff.Delay(g[0].Attempts), r.cfg.Backoff.Base/2)
-		if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, g[0].ID, err.Error(), hold); ferr != nil {
-			noHold.Store(true)
-			r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
-		}
-		return err
 	}
-	return nil
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	// The key waits out its own backoff, growing with its head row's
+	// attempts (at least half of Base: a hold of nothing would let the key
+	// take the next cycle again); the other keys go on.
+	hold := max(r.cfg.Backoff.Delay(g[0].Attempts), r.cfg.Backoff.Base/2)
+	if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, g[0].ID, err.Error(), hold); ferr != nil {
+		noHold.Store(true)
+		r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
+	} else {
+		r.held(time.Now().Add(hold + hold/20 + 10*time.Millisecond))
+	}
+	return err
+}
+
+// held records that a key is held until at, for Run's wait.
+func (r *Relay) held(at time.Time) {
+	r.holdMu.Lock()
+	defer r.holdMu.Unlock()
+	r.retries = append(r.retries, at)
+}
+
+// untilRetry returns how long until the first key this relay held is
+// claimable again, or limit if that is later or none is held.
+func (r *Relay) untilRetry(limit time.Duration) time.Duration {
+	r.holdMu.Lock()
+	defer r.holdMu.Unlock()
+	for _, at := range r.retries {
+		limit = min(limit, time.Until(at))
+	}
+	return limit
 }
 
 // groupByKey splits rows (in ID order) by ordering key, keeping the order
@@ -362,14 +399,14 @@ func (r *Relay) Run(ctx context.Context) error {
 			if res.Claimed >= r.cfg.BatchSize && res.Published > 0 {
 				continue
 			}
-			wait = r.cfg.PollInterval
+			wait = r.untilRetry(r.cfg.PollInterval)
 			err = nil
 		case res.Claimed >= r.cfg.BatchSize:
 			failures = 0
 			continue // more may be waiting
 		default:
 			failures = 0
-			wait = r.cfg.PollInterval
+			wait = r.untilRetry(r.cfg.PollInterval)
 		}
 		if err != nil {
 			// A failure's backoff is not cut short by new rows.

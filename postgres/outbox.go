@@ -316,9 +316,11 @@ const outboxNotifyOptInVersion = 9
 var ErrNotMigrated = errors.New("postgres: the schema is not migrated to this version of idem; run Migrate first")
 
 // OutboxListen implements driver.OutboxNotifier: a connection held out of
-// the pool LISTENs on the outbox channel; a lost connection is re-made
-// after a second, and the relay polls meanwhile. Nothing is notified
-// unless SetOutboxNotify turned the trigger on.
+// the pool LISTENs on the outbox channel. A lost connection is re-made
+// after a second, and so is one that could not be made at first (the
+// error is logged, not returned); the relay polls meanwhile, and is woken
+// once each new LISTEN is in place, for the rows committed while none
+// was. Nothing is notified unless SetOutboxNotify turned the trigger on.
 func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
 	ch := make(chan struct{}, 1)
 	listen := func() (*pgx.Conn, func(), error) {
@@ -335,7 +337,17 @@ func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
 	}
 	conn, closeConn, err := listen()
 	if err != nil {
-		return nil, fmt.Errorf("postgres: listen for outbox rows: %w", err)
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("postgres: listen for outbox rows: %w", err)
+		}
+		d.logger.Warn("postgres: cannot listen for outbox rows yet; retrying every second, the relay polls meanwhile", slog.Any("error", err))
+		conn, closeConn = nil, nil
+	}
+	wake := func() {
+		select {
+		case ch <- struct{}{}:
+		default: // a wake-up is already pending
+		}
 	}
 	go func() {
 		defer close(ch)
@@ -355,6 +367,7 @@ func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
 					conn, closeConn = nil, nil
 					continue
 				}
+				wake() // rows may have been committed while no LISTEN was in place
 			}
 			_, err := conn.WaitForNotification(ctx)
 			if ctx.Err() != nil {
@@ -366,10 +379,7 @@ func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
 				conn, closeConn = nil, nil
 				continue
 			}
-			select {
-			case ch <- struct{}{}:
-			default: // a wake-up is already pending
-			}
+			wake()
 		}
 	}()
 	return ch, nil
