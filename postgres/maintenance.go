@@ -13,18 +13,16 @@ import (
 var _ driver.MarkerPruner = (*Driver)(nil)
 
 // prunableLease is the condition, besides its age, on a row that retention
-// may delete ($1 is the cutoff): a done marker or lease, a lease failed for
-// good, and a failed lease whose retry fell due before the cutoff and that
-// nobody took up for the whole retention (a LeaseConsumer dead-lettered it
-// on the broker's last delivery). A failed lease to be retried later stays,
-// and so does every running lease, whatever its age: its holder may be a
-// paused worker that would not be fenced off a row re-created at token 1.
-const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < $1))`
+// may delete: a done marker or lease. A running lease stays whatever its
+// age (its holder may be a paused worker that would not be fenced off a
+// row re-created at token 1), and so does a failed one: its dead letter
+// may be replayed at any time, and the replay's claim must get a token
+// above the failed attempts', which a downstream fence has seen.
+const prunableLease = `status = 'done'`
 
 // PruneMarkers implements driver.MarkerPruner. One statement picks the next
 // batch in primary-key order after the cursor and deletes it; rows of
-// running leases and of failed leases still to be retried are skipped
-// (prunableLease).
+// running and failed leases are skipped (prunableLease).
 // Each call is its own short transaction, so row locks last one batch.
 func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
 	if p.Limit < 1 {

@@ -12,18 +12,17 @@ import (
 var _ driver.MarkerPruner = (*Driver)(nil)
 
 // prunableLease is the condition, besides its age, on a row that retention
-// may delete; its parameter is the cutoff. A done marker or lease, a lease
-// failed for good, and a failed lease whose retry fell due before the
-// cutoff and that nobody took up for the whole retention. A failed lease
-// to be retried later stays, and so does every running lease, whatever
-// its age: its holder may be a paused worker that would not be fenced off
-// a row re-created at token 1.
-const prunableLease = `(status = 'done' OR status = 'failed' AND (next_attempt_at IS NULL OR next_attempt_at < ?))`
+// may delete: a done marker or lease. A running lease stays whatever its
+// age (its holder may be a paused worker that would not be fenced off a
+// row re-created at token 1), and so does a failed one: its dead letter
+// may be replayed at any time, and the replay's claim must get a token
+// above the failed attempts', which a downstream fence has seen.
+const prunableLease = `status = 'done'`
 
 // PruneMarkers implements driver.MarkerPruner: the next batch after the
 // cursor in primary-key order, deleted in one statement (its own short
-// write transaction); rows of running leases and of failed leases still
-// to be retried are skipped (prunableLease).
+// write transaction); rows of running and failed leases are skipped
+// (prunableLease).
 func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
 	if p.Limit < 1 {
 		return driver.PruneResult{}, fmt.Errorf("sqlite: prune limit %d must be at least 1", p.Limit)
@@ -33,7 +32,7 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
   WHERE (handler, message_id) > (?, ?) AND processed_at < ? AND `+prunableLease+`
   ORDER BY handler, message_id
   LIMIT ?
-) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Before.UnixMicro(), p.Limit)
+) RETURNING handler, message_id`, p.After.Handler, p.After.MessageID, p.Before.UnixMicro(), p.Limit)
 	if err != nil {
 		return driver.PruneResult{}, fmt.Errorf("sqlite: prune markers: %w", err)
 	}
@@ -59,7 +58,7 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 // CountPrunable implements driver.MarkerPruner.
 func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
 	rows, err := d.db.QueryContext(ctx, `SELECT handler, count(*) FROM `+d.tables.processed+`
-WHERE processed_at < ? AND `+prunableLease+` GROUP BY handler`, before.UnixMicro(), before.UnixMicro())
+WHERE processed_at < ? AND `+prunableLease+` GROUP BY handler`, before.UnixMicro())
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("sqlite: count prunable markers: %w", err)
 	}
