@@ -359,6 +359,10 @@ type LeaseProcessor struct {
 	onOutcome []HookOutcome
 	onLost    []HookLeaseLost
 	onCall    callHooks
+	// reported holds the leases (*Lease) whose loss was reported, while
+	// their claim is decided: a heartbeat refused, the expiry, and the
+	// done or failed write refused after them are one lost lease.
+	reported sync.Map
 }
 
 // name is h's name, or "" for a nil handler.
@@ -482,6 +486,7 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	p.fault(FaultAfterClaim)
 
 	l := &Lease{Token: res.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: res.Attempt}
+	defer p.reported.Delete(l)
 	var advance *driver.LeaseAdvance
 	if guarded {
 		if out, done, err := p.guard(ctx, h, msg, l, agg); done {
@@ -497,6 +502,12 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		// This claim calls nothing, so it gives its attempt back: the row
 		// records the attempts that ran.
 		return p.failCall(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)), false)
+	}
+	if !time.Now().Before(sent.Add(p.cfg.TTL)) {
+		// The lease ran out before the call (a slow ordering read, say):
+		// another worker may hold the message by now, and a call would
+		// overlap its call. This claim calls nothing.
+		return OutcomeNone, p.release(ctx, h, msg, l, fmt.Errorf("idem: handler %q, message %q: %w before the call", h.Name, msg.ID, ErrLeaseExpired))
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -706,11 +717,16 @@ func (p *LeaseProcessor) fault(point string) {
 
 // fenced reports a write refused as fenced.
 func (p *LeaseProcessor) fenced(ctx context.Context, l *Lease, fe *FencedError) {
-	p.lost(ctx, &LeaseLostEvent{Handler: fe.Handler, MessageID: fe.MessageID, Owner: l.Owner, Token: l.Token, Op: fe.Op, Err: fe})
+	p.lost(ctx, l, &LeaseLostEvent{Handler: fe.Handler, MessageID: fe.MessageID, Owner: l.Owner, Token: l.Token, Op: fe.Op, Err: fe})
 }
 
-// lost reports a lost lease to the log and the hooks.
-func (p *LeaseProcessor) lost(ctx context.Context, ev *LeaseLostEvent) {
+// lost reports the loss of l to the log and the hooks, once: the first
+// sign of it (a refused heartbeat, the expiry, a refused write) is the
+// one reported.
+func (p *LeaseProcessor) lost(ctx context.Context, l *Lease, ev *LeaseLostEvent) {
+	if _, again := p.reported.LoadOrStore(l, struct{}{}); again {
+		return
+	}
 	p.cfg.Logger.Warn("idem: lease lost", slog.String("handler", ev.Handler), slog.String("message_id", ev.MessageID),
 		slog.String("op", ev.Op), slog.Int64("token", ev.Token), slog.Any("error", ev.Err))
 	for _, hk := range p.onLost {
@@ -752,6 +768,7 @@ type keeper struct {
 	handler string
 	id      string
 	lease   *Lease
+	sent    time.Time // when the claim was sent: heartbeats count from it
 
 	mu       sync.Mutex
 	deadline time.Time
@@ -765,7 +782,7 @@ type keeper struct {
 }
 
 func (p *LeaseProcessor) keep(ctx context.Context, cancel context.CancelCauseFunc, handler, id string, l *Lease, sent time.Time) *keeper {
-	k := &keeper{p: p, ctx: ctx, cancel: cancel, handler: handler, id: id, lease: l,
+	k := &keeper{p: p, ctx: ctx, cancel: cancel, handler: handler, id: id, lease: l, sent: sent,
 		deadline: sent.Add(p.cfg.TTL), stopc: make(chan struct{}), done: make(chan struct{}), expired: make(chan struct{})}
 	k.mu.Lock()
 	k.timer = time.AfterFunc(time.Until(k.deadline), k.expire)
@@ -776,7 +793,10 @@ func (p *LeaseProcessor) keep(ctx context.Context, cancel context.CancelCauseFun
 
 func (k *keeper) run() {
 	defer close(k.done)
-	t := time.NewTicker(k.p.cfg.Heartbeat)
+	// Heartbeats fall due every Heartbeat from the claim, not from the
+	// call: the time the guard took before it is the lease's too.
+	due := k.sent.Add(k.p.cfg.Heartbeat)
+	t := time.NewTimer(time.Until(due))
 	defer t.Stop()
 	for {
 		select {
@@ -784,6 +804,11 @@ func (k *keeper) run() {
 			return
 		case <-t.C:
 		}
+		due = due.Add(k.p.cfg.Heartbeat)
+		if now := time.Now(); due.Before(now) {
+			due = now.Add(k.p.cfg.Heartbeat) // a heartbeat slower than the interval
+		}
+		t.Reset(time.Until(due))
 		k.p.fault(FaultBeforeHeartbeat)
 		select {
 		case <-k.stopc:
@@ -845,7 +870,7 @@ func (k *keeper) expire() {
 	k.mu.Unlock()
 	defer close(k.expired)
 	k.cancel(ErrLeaseExpired)
-	k.p.lost(k.ctx, &LeaseLostEvent{Handler: k.handler, MessageID: k.id, Owner: k.lease.Owner, Token: k.lease.Token,
+	k.p.lost(k.ctx, k.lease, &LeaseLostEvent{Handler: k.handler, MessageID: k.id, Owner: k.lease.Owner, Token: k.lease.Token,
 		Op: "expired", Err: ErrLeaseExpired})
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -256,5 +257,150 @@ func TestLeaseImportedMarkerIsDuplicate(t *testing.T) {
 	out, err := p.Process(ctx, h, &idem.Message{ID: "file-1", Payload: []byte("anything")})
 	if err != nil || out != idem.Duplicate || called {
 		t.Errorf("imported message in lease mode: %v, %v, handler called %v; want duplicate, not called", out, err, called)
+	}
+}
+
+// slowGuard is the SQLite driver whose first ordering-guard read stalls
+// (a full pool, a slow query) for stall.
+type slowGuard struct {
+	*sqlite.Driver
+	stall time.Duration
+	once  sync.Once
+}
+
+func (s *slowGuard) SequenceLast(ctx context.Context, h, agg string) (int64, error) {
+	s.once.Do(func() { time.Sleep(s.stall) })
+	return s.Driver.SequenceLast(ctx, h, agg)
+}
+
+// A worker whose lease runs out before its call (its guard read outlasted
+// the TTL) does not call: the worker that claimed the message since calls
+// alone, never both at once.
+func TestLeaseNotCalledAfterItRanOut(t *testing.T) {
+	t.Parallel()
+	drv := leaseDriver(t)
+	const ttl = 300 * time.Millisecond
+	pa, err := idem.NewLeaseProcessor(&slowGuard{Driver: drv, stall: 2 * ttl}, &idem.LeaseConfig{TTL: ttl, Owner: "A", Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pb, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: ttl, Owner: "B", Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var calls []string
+	h := &idem.LeaseHandler{Name: "mailer", Ordering: &idem.Ordering{Gap: idem.GapAllow},
+		Call: func(ctx context.Context, l *idem.Lease, msg *idem.Message) error {
+			mu.Lock()
+			calls = append(calls, fmt.Sprintf("%s@%d", l.Owner, l.Token))
+			mu.Unlock()
+			time.Sleep(400 * time.Millisecond) // an external call that ignores ctx
+			return nil
+		}}
+	msg := &idem.Message{ID: "m1", AggregateID: "a", Seq: 1, Payload: []byte("x")}
+	var wg sync.WaitGroup
+	var errA, errB error
+	var outB idem.Outcome
+	wg.Go(func() { _, errA = pa.Process(context.Background(), h, msg) })
+	wg.Go(func() {
+		time.Sleep(ttl + 100*time.Millisecond) // A's lease ran out; its guard read still stalls
+		outB, errB = pb.Process(context.Background(), h, msg)
+	})
+	wg.Wait()
+	if outB != idem.Applied || errB != nil {
+		t.Fatalf("B: %v, %v; want Applied", outB, errB)
+	}
+	if !errors.Is(errA, idem.ErrLeaseExpired) {
+		t.Fatalf("A: %v; want ErrLeaseExpired", errA)
+	}
+	if !slices.Equal(calls, []string{"B@2"}) {
+		t.Fatalf("calls %v; want B's alone", calls)
+	}
+}
+
+// A lost lease is reported once, however many of its writes are refused
+// after: here a stalled heartbeat lets another worker claim the message,
+// and the refused heartbeat, the local expiry and the refused done write
+// are one loss.
+func TestLeaseLossReportedOnce(t *testing.T) {
+	t.Parallel()
+	drv := leaseDriver(t)
+	const ttl = 300 * time.Millisecond
+	hook := &lostHook{}
+	var stalled sync.Once
+	pa, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: ttl, Heartbeat: 100 * time.Millisecond, Owner: "A", Logger: testenv.Logger(t),
+		Hooks: []idem.Hook{idem.HookLeaseLost(hook)},
+		FaultHook: func(point string) {
+			if point == idem.FaultBeforeHeartbeat {
+				stalled.Do(func() { time.Sleep(2 * ttl) })
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pb, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: ttl, Owner: "B", Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{})
+	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, l *idem.Lease, msg *idem.Message) error {
+		if l.Owner == "A" {
+			close(started)
+			time.Sleep(3 * ttl) // ignores ctx
+		}
+		return nil
+	}}
+	msg := &idem.Message{ID: "m1", Payload: []byte("x")}
+	var wg sync.WaitGroup
+	var errA error
+	wg.Go(func() { _, errA = pa.Process(context.Background(), h, msg) })
+	<-started
+	time.Sleep(ttl + 100*time.Millisecond)
+	if out, err := pb.Process(context.Background(), h, msg); out != idem.Applied || err != nil {
+		t.Fatalf("B: %v, %v; want Applied", out, err)
+	}
+	wg.Wait()
+	var fe *idem.FencedError
+	if !errors.As(errA, &fe) {
+		t.Fatalf("A: %v; want its done write fenced", errA)
+	}
+	hook.mu.Lock()
+	defer hook.mu.Unlock()
+	if len(hook.lost) != 1 || hook.lost[0].Token != 1 {
+		t.Fatalf("lost leases reported: %+v; want token 1's once", hook.lost)
+	}
+}
+
+// Heartbeats fall due from the claim, not from the call: a guard read that
+// took most of the TTL does not leave the lease to run out before the
+// first heartbeat.
+func TestLeaseHeartbeatsCountFromTheClaim(t *testing.T) {
+	t.Parallel()
+	drv := leaseDriver(t)
+	const ttl = 300 * time.Millisecond
+	hook := &lostHook{}
+	p, err := idem.NewLeaseProcessor(&slowGuard{Driver: drv, stall: ttl * 7 / 10}, &idem.LeaseConfig{TTL: ttl, Heartbeat: ttl / 3, Owner: "A",
+		Logger: testenv.Logger(t), Hooks: []idem.Hook{idem.HookLeaseLost(hook)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.LeaseHandler{Name: "mailer", Ordering: &idem.Ordering{Gap: idem.GapAllow},
+		Call: func(ctx context.Context, l *idem.Lease, msg *idem.Message) error {
+			select {
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			case <-time.After(ttl):
+				return nil
+			}
+		}}
+	out, err := p.Process(context.Background(), h, &idem.Message{ID: "m1", AggregateID: "a", Seq: 1, Payload: []byte("x")})
+	if out != idem.Applied || err != nil {
+		t.Fatalf("%v, %v; want Applied", out, err)
+	}
+	hook.mu.Lock()
+	defer hook.mu.Unlock()
+	if len(hook.lost) != 0 {
+		t.Fatalf("lost %+v; want none", hook.lost)
 	}
 }
