@@ -312,7 +312,9 @@ func defaultOwner() string {
 
 // HookLeaseLost is told every time a worker loses a lease: a heartbeat, done
 // or failed write refused as fenced, or the lease running out before a
-// heartbeat renewed it. Losses are normal after long pauses and store
+// heartbeat renewed it. Each sign is told, by its Op: one lease that ran
+// out while its worker was paused may be told as expired, then as a
+// refused heartbeat and a refused done. Losses are normal after long pauses and store
 // outages, but a steady stream means the TTL is too short for the handler.
 // It may run on the heartbeat goroutine: keep it fast and never block.
 type HookLeaseLost interface {
@@ -359,10 +361,6 @@ type LeaseProcessor struct {
 	onOutcome []HookOutcome
 	onLost    []HookLeaseLost
 	onCall    callHooks
-	// reported holds the leases (*Lease) whose loss was reported, while
-	// their claim is decided: a heartbeat refused, the expiry, and the
-	// done or failed write refused after them are one lost lease.
-	reported sync.Map
 }
 
 // name is h's name, or "" for a nil handler.
@@ -486,7 +484,6 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	p.fault(FaultAfterClaim)
 
 	l := &Lease{Token: res.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: res.Attempt}
-	defer p.reported.Delete(l)
 	var advance *driver.LeaseAdvance
 	if guarded {
 		if out, done, err := p.guard(ctx, h, msg, l, agg); done {
@@ -717,16 +714,11 @@ func (p *LeaseProcessor) fault(point string) {
 
 // fenced reports a write refused as fenced.
 func (p *LeaseProcessor) fenced(ctx context.Context, l *Lease, fe *FencedError) {
-	p.lost(ctx, l, &LeaseLostEvent{Handler: fe.Handler, MessageID: fe.MessageID, Owner: l.Owner, Token: l.Token, Op: fe.Op, Err: fe})
+	p.lost(ctx, &LeaseLostEvent{Handler: fe.Handler, MessageID: fe.MessageID, Owner: l.Owner, Token: l.Token, Op: fe.Op, Err: fe})
 }
 
-// lost reports the loss of l to the log and the hooks, once: the first
-// sign of it (a refused heartbeat, the expiry, a refused write) is the
-// one reported.
-func (p *LeaseProcessor) lost(ctx context.Context, l *Lease, ev *LeaseLostEvent) {
-	if _, again := p.reported.LoadOrStore(l, struct{}{}); again {
-		return
-	}
+// lost reports a lost lease to the log and the hooks.
+func (p *LeaseProcessor) lost(ctx context.Context, ev *LeaseLostEvent) {
 	p.cfg.Logger.Warn("idem: lease lost", slog.String("handler", ev.Handler), slog.String("message_id", ev.MessageID),
 		slog.String("op", ev.Op), slog.Int64("token", ev.Token), slog.Any("error", ev.Err))
 	for _, hk := range p.onLost {
@@ -870,7 +862,7 @@ func (k *keeper) expire() {
 	k.mu.Unlock()
 	defer close(k.expired)
 	k.cancel(ErrLeaseExpired)
-	k.p.lost(k.ctx, k.lease, &LeaseLostEvent{Handler: k.handler, MessageID: k.id, Owner: k.lease.Owner, Token: k.lease.Token,
+	k.p.lost(k.ctx, &LeaseLostEvent{Handler: k.handler, MessageID: k.id, Owner: k.lease.Owner, Token: k.lease.Token,
 		Op: "expired", Err: ErrLeaseExpired})
 }
 

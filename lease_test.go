@@ -319,59 +319,6 @@ func TestLeaseNotCalledAfterItRanOut(t *testing.T) {
 	}
 }
 
-// A lost lease is reported once, however many of its writes are refused
-// after: here a stalled heartbeat lets another worker claim the message,
-// and the refused heartbeat, the local expiry and the refused done write
-// are one loss.
-func TestLeaseLossReportedOnce(t *testing.T) {
-	t.Parallel()
-	drv := leaseDriver(t)
-	const ttl = 300 * time.Millisecond
-	hook := &lostHook{}
-	var stalled sync.Once
-	pa, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: ttl, Heartbeat: 100 * time.Millisecond, Owner: "A", Logger: testenv.Logger(t),
-		Hooks: []idem.Hook{idem.HookLeaseLost(hook)},
-		FaultHook: func(point string) {
-			if point == idem.FaultBeforeHeartbeat {
-				stalled.Do(func() { time.Sleep(2 * ttl) })
-			}
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pb, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: ttl, Owner: "B", Logger: testenv.Logger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	started := make(chan struct{})
-	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, l *idem.Lease, msg *idem.Message) error {
-		if l.Owner == "A" {
-			close(started)
-			time.Sleep(3 * ttl) // ignores ctx
-		}
-		return nil
-	}}
-	msg := &idem.Message{ID: "m1", Payload: []byte("x")}
-	var wg sync.WaitGroup
-	var errA error
-	wg.Go(func() { _, errA = pa.Process(context.Background(), h, msg) })
-	<-started
-	time.Sleep(ttl + 100*time.Millisecond)
-	if out, err := pb.Process(context.Background(), h, msg); out != idem.Applied || err != nil {
-		t.Fatalf("B: %v, %v; want Applied", out, err)
-	}
-	wg.Wait()
-	var fe *idem.FencedError
-	if !errors.As(errA, &fe) {
-		t.Fatalf("A: %v; want its done write fenced", errA)
-	}
-	hook.mu.Lock()
-	defer hook.mu.Unlock()
-	if len(hook.lost) != 1 || hook.lost[0].Token != 1 {
-		t.Fatalf("lost leases reported: %+v; want token 1's once", hook.lost)
-	}
-}
-
 // Heartbeats fall due from the claim, not from the call: a guard read that
 // took most of the TTL does not leave the lease to run out before the
 // first heartbeat.
