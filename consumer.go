@@ -370,6 +370,13 @@ func (c *deliveries) aggregateKey(aggregateID string) string {
 // message is a Duplicate, never a second effect. A success marks the dead
 // letter replayed; a failure parks it again with the new error. Call it on
 // an interval (see Run) or after RequestReplay.
+//
+// Each dead letter's state is read again just before it runs, so one
+// that another consumer replayed, or an operator discarded, since this
+// run listed it is left alone. The read and the run are not one
+// transaction: a discard that lands while the message runs does not stop
+// it; the discard stands in the log and the replay's outcome is logged
+// as a warning.
 func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) { return c.replay(ctx) }
 
 // replay is Replay.
@@ -397,6 +404,14 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 			return res, err
 		}
 		dl := dls[k]
+		// The list is as old as this run: another consumer may have
+		// replayed a dead letter since, and an operator discarded it
+		// after it failed again. Run only what is still requested.
+		if still, err := c.stillRequested(ctx, dl.ID); err != nil {
+			return res, err
+		} else if !still {
+			continue
+		}
 		if msgs[k] == nil {
 			// Nothing to run: park it again, it needs a person.
 			if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
@@ -420,14 +435,31 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 			res.Parked++
 			continue
 		}
-		if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
-			To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String()}); err != nil {
+		n, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
+			To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String()})
+		if err != nil {
 			return res, err
+		}
+		if n == 0 {
+			// Moved while it ran: its new state (and log) stands.
+			c.cfg.Logger.Warn("idem: dead letter left replay_requested while its replay ran", slog.String("handler", c.name),
+				slog.Int64("dead_letter", dl.ID), slog.String("message_id", msg.ID), slog.String("outcome", v.Outcome.String()))
+			continue
 		}
 		res.Replayed++
 		res.Outcomes[v.Outcome]++
 	}
 	return res, nil
+}
+
+// stillRequested reports whether dead letter id is in state
+// replay_requested now.
+func (c *deliveries) stillRequested(ctx context.Context, id int64) (bool, error) {
+	now, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{IDs: []int64{id}, State: driver.DeadLetterReplayRequested})
+	if err != nil {
+		return false, fmt.Errorf("idem: read dead letter %d before its replay: %w", id, err)
+	}
+	return len(now) == 1, nil
 }
 
 // Run replays requested dead letters every interval until ctx is done,

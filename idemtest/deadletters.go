@@ -35,6 +35,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
 		{"DeadLetterWriteFailureIsNotAcked", testDeadLetterWriteFails[TTx]},
 		{"ReplayAppliesOnceAndDuplicates", testReplay[TTx]},
+		{"ReplaySkipsWhatWasDiscardedMeanwhile", testReplayDiscardedMeanwhile[TTx]},
 		{"StatsCountDuplicatesAndStale", testStats[TTx]},
 		{"BatchOfDeliveries", testBatchDeliveries[TTx]},
 		{"BatchRetryHoldsItsAggregate", testBatchRetryHoldsAggregate[TTx]},
@@ -498,6 +499,81 @@ func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 	}
 	if n, err := idem.RequestReplay(ctx, dl, nil, "alice@ops"); err != nil || n != 0 {
 		t.Fatalf("RequestReplay after discard: %d, %v", n, err)
+	}
+}
+
+// verdictFunc is a HookVerdict.
+type verdictFunc func(ctx context.Context, ev *idem.VerdictEvent)
+
+func (f verdictFunc) OnVerdict(ctx context.Context, ev *idem.VerdictEvent) { f(ctx, ev) }
+
+// testReplayDiscardedMeanwhile: a dead letter that leaves replay_requested
+// while a Replay run works through its list (another consumer replayed
+// it and it failed again, then an operator discarded it) is not run: the
+// operator's decision stands, and its effect is never applied.
+func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	h := CreditHandler(s, "balances", nil)
+	var broken atomic.Bool
+	broken.Store(true)
+	apply := h.Apply
+	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
+		if broken.Load() {
+			return idem.Permanent(errors.New("account frozen"))
+		}
+		return apply(ctx, tx, m)
+	}
+	ev := Events(2)
+	var meddled atomic.Bool
+	var meddleErr error
+	cfg := &idem.ConsumerConfig{Hooks: []idem.Hook{verdictFunc(func(ctx context.Context, v *idem.VerdictEvent) {
+		// Once the replay decided the first, the second goes back to
+		// parked and an operator discards it.
+		if broken.Load() || v.MessageID != ev[0].ID || meddled.Swap(true) {
+			return
+		}
+		var second []driver.DeadLetter
+		for _, d := range deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "balances", State: driver.DeadLetterReplayRequested}) {
+			if d.MessageID == ev[1].ID {
+				second = append(second, d)
+			}
+		}
+		if len(second) != 1 {
+			meddleErr = fmt.Errorf("%s's dead letter is not requested: %+v", ev[1].ID, second)
+			return
+		}
+		if _, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{second[0].ID},
+			From: []string{driver.DeadLetterReplayRequested}, To: driver.DeadLetterParked, Actor: "other consumer", Outcome: "failed again"}); err != nil {
+			meddleErr = err
+			return
+		}
+		if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{second[0].ID}}, "bob@ops"); err != nil || n != 1 {
+			meddleErr = fmt.Errorf("discard: %d, %v", n, err)
+		}
+	})}}
+	c := newConsumer(t, s, h, dl, cfg)
+	for _, e := range ev {
+		if v := deliverTo(c, e.Message(), 1); !v.DeadLettered {
+			t.Fatalf("%s: %+v, want a dead letter", e.ID, v)
+		}
+	}
+	broken.Store(false)
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}, "alice@ops"); err != nil || n != 2 {
+		t.Fatalf("RequestReplay: %d, %v; want 2", n, err)
+	}
+	res, err := c.Replay(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !meddled.Load() || meddleErr != nil {
+		t.Fatalf("the discard during the replay did not happen: %v", meddleErr)
+	}
+	if res.Replayed != 1 || res.Outcomes[idem.Applied] != 1 || res.Parked != 0 {
+		t.Fatalf("replay: %+v, want the first applied and the discarded one left alone", res)
+	}
+	wantBalances(t, s, Expected(ev[:1]))
+	if got := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterDiscarded}); len(got) != 1 || got[0].MessageID != ev[1].ID {
+		t.Fatalf("discarded dead letters %+v, want %s's", got, ev[1].ID)
 	}
 }
 
