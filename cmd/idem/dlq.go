@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -29,8 +30,8 @@ conflicts, records that did not decode, retries out of attempts).
 
   idem dlq list    [--handler H] [--group G] [--state S] [--since T] [--until T] [--limit N] [--json]
   idem dlq show    ID [--json]
-  idem dlq replay  (ID... | --group G | --all) [--handler H] [--since T] [--until T]
-  idem dlq discard (ID... | --group G | --all) [--handler H] [--since T] [--until T]
+  idem dlq replay  (ID... | --group G | --all) [--handler H] [--since T] [--until T] [--limit N]
+  idem dlq discard (ID... | --group G | --all) [--handler H] [--since T] [--until T] [--limit N]
 
 list shows parked dead letters by default (--state all for every state).
 --group is a fingerprint from list: the error's type and its message with
@@ -40,8 +41,10 @@ RFC 3339 (2026-11-22T10:00:00Z) or a duration back from now (36h, 7d).
 replay marks parked dead letters "replay requested"; a running consumer of
 their handler (Consumer.Run, or Consumer.Replay) runs them through the same
 deduplication and ordering guard as a delivery, so replaying a message that
-was already applied is a Duplicate, never a second effect. discard marks
-them discarded: kept for the record, never processed.
+was already applied is a Duplicate, never a second effect (while its
+marker is kept). discard marks them discarded: kept for the record, never
+replayed. Both act on parked dead letters only; --limit N takes the oldest
+N the other filters select.
 
 Every subcommand takes --dsn (default $IDEM_DSN), --schema and --prefix.
 
@@ -71,6 +74,8 @@ type dlqFlags struct {
 	limit                 int
 	all, json             bool
 	actor                 string
+	// given holds the names of the flags given on the command line.
+	given map[string]bool
 }
 
 // runDLQ parses a dlq subcommand's flags and runs it.
@@ -90,6 +95,8 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 		}
 		return &usageError{err: err}
 	}
+	f.given = map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { f.given[fl.Name] = true })
 	filter, err := f.filter(ids, sub)
 	if err != nil {
 		return err
@@ -139,7 +146,7 @@ func defineDLQFlags(fs *flag.FlagSet) *dlqFlags {
 	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replayed, discarded or all (list only)")
 	fs.StringVar(&f.since, "since", "", "only dead letters that last failed at or after `T`")
 	fs.StringVar(&f.until, "until", "", "only dead letters that last failed before `T`")
-	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all)")
+	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all); replay or discard the oldest N (only when given)")
 	fs.BoolVar(&f.all, "all", false, "replay/discard every parked dead letter the other filters select")
 	fs.BoolVar(&f.json, "json", false, "print JSON")
 	fs.StringVar(&f.actor, "actor", "", "who is asking, recorded with a replay or discard (default: $IDEM_ACTOR, else $USER)")
@@ -204,7 +211,13 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 		if err != nil || id <= 0 {
 			return nil, usagef("dead-letter ID %q is not a positive number", a)
 		}
-		flt.IDs = append(flt.IDs, id)
+		// Once each: "replay 1 1" changes one dead letter, as asked.
+		if !slices.Contains(flt.IDs, id) {
+			flt.IDs = append(flt.IDs, id)
+		}
+	}
+	if f.limit < 0 {
+		return nil, usagef("--limit %d: want 0 (all) or more", f.limit)
 	}
 	var err error
 	if flt.Since, err = parseWhen(f.since); err != nil {
@@ -221,9 +234,6 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 		if len(args) > 0 {
 			return nil, usagef("list takes no IDs (got %q): use 'idem dlq show ID'", args)
 		}
-		if f.limit < 0 {
-			return nil, usagef("--limit %d: want 0 (all) or more", f.limit)
-		}
 		if f.state != "all" {
 			switch f.state {
 			case driver.DeadLetterParked, driver.DeadLetterReplayRequested, driver.DeadLetterReplayed, driver.DeadLetterDiscarded:
@@ -234,12 +244,26 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 		}
 		flt.Limit = f.limit
 	case "show":
-		if len(flt.IDs) != 1 {
+		if len(args) != 1 {
 			return nil, usagef("show takes exactly one dead-letter ID")
+		}
+		for _, name := range []string{"state", "limit", "handler", "group", "since", "until", "all"} {
+			if f.given[name] {
+				return nil, usagef("show takes an ID only, not --%s (list selects)", name)
+			}
 		}
 	default:
 		if len(flt.IDs) == 0 && flt.Fingerprint == "" && !f.all {
 			return nil, usagef("%s needs IDs, --group or --all: it never acts on everything by accident", sub)
+		}
+		// Only parked dead letters are replayed or discarded.
+		if f.given["state"] && f.state != driver.DeadLetterParked {
+			return nil, usagef("--state %q: %s acts on parked dead letters only", f.state, sub)
+		}
+		// --limit's default bounds what list prints; here it applies
+		// only when given: the oldest N of the selection.
+		if f.given["limit"] {
+			flt.Limit = f.limit
 		}
 	}
 	return flt, nil

@@ -185,7 +185,8 @@ func redactPasswordSettings(s string) string {
 
 // storeFlags are the flags shared by every command that opens a store.
 type storeFlags struct {
-	dsn, schema, prefix string
+	dsn, schema string
+	prefix      prefixFlag
 	// redisOK is set by the commands that work on a Redis store too.
 	redisOK bool
 	// command names the command, for the error that refuses Redis.
@@ -202,8 +203,30 @@ func addStoreFlags(fs *flag.FlagSet, command string, redisOK bool) *storeFlags {
 	f := &storeFlags{command: command, redisOK: redisOK}
 	fs.StringVar(&f.dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+")")
 	fs.StringVar(&f.schema, "schema", "", "PostgreSQL `schema` for idem's tables, created if missing (default: the connection's search_path)")
-	fs.StringVar(&f.prefix, "prefix", defaultPrefix, "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (Redis: of its keys, default \"idem:\")")
+	fs.Var(&f.prefix, "prefix", "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (Redis: of its keys, default \"idem:\")")
 	return f
+}
+
+// prefixFlag is --prefix: it remembers whether it was given, so that the
+// default can depend on the store (idem_ for SQL tables, idem: for Redis
+// keys) while an explicit --prefix idem_ on Redis means just that.
+type prefixFlag struct {
+	value string
+	set   bool
+}
+
+// String implements flag.Value; unset, it shows the SQL default.
+func (p *prefixFlag) String() string {
+	if p == nil || !p.set {
+		return defaultPrefix
+	}
+	return p.value
+}
+
+// Set implements flag.Value.
+func (p *prefixFlag) Set(v string) error {
+	p.value, p.set = v, true
+	return nil
 }
 
 // open resolves the DSN (flag, then environment), validates the flags and
@@ -213,7 +236,7 @@ func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
 	if err != nil {
 		return nil, err
 	}
-	if f.prefix == "" {
+	if f.prefix.set && f.prefix.value == "" {
 		return nil, usagef("--prefix is empty: idem's tables always carry a prefix (the default is %q)", defaultPrefix)
 	}
 	if !f.redisOK {
@@ -221,7 +244,7 @@ func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
 			return nil, usagef("%s reads SQL stores (SQLite, PostgreSQL) only; on Redis, use dlq, migrate or bench", f.command)
 		}
 	}
-	return openStore(ctx, dsn, storeOptions{Schema: f.schema, Prefix: f.prefix, Create: f.create})
+	return openStore(ctx, dsn, storeOptions{Schema: f.schema, Prefix: f.prefix.value, Create: f.create})
 }
 
 // storeOptions are the table-layout settings shared by the commands that
@@ -230,7 +253,8 @@ type storeOptions struct {
 	// Schema is the PostgreSQL schema holding idem's tables; empty means
 	// the connection's search_path. Not allowed for SQLite.
 	Schema string
-	// Prefix is prepended to every table name; empty means "idem_".
+	// Prefix is prepended to every table name, or Redis key; empty means
+	// the store's default: "idem_" for SQL tables, "idem:" for Redis.
 	Prefix string
 	// Create allows opening a SQLite file that does not exist yet (which
 	// creates it).
@@ -241,17 +265,14 @@ type storeOptions struct {
 // opened, so that a bad flag is a usage error rather than a half-created
 // database.
 func (o *storeOptions) check(t target) error {
-	if o.Prefix == "" {
-		o.Prefix = defaultPrefix
-	}
 	if t.kind == kindRedis {
 		if o.Schema != "" {
 			return usagef("--schema applies only to PostgreSQL; Redis keys take a --prefix")
 		}
-		if o.Prefix == defaultPrefix {
-			o.Prefix = "" // redisstore's default, "idem:"
-		}
-		return nil // redisstore.New checks the prefix
+		return nil // redisstore.New checks the prefix; empty is its default, "idem:"
+	}
+	if o.Prefix == "" {
+		o.Prefix = defaultPrefix
 	}
 	if err := sqlident.Check("--prefix", o.Prefix, false); err != nil {
 		return &usageError{err: err}

@@ -1,0 +1,101 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/testenv"
+)
+
+// TestDLQReplayDiscardSelection: replay and discard apply --limit when it
+// is given, refuse a --state other than parked (they move parked ones
+// only), and take an ID named twice once; show refuses list's filters.
+func TestDLQReplayDiscardSelection(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "dlq.db")
+	_, drv := testenv.SQLite(t, path, nil)
+	for i := 1; i <= 4; i++ {
+		if _, err := drv.DeadLetterPut(ctx, &driver.DeadLetter{Handler: "balances", MessageID: fmt.Sprintf("m-%d", i), Error: "boom", Class: idem.DeadLetterPermanent, Attempts: 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	env := map[string]string{dsnEnv: path}
+	run := func(want int, args ...string) string {
+		t.Helper()
+		code, out, errOut := runCLIEnv(t, env, args...)
+		if code != want {
+			t.Fatalf("idem %s: exit %d, want %d\n%s%s", strings.Join(args, " "), code, want, out, errOut)
+		}
+		return out + errOut
+	}
+	states := func() string {
+		t.Helper()
+		dls, err := drv.DeadLetterList(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var s []string
+		for _, d := range dls {
+			s = append(s, d.State)
+		}
+		return strings.Join(s, " ")
+	}
+	for _, args := range [][]string{
+		{"dlq", "replay", "--all", "--state", "replayed"},
+		{"dlq", "discard", "--all", "--state", "all"},
+		{"dlq", "replay", "--all", "--limit", "-1"},
+		{"dlq", "show", "1", "--limit", "5"},
+		{"dlq", "show", "1", "--state", "all"},
+	} {
+		if out := run(exitUsage, args...); !strings.Contains(out, "--") {
+			t.Errorf("idem %s: %q, want the flag named", strings.Join(args, " "), out)
+		}
+	}
+	if got := states(); got != "parked parked parked parked" {
+		t.Fatalf("after refused commands: %s", got)
+	}
+	if out := run(exitOK, "dlq", "replay", "--all", "--limit", "1"); !strings.Contains(out, "1 dead letter marked") {
+		t.Errorf("replay --limit 1: %q", out)
+	}
+	if got := states(); got != "replay_requested parked parked parked" {
+		t.Fatalf("after replay --all --limit 1: %s, want the oldest only", got)
+	}
+	if out := run(exitOK, "dlq", "discard", "2", "2"); !strings.Contains(out, "1 dead letter discarded") {
+		t.Errorf("discard 2 2: %q", out)
+	}
+	run(exitOK, "dlq", "discard", "--all", "--state", "parked", "--limit", "1")
+	if got := states(); got != "replay_requested discarded discarded parked" {
+		t.Fatalf("after the discards: %s", got)
+	}
+}
+
+// TestStorePrefixDefaultsPerKind: without --prefix, SQL tables take idem_
+// and Redis keys redisstore's idem:; a --prefix given is kept as is, on
+// Redis too.
+func TestStorePrefixDefaultsPerKind(t *testing.T) {
+	for _, tc := range []struct {
+		dsn, prefix, want string
+	}{
+		{"redis://127.0.0.1:6379/0", "", ""},
+		{"redis://127.0.0.1:6379/0", "idem_", "idem_"},
+		{"file:x.db", "", defaultPrefix},
+		{"file:x.db", "app_", "app_"},
+	} {
+		tg, err := parseDSN(tc.dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		o := storeOptions{Prefix: tc.prefix}
+		if err := o.check(tg); err != nil {
+			t.Fatal(err)
+		}
+		if o.Prefix != tc.want {
+			t.Errorf("%s with prefix %q: %q, want %q", tc.dsn, tc.prefix, o.Prefix, tc.want)
+		}
+	}
+}
