@@ -63,3 +63,30 @@ func TestLastErrorText(t *testing.T) {
 type errorString string
 
 func (e errorString) Error() string { return string(e) }
+
+// TestBackoffDelayExtremeSettings: Backoff.Delay stays within [0, Max] and
+// never panics, whatever the settings: a Max at the largest duration, a
+// multiplier that is not a number or infinite, a huge retry count.
+func TestBackoffDelayExtremeSettings(t *testing.T) {
+	t.Parallel()
+	for _, b := range []Backoff{
+		{Base: time.Second, Max: math.MaxInt64},
+		{Base: math.MaxInt64, Max: math.MaxInt64},
+		{Base: time.Second, Max: time.Minute, Multiplier: math.NaN()},
+		{Base: time.Second, Max: math.MaxInt64, Multiplier: math.Inf(1)},
+		{Base: time.Second, Max: time.Minute, Multiplier: math.Inf(-1)},
+	} {
+		for _, n := range []int{0, 1, 62, 63, 64, 1000, math.MaxInt} {
+			func() {
+				defer func() {
+					if r := recover(); r != nil {
+						t.Fatalf("%+v Delay(%d) panicked: %v", b, n, r)
+					}
+				}()
+				if d := b.Delay(n); d < 0 || d > b.Max {
+					t.Fatalf("%+v Delay(%d) = %s, outside [0, %s]", b, n, d, b.Max)
+				}
+			}()
+		}
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"time"
 
@@ -36,8 +37,10 @@ func NewVersions[TTx any](drv driver.Driver[TTx]) (*Versions[TTx], error) {
 }
 
 func checkAggregate(stream, aggregateID string) error {
-	if len(stream) > MaxIDLen {
-		return &ValidationError{Field: "stream", Reason: fmt.Sprintf("is %d bytes; the maximum is %d", len(stream), MaxIDLen), err: ErrInvalidMessage}
+	if stream != "" { // empty is the default stream
+		if reason := checkText(stream, MaxIDLen); reason != "" {
+			return &ValidationError{Field: "stream", Reason: reason, Value: stream, err: ErrInvalidMessage}
+		}
 	}
 	if reason := checkText(aggregateID, MaxIDLen); reason != "" {
 		return &ValidationError{Field: "AggregateID", Reason: reason, Value: aggregateID, err: ErrInvalidMessage}
@@ -138,17 +141,25 @@ func (b *Backoff) Delay(n int) time.Duration {
 	if maxD <= 0 {
 		maxD = time.Second
 	}
-	if mult < 1 {
+	if !(mult >= 1) || math.IsInf(mult, 1) { // NaN, < 1 or +Inf
 		mult = 2
 	}
-	bound := float64(base)
-	for i := 0; i < n && bound < float64(maxD); i++ {
-		bound *= mult
+	// Grow in float64, and convert back only below Max: float64(Max)
+	// may round above the largest int64 and not convert back.
+	limit := maxD
+	if base < maxD {
+		bound := float64(base)
+		for i := 0; i < n && bound < float64(maxD); i++ {
+			bound *= mult
+		}
+		if bound < float64(maxD) {
+			limit = time.Duration(bound)
+		}
 	}
-	if bound > float64(maxD) {
-		bound = float64(maxD)
+	if limit == math.MaxInt64 {
+		return time.Duration(rand.Int64N(int64(limit)))
 	}
-	return time.Duration(rand.Int64N(int64(bound) + 1))
+	return time.Duration(rand.Int64N(int64(limit) + 1))
 }
 
 // RetryVersionConflicts runs fn, and runs it again after a jittered

@@ -47,6 +47,7 @@ func RunOrdering[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"AllocatorConcurrentNoDuplicatesNoGaps", testAllocator[TTx]},
 		{"OptimisticConcurrencyNoLostUpdate", testOCC[TTx]},
 		{"OptimisticConcurrencyProperty", testOCCProperty[TTx]},
+		{"VersionsRejectBadNames", testVersionsBadNames[TTx]},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -902,6 +903,39 @@ func testOCC[TTx any](t *testing.T, s *Store[TTx]) {
 		t.Fatalf("final version %d, successful increments %d (gave up %d): a lost or phantom update", final, ok.Load(), gaveUp.Load())
 	}
 	wantBalances(t, s, map[string]int64{"cart-1-increments": final})
+}
+
+// testVersionsBadNames: a stream or aggregate ID that is not storable
+// text (invalid UTF-8, a NUL, too long; an empty aggregate ID) is refused
+// with a *idem.ValidationError before the store sees it; the empty stream
+// is the default one.
+func testVersionsBadNames[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	v, err := idem.NewVersions(s.Driver)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := s.Driver.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = s.Driver.Rollback(ctx, tx) }()
+	for _, c := range []struct{ stream, agg, field string }{
+		{"bad\x00stream", "a", "stream"},
+		{"bad\xffstream", "a", "stream"},
+		{strings.Repeat("s", idem.MaxIDLen+1), "a", "stream"},
+		{"orders", "", "AggregateID"},
+		{"orders", "bad\xff", "AggregateID"},
+	} {
+		_, err := v.Next(ctx, tx, c.stream, c.agg)
+		var ve *idem.ValidationError
+		if !errors.As(err, &ve) || ve.Field != c.field || !errors.Is(err, idem.ErrInvalidMessage) {
+			t.Errorf("Next(%q, %q): %v, want a ValidationError on %s", c.stream, c.agg, err, c.field)
+		}
+	}
+	if n, err := v.Next(ctx, tx, "", "a"); err != nil || n != 1 {
+		t.Fatalf("Next on the default stream: (%d, %v), want 1", n, err)
+	}
 }
 
 // testOCCProperty checks Advance against a model over random sequences of
