@@ -80,7 +80,8 @@ type OutboxRelayStore interface {
 	OutboxStats(ctx context.Context) (OutboxStats, error)
 	// OutboxPrune deletes up to limit rows published before before, with
 	// IDs above after, in ID order, and returns how many it deleted and
-	// the last ID it deleted.
+	// the last ID it deleted. A call with after 0, the first of a pass,
+	// may also delete expired claims and holds.
 	OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (deleted int, last int64, err error)
 }
 

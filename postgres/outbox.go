@@ -213,6 +213,16 @@ FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &last)
 // OutboxPrune implements driver.OutboxRelayStore: one bounded DELETE
 // walking the primary key.
 func (d *Driver) OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (int, int64, error) {
+	if after == 0 {
+		// A pass starts: drop the expired claims and holds too (a dead
+		// relay's, a failure's hold). They mean nothing once expired and
+		// are overwritten by the next claim of their key, but a key that
+		// never comes back would keep its row. SQLite deletes them at
+		// every claim; here that would cost each relay cycle a statement.
+		if _, err := d.pool.Exec(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE claimed_until <= clock_timestamp()`); err != nil {
+			return 0, after, fmt.Errorf("postgres: prune expired outbox claims: %w", err)
+		}
+	}
 	rows, err := d.pool.Query(ctx, `DELETE FROM `+d.t.outbox+` WHERE id IN (SELECT id FROM `+d.t.outbox+`
 WHERE id > $1 AND published_at < $2 ORDER BY id LIMIT $3) RETURNING id`, after, before, limit)
 	if err != nil {

@@ -140,3 +140,35 @@ FROM generate_series(1, 25) AS i, (VALUES ('a'), ('b')) AS hs(h)`); err != nil {
 		t.Fatalf("deleted %d with cursors %v, want 50 with [a/m-020 b/m-015]", total, lasts)
 	}
 }
+
+// TestPruneDeletesExpiredOutboxClaims: the outbox pass of retention also
+// deletes the relay claims and holds that expired (left by a relay that
+// died, or by a failure's hold), so the claims table does not keep a row
+// per key that ever failed; live ones stay.
+func TestPruneDeletesExpiredOutboxClaims(t *testing.T) {
+	pool := testenv.PostgresPool(t, 2)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	claims := pgx.Identifier{schema, "idem_outbox_claims"}.Sanitize()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+claims+` (ordering_key, owner, claimed_until) VALUES
+('dead-relay', 'relay-1', now() - interval '1 hour'), ('old-hold', '', now() - interval '1 second'),
+('live', 'relay-2', now() + interval '1 hour'), ('held', '', now() + interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	drv := s.Driver.(*postgres.Driver)
+	if _, _, err := drv.OutboxPrune(ctx, time.Now().Add(-24*time.Hour), 0, 100); err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	rows, err := pool.Query(ctx, `SELECT ordering_key FROM `+claims+` ORDER BY ordering_key`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(left) != "[held live]" {
+		t.Fatalf("claims after prune: %v, want the live claim and hold only", left)
+	}
+}
