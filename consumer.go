@@ -375,8 +375,9 @@ func (c *deliveries) aggregateKey(aggregateID string) string {
 // that another consumer replayed, or an operator discarded, since this
 // run listed it is left alone. The read and the run are not one
 // transaction: a discard that lands while the message runs does not stop
-// it; the discard stands in the log and the replay's outcome is logged
-// as a warning.
+// it. If the message then applies, the dead letter is marked replayed
+// (its history shows the discard, then the replay); if it fails, it is
+// parked again, as any message failing again is.
 func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) { return c.replay(ctx) }
 
 // replay is Replay.
@@ -440,9 +441,23 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 		if err != nil {
 			return res, err
 		}
+		if n == 0 && v.Outcome == Applied {
+			// It left replay_requested while it ran (discarded, or parked
+			// by another consumer's failed replay), and its effect was
+			// applied all the same: say so in its state and history.
+			n, err = c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterParked, driver.DeadLetterDiscarded},
+				To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String() + " (the replay was running when its state changed)"})
+			if err != nil {
+				return res, err
+			}
+			c.cfg.Logger.Warn("idem: dead letter left replay_requested while its replay ran and applied; marked replayed", slog.String("handler", c.name),
+				slog.Int64("dead_letter", dl.ID), slog.String("message_id", msg.ID))
+		}
 		if n == 0 {
-			// Moved while it ran: its new state (and log) stands.
-			c.cfg.Logger.Warn("idem: dead letter left replay_requested while its replay ran", slog.String("handler", c.name),
+			// Another consumer replayed it at the same time (this one
+			// found it a Duplicate), or it was discarded and nothing
+			// applied here: its state stands.
+			c.cfg.Logger.Debug("idem: dead letter left replay_requested while its replay ran", slog.String("handler", c.name),
 				slog.Int64("dead_letter", dl.ID), slog.String("message_id", msg.ID), slog.String("outcome", v.Outcome.String()))
 			continue
 		}

@@ -75,6 +75,7 @@ func TestBackoffDelayExtremeSettings(t *testing.T) {
 		{Base: time.Second, Max: time.Minute, Multiplier: math.NaN()},
 		{Base: time.Second, Max: math.MaxInt64, Multiplier: math.Inf(1)},
 		{Base: time.Second, Max: time.Minute, Multiplier: math.Inf(-1)},
+		{Base: time.Second, Max: time.Minute, Multiplier: 1},
 	} {
 		for _, n := range []int{0, 1, 62, 63, 64, 1000, math.MaxInt} {
 			func() {
@@ -88,5 +89,14 @@ func TestBackoffDelayExtremeSettings(t *testing.T) {
 				}
 			}()
 		}
+	}
+	// An infinite multiplier jumps to Max at the first retry.
+	b := Backoff{Base: time.Second, Max: time.Minute, Multiplier: math.Inf(1)}
+	var hi time.Duration
+	for range 2000 {
+		hi = max(hi, b.Delay(1))
+	}
+	if hi < 50*time.Second {
+		t.Fatalf("Multiplier +Inf: Delay(1) reached at most %s, want up to %s", hi, b.Max)
 	}
 }

@@ -119,7 +119,7 @@ func (e *ExpectedVersionError) Error() string {
 func (e *ExpectedVersionError) Is(target error) bool { return target == ErrExpectedVersion }
 
 // Backoff is an exponential backoff with full jitter: before retry n (from
-// 0) it waits a random duration in [0, min(Max, Base·Multiplier^n)).
+// 0) it waits a random duration in [0, min(Max, Base·Multiplier^n)].
 type Backoff struct {
 	// Retries is how many times to retry after the first attempt.
 	// Default 3; negative means none.
@@ -141,18 +141,14 @@ func (b *Backoff) Delay(n int) time.Duration {
 	if maxD <= 0 {
 		maxD = time.Second
 	}
-	if !(mult >= 1) || math.IsInf(mult, 1) { // NaN, < 1 or +Inf
+	if !(mult >= 1) { // NaN or < 1; +Inf reaches Max at the first retry
 		mult = 2
 	}
 	// Grow in float64, and convert back only below Max: float64(Max)
 	// may round above the largest int64 and not convert back.
 	limit := maxD
-	if base < maxD {
-		bound := float64(base)
-		for i := 0; i < n && bound < float64(maxD); i++ {
-			bound *= mult
-		}
-		if bound < float64(maxD) {
+	if base < maxD && n >= 0 {
+		if bound := float64(base) * math.Pow(mult, float64(n)); bound < float64(maxD) {
 			limit = time.Duration(bound)
 		}
 	}

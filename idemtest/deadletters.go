@@ -510,7 +510,9 @@ func (f verdictFunc) OnVerdict(ctx context.Context, ev *idem.VerdictEvent) { f(c
 // testReplayDiscardedMeanwhile: a dead letter that leaves replay_requested
 // while a Replay run works through its list (another consumer replayed
 // it and it failed again, then an operator discarded it) is not run: the
-// operator's decision stands, and its effect is never applied.
+// operator's decision stands, and its effect is never applied. One
+// discarded while its own message runs applies all the same, and is then
+// marked replayed, its history saying so.
 func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
 	ctx := context.Background()
 	h := CreditHandler(s, "balances", nil)
@@ -524,38 +526,37 @@ func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl drive
 		return apply(ctx, tx, m)
 	}
 	ev := Events(2)
+	ids := map[string]int64{}
+	// discard moves a requested dead letter back to parked, as another
+	// consumer's failed replay does, and discards it as an operator.
+	discard := func(ctx context.Context, msgID string) error {
+		if _, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{ids[msgID]},
+			From: []string{driver.DeadLetterReplayRequested}, To: driver.DeadLetterParked, Actor: "other consumer", Outcome: "failed again"}); err != nil {
+			return err
+		}
+		if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{ids[msgID]}}, "bob@ops"); err != nil || n != 1 {
+			return fmt.Errorf("discard %s: %d, %v", msgID, n, err)
+		}
+		return nil
+	}
 	var meddled atomic.Bool
 	var meddleErr error
 	cfg := &idem.ConsumerConfig{Hooks: []idem.Hook{verdictFunc(func(ctx context.Context, v *idem.VerdictEvent) {
-		// Once the replay decided the first, the second goes back to
-		// parked and an operator discards it.
+		// Once the replay decided the first (committed, not yet marked
+		// replayed), both are discarded.
 		if broken.Load() || v.MessageID != ev[0].ID || meddled.Swap(true) {
 			return
 		}
-		var second []driver.DeadLetter
-		for _, d := range deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "balances", State: driver.DeadLetterReplayRequested}) {
-			if d.MessageID == ev[1].ID {
-				second = append(second, d)
-			}
-		}
-		if len(second) != 1 {
-			meddleErr = fmt.Errorf("%s's dead letter is not requested: %+v", ev[1].ID, second)
-			return
-		}
-		if _, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{second[0].ID},
-			From: []string{driver.DeadLetterReplayRequested}, To: driver.DeadLetterParked, Actor: "other consumer", Outcome: "failed again"}); err != nil {
-			meddleErr = err
-			return
-		}
-		if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{second[0].ID}}, "bob@ops"); err != nil || n != 1 {
-			meddleErr = fmt.Errorf("discard: %d, %v", n, err)
-		}
+		meddleErr = errors.Join(discard(ctx, ev[0].ID), discard(ctx, ev[1].ID))
 	})}}
 	c := newConsumer(t, s, h, dl, cfg)
 	for _, e := range ev {
 		if v := deliverTo(c, e.Message(), 1); !v.DeadLettered {
 			t.Fatalf("%s: %+v, want a dead letter", e.ID, v)
 		}
+	}
+	for _, d := range deadLetters(t, dl, nil) {
+		ids[d.MessageID] = d.ID
 	}
 	broken.Store(false)
 	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}, "alice@ops"); err != nil || n != 2 {
@@ -566,7 +567,7 @@ func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl drive
 		t.Fatal(err)
 	}
 	if !meddled.Load() || meddleErr != nil {
-		t.Fatalf("the discard during the replay did not happen: %v", meddleErr)
+		t.Fatalf("the discards during the replay did not happen: %v", meddleErr)
 	}
 	if res.Replayed != 1 || res.Outcomes[idem.Applied] != 1 || res.Parked != 0 {
 		t.Fatalf("replay: %+v, want the first applied and the discarded one left alone", res)
@@ -574,6 +575,17 @@ func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl drive
 	wantBalances(t, s, Expected(ev[:1]))
 	if got := deadLetters(t, dl, &driver.DeadLetterFilter{State: driver.DeadLetterDiscarded}); len(got) != 1 || got[0].MessageID != ev[1].ID {
 		t.Fatalf("discarded dead letters %+v, want %s's", got, ev[1].ID)
+	}
+	hist, err := dl.DeadLetterHistory(ctx, ids[ev[0].ID])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var states []string
+	for _, e := range hist {
+		states = append(states, e.State)
+	}
+	if last := hist[len(hist)-1]; fmt.Sprint(states) != "[replay_requested parked discarded replayed]" || !strings.HasPrefix(last.Outcome, idem.Applied.String()) {
+		t.Fatalf("history of %s, discarded while it ran: %+v; want requested, parked, discarded, then replayed as applied", ev[0].ID, hist)
 	}
 }
 

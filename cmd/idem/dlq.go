@@ -42,7 +42,7 @@ replay marks parked dead letters "replay requested"; a running consumer of
 their handler (Consumer.Run, or Consumer.Replay) runs them through the same
 deduplication and ordering guard as a delivery, so replaying a message that
 was already applied is a Duplicate, never a second effect (while its
-marker is kept). discard marks them discarded: kept for the record, never
+marker is kept). discard marks them discarded: kept for the record, not
 replayed. Both act on parked dead letters only; --limit N takes the oldest
 N the other filters select.
 
@@ -263,6 +263,9 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 		// --limit's default bounds what list prints; here it applies
 		// only when given: the oldest N of the selection.
 		if f.given["limit"] {
+			if len(flt.IDs) > 0 {
+				return nil, usagef("--limit selects among --group or --all, not among named IDs")
+			}
 			flt.Limit = f.limit
 		}
 	}

@@ -51,6 +51,7 @@ func TestDLQReplayDiscardSelection(t *testing.T) {
 		{"dlq", "replay", "--all", "--limit", "-1"},
 		{"dlq", "show", "1", "--limit", "5"},
 		{"dlq", "show", "1", "--state", "all"},
+		{"dlq", "replay", "1", "2", "--limit", "1"},
 	} {
 		if out := run(exitUsage, args...); !strings.Contains(out, "--") {
 			t.Errorf("idem %s: %q, want the flag named", strings.Join(args, " "), out)

@@ -203,7 +203,7 @@ func addStoreFlags(fs *flag.FlagSet, command string, redisOK bool) *storeFlags {
 	f := &storeFlags{command: command, redisOK: redisOK}
 	fs.StringVar(&f.dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+")")
 	fs.StringVar(&f.schema, "schema", "", "PostgreSQL `schema` for idem's tables, created if missing (default: the connection's search_path)")
-	fs.Var(&f.prefix, "prefix", "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (Redis: of its keys, default \"idem:\")")
+	fs.Var(&f.prefix, "prefix", "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (default \"idem_\"; Redis: of its keys, default \"idem:\")")
 	return f
 }
 
@@ -215,10 +215,11 @@ type prefixFlag struct {
 	set   bool
 }
 
-// String implements flag.Value; unset, it shows the SQL default.
+// String implements flag.Value. Unset it is empty: the default depends on
+// the store, and the usage text gives both.
 func (p *prefixFlag) String() string {
-	if p == nil || !p.set {
-		return defaultPrefix
+	if p == nil {
+		return ""
 	}
 	return p.value
 }
