@@ -242,7 +242,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 	if len(msgs) == 0 {
 		return vs
 	}
-	outs, err := c.proc.ProcessBatch(ctx, c.h, msgs)
+	outs, err := c.proc.processBatchCall(ctx, c.h, msgs, true)
 	if err != nil {
 		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.name), slog.Int("size", len(msgs)), slog.Any("error", err))
 		held := map[string]int{} // aggregate → index of its delivery to be retried

@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"fmt"
 	"time"
 )
 
@@ -85,6 +86,9 @@ type CallStart struct {
 	Messages []*Message
 	// Lease is true for LeaseProcessor.Process.
 	Lease bool
+	// Batch is true for ProcessBatch and ProcessBatchTx, whatever the
+	// number of messages: a batch of one is still a batch.
+	Batch bool
 }
 
 // CallEnd describes a finished call.
@@ -99,21 +103,23 @@ type CallEnd struct {
 	Err error
 	// Duration is the wall time of the whole call.
 	Duration time.Duration
+	// Batch is as in CallStart.
+	Batch bool
 }
 
 // callHooks are a processor's HookCall hooks.
 type callHooks []HookCall
 
 // start runs OnCallStart of every hook for the messages of a call (msg
-// alone when msgs is nil) and returns the context the call runs with.
-func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msgs []*Message, lease bool) context.Context {
+// alone unless batch) and returns the context the call runs with.
+func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msgs []*Message, batch, lease bool) context.Context {
 	if len(hs) == 0 {
 		return ctx
 	}
-	if msgs == nil {
+	if !batch {
 		msgs = []*Message{msg}
 	}
-	ev := &CallStart{Handler: handler, Messages: msgs, Lease: lease}
+	ev := &CallStart{Handler: handler, Messages: msgs, Lease: lease, Batch: batch}
 	for _, h := range hs {
 		if c := h.OnCallStart(ctx, ev); c != nil {
 			ctx = c
@@ -123,12 +129,26 @@ func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msg
 }
 
 // end runs OnCallEnd of every hook, last installed first.
-func (hs callHooks) end(ctx context.Context, handler string, outs []Outcome, err error, start time.Time) {
+func (hs callHooks) end(ctx context.Context, handler string, outs []Outcome, err error, start time.Time, batch bool) {
 	if len(hs) == 0 {
 		return
 	}
-	ev := &CallEnd{Handler: handler, Outcomes: outs, Err: err, Duration: time.Since(start)}
+	ev := &CallEnd{Handler: handler, Outcomes: outs, Err: err, Duration: time.Since(start), Batch: batch}
 	for i := len(hs) - 1; i >= 0; i-- {
 		hs[i].OnCallEnd(ctx, ev)
+	}
+}
+
+// endOnPanic, deferred right after start, ends the call for the hooks when
+// it panics (a bug in another hook or in a driver: handler panics are
+// recovered into a *PanicError before this), with the panic as its
+// error, so that no span is left open; then the panic goes on.
+func (hs callHooks) endOnPanic(ctx context.Context, handler string, start time.Time, batch bool) {
+	if len(hs) == 0 {
+		return
+	}
+	if r := recover(); r != nil {
+		hs.end(ctx, handler, nil, fmt.Errorf("idem: the call panicked: %v", r), start, batch)
+		panic(r)
 	}
 }

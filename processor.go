@@ -148,7 +148,8 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 // retry). Invalid messages and handler names give a *ValidationError.
 func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), msg, nil, false)
+	ctx = p.onCall.start(ctx, h.name(), msg, nil, false, false)
+	defer p.onCall.endOnPanic(ctx, h.name(), start, false)
 	out, err := p.process(ctx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
 	p.endOne(ctx, h, out, err, start)
@@ -171,7 +172,8 @@ func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Mess
 // driver.MarkerDeleter, as all of idem's do), as under Process.
 func (p *Processor[TTx]) ProcessTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), msg, nil, false)
+	ctx = p.onCall.start(ctx, h.name(), msg, nil, false, false)
+	defer p.onCall.endOnPanic(ctx, h.name(), start, false)
 	out, err := p.processTx(ctx, tx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
 	p.endOne(ctx, h, out, err, start)
@@ -181,7 +183,7 @@ func (p *Processor[TTx]) ProcessTx(ctx context.Context, tx TTx, h *Handler[TTx],
 // endOne runs the HookCall hooks' end of a single message's call.
 func (p *Processor[TTx]) endOne(ctx context.Context, h *Handler[TTx], out Outcome, err error, start time.Time) {
 	if len(p.onCall) > 0 {
-		p.onCall.end(ctx, h.name(), []Outcome{out}, err, start)
+		p.onCall.end(ctx, h.name(), []Outcome{out}, err, start, false)
 	}
 }
 
@@ -362,11 +364,20 @@ func payloadConflict(logger *slog.Logger, handler string, policy ConflictPolicy,
 // Conflicts are reported as Conflict outcomes (and to hooks), not as an
 // error, because the rest of the batch committed.
 func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
+	return p.processBatchCall(ctx, h, msgs, false)
+}
+
+// processBatchCall is ProcessBatch. With redecided (a Consumer's call),
+// the messages the caller decides again alone are left to those calls'
+// outcome reports, so that each counts once: all of them when the batch
+// did not commit, and the Conflict and OutcomeNone ones when it did.
+func (p *Processor[TTx]) processBatchCall(ctx context.Context, h *Handler[TTx], msgs []*Message, redecided bool) ([]Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), nil, msgs, false)
+	ctx = p.onCall.start(ctx, h.name(), nil, msgs, true, false)
+	defer p.onCall.endOnPanic(ctx, h.name(), start, true)
 	outs, errs, err := p.processBatch(ctx, nil, false, h, msgs)
-	p.reportBatch(ctx, h, msgs, outs, errs, err, start)
-	p.onCall.end(ctx, h.name(), outs, err, start)
+	p.reportBatch(ctx, h, msgs, outs, errs, err, start, redecided)
+	p.onCall.end(ctx, h.name(), outs, err, start, true)
 	return outs, err
 }
 
@@ -374,10 +385,11 @@ func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs
 // As with ProcessTx, on error the caller must roll tx back.
 func (p *Processor[TTx]) ProcessBatchTx(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), nil, msgs, false)
+	ctx = p.onCall.start(ctx, h.name(), nil, msgs, true, false)
+	defer p.onCall.endOnPanic(ctx, h.name(), start, true)
 	outs, errs, err := p.processBatch(ctx, &tx, true, h, msgs)
-	p.reportBatch(ctx, h, msgs, outs, errs, err, start)
-	p.onCall.end(ctx, h.name(), outs, err, start)
+	p.reportBatch(ctx, h, msgs, outs, errs, err, start, false)
+	p.onCall.end(ctx, h.name(), outs, err, start, true)
 	return outs, err
 }
 
@@ -843,12 +855,15 @@ func (p *Processor[TTx]) report(ctx context.Context, h *Handler[TTx], msg *Messa
 	}
 }
 
-func (p *Processor[TTx]) reportBatch(ctx context.Context, h *Handler[TTx], msgs []*Message, outs []Outcome, conflicts map[int]error, err error, start time.Time) {
-	if len(p.onOutcome) == 0 {
+func (p *Processor[TTx]) reportBatch(ctx context.Context, h *Handler[TTx], msgs []*Message, outs []Outcome, conflicts map[int]error, err error, start time.Time, redecided bool) {
+	if len(p.onOutcome) == 0 || (redecided && err != nil) {
 		return
 	}
 	d := time.Since(start)
 	for i, m := range msgs {
+		if redecided && (outs[i] == Conflict || outs[i] == OutcomeNone) {
+			continue
+		}
 		ev := &OutcomeEvent{Err: err, Duration: d, BatchSize: len(msgs)}
 		if h != nil {
 			ev.Handler = h.Name

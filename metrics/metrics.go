@@ -31,6 +31,11 @@
 //	                                           lost (heartbeat, done, failed,
 //	                                           expired)
 //
+// A Consumer's batch that does not commit is decided again message by
+// message, and so are a committed batch's conflicts and gaps: each such
+// message is counted once, by the call that decided it. A handler name
+// idem refuses is labelled InvalidHandler.
+//
 // Counting costs a map lookup and an atomic add per message, on the
 // processing goroutine.
 package metrics
@@ -163,15 +168,15 @@ func (m *Metrics) OnOutcome(_ context.Context, ev *idem.OutcomeEvent) {
 		if ev.Outcome == idem.OutcomeNone {
 			label = OutcomeError
 		}
-		c, _ = m.counters.LoadOrStore(key, m.messages.WithLabelValues(ev.Handler, label))
+		c, _ = m.counters.LoadOrStore(key, m.messages.WithLabelValues(handlerLabel(ev.Handler), label))
 	}
 	c.(prometheus.Counter).Inc()
 	if ev.Outcome == idem.OutcomeNone {
-		m.errors.WithLabelValues(ev.Handler, Kind(ev.Err)).Inc()
+		m.errors.WithLabelValues(handlerLabel(ev.Handler), Kind(ev.Err)).Inc()
 	}
 	o, ok := m.observers.Load(ev.Handler)
 	if !ok {
-		o, _ = m.observers.LoadOrStore(ev.Handler, m.seconds.WithLabelValues(ev.Handler))
+		o, _ = m.observers.LoadOrStore(ev.Handler, m.seconds.WithLabelValues(handlerLabel(ev.Handler)))
 	}
 	d := ev.Duration.Seconds()
 	if ev.BatchSize > 1 {
@@ -186,18 +191,31 @@ func (m *Metrics) OnVerdict(_ context.Context, ev *idem.VerdictEvent) {
 	switch {
 	case ev.Verdict.DeadLettered:
 		verdict = VerdictDeadLettered
-		m.deadLetter.WithLabelValues(ev.Handler, ev.Verdict.DeadLetterClass).Inc()
+		m.deadLetter.WithLabelValues(handlerLabel(ev.Handler), ev.Verdict.DeadLetterClass).Inc()
 	case ev.Verdict.Ack:
 		verdict = VerdictAcked
 	case ev.Verdict.Outcome == idem.InFlight:
 		verdict = VerdictInFlight
 	}
-	m.deliveries.WithLabelValues(ev.Handler, verdict).Inc()
+	m.deliveries.WithLabelValues(handlerLabel(ev.Handler), verdict).Inc()
 }
 
 // OnLeaseLost implements idem.HookLeaseLost.
 func (m *Metrics) OnLeaseLost(_ context.Context, ev *idem.LeaseLostEvent) {
-	m.leasesLost.WithLabelValues(ev.Handler, ev.Op).Inc()
+	m.leasesLost.WithLabelValues(handlerLabel(ev.Handler), ev.Op).Inc()
+}
+
+// InvalidHandler is the handler label of calls made with a handler name
+// idem refuses (they fail with a *idem.ValidationError): such a name may
+// not even be valid UTF-8, which a label must be.
+const InvalidHandler = "invalid"
+
+// handlerLabel is name as a label value.
+func handlerLabel(name string) string {
+	if idem.ValidateHandlerName(name) != nil {
+		return InvalidHandler
+	}
+	return name
 }
 
 // Kind classifies a processing error into one of the Kind constants.

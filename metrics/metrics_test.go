@@ -411,3 +411,74 @@ idem_deliveries_total{handler="mailer",verdict="in_flight"} 1
 		t.Fatal(err)
 	}
 }
+
+// TestConsumerBatchCountsEachDeliveryOnce: a batch that rolls back because
+// of one poison message, or commits with a conflict, is decided again
+// message by message by the Consumer; each message's outcome, error and
+// duration is counted once, by the call that decided it.
+func TestConsumerBatchCountsEachDeliveryOnce(t *testing.T) {
+	ctx := context.Background()
+	reg := prometheus.NewPedanticRegistry()
+	m, err := metrics.New(reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, drv := newProcessorAndDriver(t, m)
+	c, err := idem.NewConsumer(p, scriptedHandler(), drv, &idem.ConsumerConfig{Hooks: []idem.Hook{m}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch := func(ids, payloads string) {
+		var ds []*idem.Delivery
+		for i, id := range strings.Fields(ids) {
+			ds = append(ds, &idem.Delivery{Msg: &idem.Message{ID: id, Payload: []byte(strings.Fields(payloads)[i])}, Attempt: 1})
+		}
+		for _, v := range c.HandleDeliveries(ctx, ds) {
+			if !v.Ack {
+				t.Fatalf("verdict %+v, want acked", v)
+			}
+		}
+	}
+	batch("a b p c", "ok ok poison ok") // rolls back, then one by one
+	batch("x y", "v1 ok")
+	batch("x z", "v2 ok") // x conflicts: committed with z, then dead-lettered alone
+	want := `
+# HELP idem_messages_total Messages processed, by handler and outcome (applied, duplicate, conflict, stale, in_flight, error).
+# TYPE idem_messages_total counter
+idem_messages_total{handler="balances",outcome="applied"} 6
+idem_messages_total{handler="balances",outcome="conflict"} 1
+idem_messages_total{handler="balances",outcome="error"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idem_messages_total"); err != nil {
+		t.Fatal(err)
+	}
+	if got := histogramCounts(t, reg)["balances"]; got != 8 {
+		t.Fatalf("%d durations observed, want 8 (one per message decided)", got)
+	}
+}
+
+// TestInvalidHandlerNameIsNoLabel: a call with a handler name that is not
+// valid (not even UTF-8) gets its ValidationError, and the metrics count
+// it under handler "invalid" rather than panic on the label.
+func TestInvalidHandlerNameIsNoLabel(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	m, err := metrics.New(reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newProcessor(t, m)
+	h := scriptedHandler()
+	h.Name = "bad\xff"
+	var ve *idem.ValidationError
+	if _, err := p.Process(context.Background(), h, &idem.Message{ID: "a", Payload: []byte("ok")}); !errors.As(err, &ve) {
+		t.Fatalf("Process: %v, want a ValidationError", err)
+	}
+	want := `
+# HELP idem_messages_total Messages processed, by handler and outcome (applied, duplicate, conflict, stale, in_flight, error).
+# TYPE idem_messages_total counter
+idem_messages_total{handler="invalid",outcome="error"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idem_messages_total"); err != nil {
+		t.Fatal(err)
+	}
+}

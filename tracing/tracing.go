@@ -37,7 +37,9 @@
 // example into an outbox message). A single message whose call runs
 // without a span in its context continues the producer's trace: the
 // producer's span is the parent. Otherwise, and for every message of a
-// batch, the producer's span is a link. The Kafka and JetStream adapters'
+// batch (ProcessBatch, even of one message), the producer's span is a
+// link. A call that panics (a bug in another hook or a driver) still ends
+// its span, with an error status. The Kafka and JetStream adapters'
 // default mappings copy the headers they do not read into Message.Headers,
 // so the context arrives without further work.
 package tracing
@@ -117,7 +119,7 @@ func (t *Tracer) OnCallStart(ctx context.Context, ev *idem.CallStart) context.Co
 	}
 	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
 	parent := ctx
-	if len(ev.Messages) == 1 {
+	if !ev.Batch && len(ev.Messages) == 1 {
 		if m := ev.Messages[0]; m != nil {
 			attrs = append(attrs, attribute.String("messaging.message.id", m.ID))
 			parent, opts = t.continueProducer(ctx, m, opts)
@@ -203,9 +205,9 @@ func (t *Tracer) OnCallEnd(ctx context.Context, ev *idem.CallEnd) {
 	if !ok {
 		return
 	}
-	if len(ev.Outcomes) == 1 {
+	if !ev.Batch && len(ev.Outcomes) == 1 {
 		span.SetAttributes(attribute.String("idem.outcome", ev.Outcomes[0].String()))
-	} else if len(ev.Outcomes) > 1 {
+	} else if len(ev.Outcomes) > 0 {
 		var applied, dup, conflict, stale, none int
 		for _, o := range ev.Outcomes {
 			switch o {

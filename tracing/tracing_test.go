@@ -302,3 +302,76 @@ func BenchmarkCall(b *testing.B) {
 		})
 	}
 }
+
+// TestBatchOfOneIsABatch: a batch holding one message is traced as a
+// batch, as the package says of batches: the producer is a link and the
+// span counts the batch, so the trace's shape does not change with load.
+func TestBatchOfOneIsABatch(t *testing.T) {
+	proc, tr, tp, rec := setup(t)
+	h, producer := producerHeaders(t, tp, tr)
+	if _, err := proc.ProcessBatch(context.Background(), handler(map[string]trace.SpanContext{}), []*idem.Message{{ID: "a", Payload: []byte("1"), Headers: h}}); err != nil {
+		t.Fatal(err)
+	}
+	spans := processSpans(rec)
+	if len(spans) != 1 {
+		t.Fatalf("%d process spans, want 1", len(spans))
+	}
+	s := spans[0]
+	if s.Parent().TraceID() == producer.TraceID() {
+		t.Errorf("the batch span continues the producer's trace; want a new trace linking to it")
+	}
+	if l := s.Links(); len(l) != 1 || l[0].SpanContext.SpanID() != producer.SpanID() {
+		t.Errorf("links %+v, want the producer", l)
+	}
+	if a := attrs(s); a["messaging.batch.message_count"].AsInt64() != 1 || a["idem.applied"].AsInt64() != 1 {
+		t.Errorf("attributes %v, want a batch of 1, applied 1", a)
+	}
+}
+
+// panicky is an outcome hook with a bug.
+type panicky struct{}
+
+func (panicky) OnOutcome(context.Context, *idem.OutcomeEvent) { panic("hook bug") }
+
+// TestSpanEndsWhenTheCallPanics: a call that panics (here in another
+// hook) still ends its span, with an error status, and the panic goes on
+// to the caller.
+func TestSpanEndsWhenTheCallPanics(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	tr, err := tracing.New(tp, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, drv := testenv.SQLite(t, ":memory:", nil)
+	proc, err := idem.NewProcessor(drv, &idem.Config{Hooks: []idem.Hook{tr, panicky{}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, call := range map[string]func(){
+		"Process": func() {
+			_, _ = proc.Process(context.Background(), handler(map[string]trace.SpanContext{}), &idem.Message{ID: "a", Payload: []byte("1")})
+		},
+		"ProcessBatch": func() {
+			_, _ = proc.ProcessBatch(context.Background(), handler(map[string]trace.SpanContext{}), []*idem.Message{{ID: "b", Payload: []byte("1")}})
+		},
+	} {
+		before := len(processSpans(rec))
+		func() {
+			defer func() {
+				if r := recover(); r != "hook bug" {
+					t.Errorf("%s: recovered %v, want the hook's panic", name, r)
+				}
+			}()
+			call()
+		}()
+		spans := processSpans(rec)
+		if len(spans) != before+1 {
+			t.Fatalf("%s: %d spans ended, want %d: the span was left open", name, len(spans), before+1)
+		}
+		if s := spans[len(spans)-1]; s.Status().Code != codes.Error {
+			t.Errorf("%s: span status %v, want an error", name, s.Status())
+		}
+	}
+}
