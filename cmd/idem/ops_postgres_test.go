@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -73,7 +74,7 @@ func TestOperatorCommandsPostgres(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	srv := httptest.NewServer(newServeMux(s, 0, 5*time.Second))
+	srv := httptest.NewServer(newServeMux(context.Background(), s, 0, 5*time.Second))
 	defer srv.Close()
 	if code, body := get(t, srv.URL+"/metrics"); code != http.StatusOK ||
 		!strings.Contains(body, "idem_store_up 1") ||
@@ -160,5 +161,68 @@ func TestOutboxNotifyCommand(t *testing.T) {
 	}
 	if code, _, errOut := runCLI(t, "outbox", "notify", "on", "--dsn", db); code == exitOK || !strings.Contains(errOut, "only PostgreSQL notifies relays") {
 		t.Fatalf("notify on SQLite: exit %d\n%s", code, errOut)
+	}
+}
+
+// TestServeStopsWhileAReadWaits: 'idem serve' interrupted while a scrape
+// waits on a store that does not answer (a table locked) stops at once
+// and exits 0: shutting down cancels the reads in flight rather than
+// waiting out their timeout.
+func TestServeStopsWhileAReadWaits(t *testing.T) {
+	schema, _ := migratedSchema(t)
+	pool := testenv.PostgresPool(t, 2)
+	lockCtx := context.Background()
+	tx, err := pool.Begin(lockCtx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(lockCtx)
+	if _, err := tx.Exec(lockCtx, `LOCK TABLE `+schema+`.idem_processed IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var out, errOut syncBuffer
+	e := &env{stdout: &out, stderr: &errOut, getenv: func(string) string { return "" }}
+	exit := make(chan int, 1)
+	go func() {
+		exit <- runEnv(ctx, e, []string{"serve", "--dsn", testenv.PostgresDSN(), "--schema", schema, "--addr", "127.0.0.1:0", "--read-timeout", "30s"})
+	}()
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:[0-9]+)`)
+	var url string
+	for deadline := time.Now().Add(10 * time.Second); url == "" && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if m := addr.FindStringSubmatch(out.String()); m != nil {
+			url = "http://" + m[1]
+		}
+	}
+	if url == "" {
+		t.Fatalf("serve printed no address: %q %q", out.String(), errOut.String())
+	}
+	go func() {
+		if resp, err := http.Get(url + "/metrics"); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	// Wait until the scrape's read is blocked on the lock.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var waiting int
+		if err := pool.QueryRow(lockCtx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%idem_processed%'`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the scrape never waited on the lock")
+		}
+	}
+	cancel()
+	select {
+	case code := <-exit:
+		if code != exitOK {
+			t.Fatalf("serve exited %d, want 0: %s", code, errOut.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("serve did not stop while a read waited")
 	}
 }

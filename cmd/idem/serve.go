@@ -79,7 +79,7 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 					return fmt.Errorf("listen: %w", err)
 				}
 				fmt.Fprintf(e.stdout, "idem serve: %s on http://%s (metrics at /metrics)\n", s, ln.Addr())
-				return serve(ctx, ln, newServeMux(s, refresh, readTimeout))
+				return serve(ctx, ln, newServeMux(ctx, s, refresh, readTimeout))
 			}
 		},
 	}
@@ -87,7 +87,9 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 
 // serve runs h on ln until ctx ends, then shuts down gracefully.
 func serve(ctx context.Context, ln net.Listener, h http.Handler) error {
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	// Requests run in ctx, so that the reads of a page still in flight
+	// end when serving does, rather than hold up the shutdown.
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, BaseContext: func(net.Listener) context.Context { return ctx }}
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ln) }()
 	select {
@@ -107,10 +109,11 @@ func serve(ctx context.Context, ln net.Listener, h http.Handler) error {
 }
 
 // newServeMux routes serve's endpoints for s; /metrics reads the store at
-// most once per refresh, and each read of the store is bounded by timeout.
-func newServeMux(s *store, refresh, timeout time.Duration) *http.ServeMux {
+// most once per refresh, and each read of the store is bounded by timeout
+// and ends with ctx.
+func newServeMux(ctx context.Context, s *store, refresh, timeout time.Duration) *http.ServeMux {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(newStoreCollector(s, refresh, timeout), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(newStoreCollector(ctx, s, refresh, timeout), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
@@ -137,6 +140,7 @@ func newServeMux(s *store, refresh, timeout time.Duration) *http.ServeMux {
 // refresh: counting the markers scans the table, and a scrape interval is
 // not the operator's choice of database load.
 type storeCollector struct {
+	base    context.Context // reads end with it: serving's context
 	s       *store
 	refresh time.Duration
 	timeout time.Duration
@@ -168,9 +172,10 @@ func readStore(ctx context.Context, s *store) storeReading {
 	return r
 }
 
-func newStoreCollector(s *store, refresh, timeout time.Duration) *storeCollector {
+func newStoreCollector(ctx context.Context, s *store, refresh, timeout time.Duration) *storeCollector {
 	h := []string{"handler"}
 	return &storeCollector{
+		base:            ctx,
 		s:               s,
 		refresh:         refresh,
 		timeout:         timeout,
@@ -235,7 +240,7 @@ func (c *storeCollector) reading() storeReading {
 	if !c.read.IsZero() && time.Since(c.read) < c.refresh {
 		return c.last
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	ctx, cancel := context.WithTimeout(c.base, c.timeout)
 	defer cancel()
 	c.last, c.read = readStore(ctx, c.s), time.Now()
 	return c.last

@@ -72,7 +72,7 @@ func TestServeEndpoints(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	srv := httptest.NewServer(newServeMux(s, 0, 5*time.Second))
+	srv := httptest.NewServer(newServeMux(context.Background(), s, 0, 5*time.Second))
 	defer srv.Close()
 
 	code, body := get(t, srv.URL+"/metrics")
@@ -138,7 +138,7 @@ func TestServeHealthNeedsTables(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	srv := httptest.NewServer(newServeMux(s, 0, 5*time.Second))
+	srv := httptest.NewServer(newServeMux(context.Background(), s, 0, 5*time.Second))
 	defer srv.Close()
 	if code, body := get(t, srv.URL+"/healthz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "run 'idem migrate' first") {
 		t.Fatalf("/healthz on a store without tables: %d %q, want 503 saying why", code, body)
@@ -209,7 +209,7 @@ func TestServeMetricsRefresh(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	c := newStoreCollector(s, time.Hour, 5*time.Second)
+	c := newStoreCollector(context.Background(), s, time.Hour, 5*time.Second)
 	scrape := func() string {
 		t.Helper()
 		reg := prometheus.NewPedanticRegistry()
