@@ -27,7 +27,7 @@ var _ driver.DeadLetterStore = (*Driver)(nil)
 // may repeat.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
 	var id int64
-	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, d.pool, readCommitted(), func(tx pgx.Tx) error {
 		var err error
 		id, err = d.putTx(ctx, tx, dl)
 		return err

@@ -56,7 +56,7 @@ func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdv
 	}
 	tx := &connTx{c: c}
 	b := &pgx.Batch{}
-	b.Queue("begin")
+	b.Queue(beginSQL)
 	q, args := d.advanceSQL(p)
 	b.Queue(q, args...)
 	br := c.SendBatch(ctx, b)

@@ -253,7 +253,7 @@ WHERE id > $1 AND published_at < $2 ORDER BY id LIMIT $3) RETURNING id`, after, 
 // and the outbox has few concurrent writers.
 func (d *Driver) SetOutboxNotify(ctx context.Context, on bool) error {
 	trigger := sqlident.Quote(d.prefix + "outbox_notify")
-	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, d.pool, readCommitted(), func(tx pgx.Tx) error {
 		// Under Migrate's lock: a migration still to run could undo the
 		// choice, and concurrent callers would race on the trigger.
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, d.migrateLockKey()); err != nil {

@@ -13,10 +13,14 @@
 // (a pgx batch), which is why the transaction type is the Tx interface rather
 // than pgx.Tx itself.
 //
-// Isolation: transactions run at the server's default isolation (READ
-// COMMITTED unless configured otherwise). A concurrent delivery of the same
-// ID blocks on the primary key until the first transaction ends, then sees
-// its committed marker and reports Duplicate.
+// Isolation: the transactions the driver opens (Process, ProcessBatch,
+// Begin, dead letters, migrations) run at READ COMMITTED, whatever the
+// server's default_transaction_isolation. A concurrent delivery of the
+// same ID blocks on the primary key until the first transaction ends, then
+// sees its committed marker and reports Duplicate; under REPEATABLE READ
+// or SERIALIZABLE it would fail with a serialization error instead. In a
+// transaction of your own (ProcessTx) the level is yours, with that
+// consequence.
 package postgres
 
 import (
@@ -232,13 +236,25 @@ func (d *Driver) Migrate(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("postgres: load migrations: %w", err)
 	}
-	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+	// READ COMMITTED whatever the server's default: each statement after
+	// the lock must see what a concurrent call committed while this one
+	// waited for it.
+	return pgx.BeginTxFunc(ctx, d.pool, readCommitted(), func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, d.migrateLockKey()); err != nil {
 			return fmt.Errorf("postgres: migration lock: %w", err)
 		}
 		if d.schema != "" {
-			if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+sqlident.Quote(d.schema)); err != nil {
-				return fmt.Errorf("postgres: create schema: %w", err)
+			// CREATE SCHEMA IF NOT EXISTS needs the right to create in
+			// the database even when the schema exists: an application
+			// role given a schema by its DBA has not.
+			var exists bool
+			if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, d.schema).Scan(&exists); err != nil {
+				return fmt.Errorf("postgres: look up schema: %w", err)
+			}
+			if !exists {
+				if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+sqlident.Quote(d.schema)); err != nil {
+					return fmt.Errorf("postgres: create schema: %w", err)
+				}
 			}
 		}
 		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
@@ -263,6 +279,18 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		return nil
 	})
 }
+
+// beginSQL opens the transactions the driver begins itself (Process,
+// ProcessBatch, lease and ordering writes) at READ COMMITTED, whatever the
+// server's default_transaction_isolation: a delivery that waits on a
+// concurrent one's marker must then see it, and report Duplicate, where
+// REPEATABLE READ or SERIALIZABLE would fail with a serialization error.
+// A handler that needs another level runs in the caller's own
+// transaction, with ProcessTx.
+const beginSQL = "begin isolation level read committed"
+
+// readCommitted is beginSQL for pgx.BeginTxFunc.
+func readCommitted() pgx.TxOptions { return pgx.TxOptions{IsoLevel: pgx.ReadCommitted} }
 
 // connTx is a transaction on a pooled connection that the driver began
 // itself. It lets BEGIN travel in the same round trip as the first INSERT,
@@ -316,7 +344,7 @@ func (d *Driver) Begin(ctx context.Context) (Tx, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := c.Exec(ctx, "begin"); err != nil {
+	if _, err := c.Exec(ctx, beginSQL); err != nil {
 		c.Release()
 		return nil, err
 	}
@@ -344,7 +372,7 @@ func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 		insert = d.sql.insertMarkerNew
 	}
 	b := &pgx.Batch{}
-	b.Queue("begin")
+	b.Queue(beginSQL)
 	b.Queue(insert, p.Handler, p.MessageID, p.PayloadHash)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
@@ -383,7 +411,7 @@ func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, p *driver.
 	h, id := []byte(p.Handler), []byte(p.MessageID)
 	b := &pgconn.Batch{}
 	b.ExecParams("rollback", nil, nil, nil, nil)
-	b.ExecParams("begin", nil, nil, nil, nil)
+	b.ExecParams(beginSQL, nil, nil, nil, nil)
 	b.ExecParams(d.sql.insertMarker, [][]byte{h, id, p.PayloadHash}, []uint32{textOID, textOID, byteaOID}, []int16{0, 0, 1}, nil)
 	b.ExecParams(d.sql.selectHash, [][]byte{h, id}, []uint32{textOID, textOID}, []int16{0, 0}, []int16{1})
 	results, err := c.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
@@ -428,7 +456,7 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 		return d.beginInsertManyAware(ctx, tx, p)
 	}
 	b := &pgx.Batch{}
-	b.Queue("begin")
+	b.Queue(beginSQL)
 	b.Queue(d.sql.insertMarkersNew, p.Handler, p.MessageIDs, p.PayloadHashes)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
@@ -453,7 +481,7 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 	// Some marker exists: start again with the conflict-aware statement on
 	// the same connection.
 	d.lostBet()
-	if _, err := c.Exec(ctx, "rollback; begin"); err != nil {
+	if _, err := c.Exec(ctx, "rollback; "+beginSQL); err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, nil, err
 	}
@@ -470,7 +498,7 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 // RETURNING in one round trip, then the hashes of the IDs not inserted.
 func (d *Driver) beginInsertManyAware(ctx context.Context, tx *connTx, p *driver.MarkerInsertManyParams) (Tx, []driver.MarkerInsertResult, error) {
 	b := &pgx.Batch{}
-	b.Queue("begin")
+	b.Queue(beginSQL)
 	b.Queue(d.sql.insertMarkers, p.Handler, p.MessageIDs, p.PayloadHashes)
 	br := tx.c.SendBatch(ctx, b)
 	var inserted map[string]struct{}
