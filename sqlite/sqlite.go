@@ -116,7 +116,10 @@ func Open(path string, opts *OpenOptions) (*sql.DB, error) {
 		q.Add("_pragma", "journal_mode(WAL)")
 	}
 	q.Add("_pragma", "synchronous("+syncMode+")")
-	db, err := sql.Open("sqlite", "file:"+path+"?"+q.Encode())
+	// The DSN is a URI: escape what would end or change its path part,
+	// so that "a?b.db" is that file and not "a" with a parameter.
+	uriPath := strings.NewReplacer("%", "%25", "?", "%3f", "#", "%23").Replace(path)
+	db, err := sql.Open("sqlite", "file:"+uriPath+"?"+q.Encode())
 	if err != nil {
 		return nil, fmt.Errorf("sqlite: open %s: %w", path, err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -289,5 +290,32 @@ func TestDeadLettersByManyIDs(t *testing.T) {
 		To: driver.DeadLetterReplayRequested, Actor: "ops"})
 	if err != nil || n != 2 {
 		t.Fatalf("move by 40,000 IDs: %d, %v; want 2 moved", n, err)
+	}
+}
+
+// TestOpenPathWithURICharacters: a file name holding ?, # or % opens that
+// very file, with idem's pragmas in force, rather than a file named by
+// the part before it with the rest read as URI parameters.
+func TestOpenPathWithURICharacters(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "orders?v2#b%41.db")
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	if _, err := db.Exec(`CREATE TABLE t (x int)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(path); err != nil {
+		entries, _ := os.ReadDir(filepath.Dir(path))
+		var names []string
+		for _, e := range entries {
+			names = append(names, e.Name())
+		}
+		t.Fatalf("%v; the directory holds %v", err, names)
+	}
+	var busy int
+	if err := db.QueryRow(`PRAGMA busy_timeout`).Scan(&busy); err != nil || busy != 10000 {
+		t.Fatalf("busy_timeout %d (%v), want 10000", busy, err)
 	}
 }
