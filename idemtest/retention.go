@@ -164,6 +164,11 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	if row, err := ld.LeaseGet(ctx, &driver.LeaseGetParams{Handler: "mailer", MessageID: "done"}); err != nil || row != nil {
 		t.Fatalf("done lease after prune: %+v, %v; want it pruned", row, err)
 	}
+	// The oldest marker is a done one: the running and failed leases kept
+	// whatever their age would hold it back for good.
+	if _, oldest, err := pr.Prunable(ctx); err != nil || !oldest.IsZero() {
+		t.Fatalf("oldest marker with only running and failed leases left: %v, %v; want none", oldest, err)
+	}
 	// A replay of the failed one's dead letter rearms its row: the next
 	// claim's token is above the failed attempt's.
 	if r, ok := ld.(driver.LeaseRearmer); ok {

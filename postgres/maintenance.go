@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 )
 
@@ -74,7 +75,7 @@ WHERE processed_at < $1 AND `+prunableLease+` GROUP BY handler`, before)
 		return nil, time.Time{}, fmt.Errorf("postgres: count prunable markers: %w", err)
 	}
 	var oldest *time.Time
-	if err := d.pool.QueryRow(ctx, `SELECT min(processed_at) FROM `+d.t.processed).Scan(&oldest); err != nil {
+	if err := d.pool.QueryRow(ctx, `SELECT min(processed_at) FROM `+d.t.processed+` WHERE `+prunableLease).Scan(&oldest); err != nil {
 		return nil, time.Time{}, fmt.Errorf("postgres: oldest marker: %w", err)
 	}
 	if oldest == nil {
@@ -87,6 +88,12 @@ WHERE processed_at < $1 AND `+prunableLease+` GROUP BY handler`, before)
 // advisory lock named after the schema and table prefix, held on one
 // pooled connection until unlock.
 func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
+	// The lock's connection stays out of the pool until unlock, and every
+	// batch needs another one: with a pool of one, the first batch would
+	// wait for ever.
+	if n := d.pool.Config().MaxConns; n < 2 {
+		return nil, false, fmt.Errorf("%w: postgres: retention needs a pool of at least 2 connections (one holds the maintenance lock), this one has %d", idem.ErrInvalidConfig, n)
+	}
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, false, err

@@ -2,7 +2,9 @@ package postgres_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -170,5 +172,22 @@ func TestPruneDeletesExpiredOutboxClaims(t *testing.T) {
 	}
 	if fmt.Sprint(left) != "[held live]" {
 		t.Fatalf("claims after prune: %v, want the live claim and hold only", left)
+	}
+}
+
+// TestPruneRefusesAPoolOfOne: retention holds its lock on one pooled
+// connection and runs its batches on others; on a pool of one it fails at
+// once with ErrInvalidConfig instead of waiting for ever.
+func TestPruneRefusesAPoolOfOne(t *testing.T) {
+	pool := testenv.PostgresPool(t, 1)
+	s := storeIn(t, pool, testenv.FreshSchema(t, pool))
+	pr, err := idem.NewPruner(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := pr.Prune(ctx); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "at least 2") {
+		t.Fatalf("Prune on a pool of one: %v, want ErrInvalidConfig naming the pool size", err)
 	}
 }

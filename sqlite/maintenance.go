@@ -79,7 +79,7 @@ WHERE processed_at < ? AND `+prunableLease+` GROUP BY handler`, before.UnixMicro
 	}
 	rows.Close()
 	var oldest sql.NullInt64
-	if err := d.db.QueryRowContext(ctx, `SELECT min(processed_at) FROM `+d.tables.processed).Scan(&oldest); err != nil {
+	if err := d.db.QueryRowContext(ctx, `SELECT min(processed_at) FROM `+d.tables.processed+` WHERE `+prunableLease).Scan(&oldest); err != nil {
 		return nil, time.Time{}, fmt.Errorf("sqlite: oldest marker: %w", err)
 	}
 	if !oldest.Valid {

@@ -22,10 +22,11 @@ func cleanupCommand() *command {
 		summary:  "delete markers older than the retention, in small batches",
 		help: `Cleanup deletes the markers of messages processed longer ago than --retention,
 in batches of --batch rows, each its own short transaction, so processors
-keep running meanwhile. Leases still running or still to be retried are
-never deleted (a retry nobody took up within the retention is). Only one
-cleanup runs at a time per database (PostgreSQL: an advisory lock); a second
-one exits with code 1 and says so.
+keep running meanwhile. Leases still running or failed are never deleted,
+whatever their age (a failed one's dead letter may be replayed). On
+PostgreSQL only one cleanup runs at a time per schema and prefix (an
+advisory lock): a second one exits with code 1 and says so. On SQLite,
+which has one writer, concurrent cleanups take turns batch by batch.
 
 A message redelivered after its marker is deleted is applied again. Set
 --horizon to the longest time your broker may still redeliver (Kafka topic

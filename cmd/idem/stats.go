@@ -95,9 +95,11 @@ func collectStats(ctx context.Context, s *store) ([]*handlerStats, int, error) {
 	} else if n == 0 {
 		return nil, 0, fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
 	}
-	oldest := `min(processed_at)`
+	// Done rows only: running and failed leases are kept whatever their
+	// age, and would hold the oldest marker back for good.
+	oldest := `min(processed_at) FILTER (WHERE status = 'done')`
 	if s.kind == kindPostgres {
-		oldest = `(extract(epoch FROM min(processed_at)) * 1000000)::bigint`
+		oldest = `(extract(epoch FROM ` + oldest + `) * 1000000)::bigint`
 	}
 	byHandler := map[string]*handlerStats{}
 	get := func(h string) *handlerStats {
