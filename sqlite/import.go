@@ -67,7 +67,8 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 }
 
 // importCursor is after as the value it was read from: the integer or
-// real it reads as if the column holds that number, else the text.
+// real it reads as if the column holds that number, the BLOB if it holds
+// those bytes as a BLOB and not as text, else the text.
 func (d *Driver) importCursor(ctx context.Context, table, col, after string) (any, error) {
 	var num any
 	if n, err := strconv.ParseInt(after, 10, 64); err == nil {
@@ -75,6 +76,17 @@ func (d *Driver) importCursor(ctx context.Context, table, col, after string) (an
 	} else if f, err := strconv.ParseFloat(after, 64); err == nil {
 		num = f
 	} else {
+		// Text, or a BLOB: Go code that stores []byte IDs (Kafka keys
+		// and headers are bytes) stores BLOBs even in a TEXT column, and
+		// SQLite orders every BLOB after every text.
+		var isText, isBlob bool
+		if err := d.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?),
+EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, after, []byte(after)).Scan(&isText, &isBlob); err != nil {
+			return nil, err
+		}
+		if isBlob && !isText {
+			return []byte(after), nil
+		}
 		return after, nil
 	}
 	var isNum, isText bool

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -140,6 +141,31 @@ func TestImportMarkers(t *testing.T) {
 		var has bool
 		if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM idem_processed WHERE handler = 'balances' AND message_id = '17500')`).Scan(&has); err != nil || !has {
 			t.Fatalf("%q column: marker of the last value 17500: %v, %v", decl, has, err)
+		}
+	}
+	// IDs stored as BLOBs (Go code inserting []byte), some next to text
+	// ones, are read past their first page: SQLite orders every BLOB
+	// after every text.
+	for _, withText := range []bool{false, true} {
+		db, drv := openMigrated(t, &sqlite.OpenOptions{Synchronous: "OFF"})
+		if _, err := db.Exec(`CREATE TABLE seen (id TEXT PRIMARY KEY)`); err != nil {
+			t.Fatal(err)
+		}
+		for i := 1; i <= 25; i++ {
+			if _, err := db.Exec(`INSERT INTO seen (id) VALUES (?)`, []byte(fmt.Sprintf("id-%02d", i))); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want := int64(25)
+		if withText {
+			if _, err := db.Exec(`INSERT INTO seen (id) VALUES ('text-1'), ('text-2')`); err != nil {
+				t.Fatal(err)
+			}
+			want += 2
+		}
+		res, err := idem.ImportMarkers(context.Background(), drv, "balances", &driver.ImportSource{Table: "seen", Column: "id"}, &idem.ImportOptions{Batch: 10})
+		if err != nil || res.Read != want || res.Imported != want {
+			t.Fatalf("BLOB IDs (with text ones: %v) in pages of 10: %+v, %v; want all %d", withText, res, err, want)
 		}
 	}
 	// Empty values are left out on every page (after a number, '' sorts
