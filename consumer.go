@@ -316,19 +316,44 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 			}
 		}
 	}
-	// The write must outlive a cancelled delivery context: the broker is
-	// acknowledged on its success.
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	defer cancel()
-	id, err := c.dl.DeadLetterPut(wctx, dl)
+	id, err := c.putDeadLetter(ctx, dl)
+	// On the broker's last delivery a retry verdict would lose the
+	// message: the broker does not deliver it again. Keep writing while
+	// the delivery lasts (the adapter keeps the message in progress).
+	for n := 0; err != nil && d.LastAttempt && !d.replay && ctx.Err() == nil; n++ {
+		if n%10 == 0 {
+			c.cfg.Logger.Error("idem: dead letter not stored on the broker's last delivery; writing it again", slog.String("handler", c.name),
+				slog.String("message_id", dl.MessageID), slog.Int("tries", n+1), slog.Any("error", err))
+		}
+		t := time.NewTimer(c.cfg.Backoff.Delay(n))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+		case <-t.C:
+			id, err = c.putDeadLetter(ctx, dl)
+		}
+	}
 	if err != nil {
 		err = fmt.Errorf("idem: dead-letter %s: %w (while handling: %w)", dl.MessageID, err, cause)
-		c.cfg.Logger.Error("idem: dead letter not stored; will retry the delivery", slog.String("handler", c.name), slog.Any("error", err))
+		if d.LastAttempt && !d.replay {
+			c.cfg.Logger.Error("idem: dead letter not stored, and the broker's last delivery ended: the broker may not deliver the message again",
+				slog.String("handler", c.name), slog.String("message_id", dl.MessageID), slog.String("source", dl.Source), slog.Any("error", err))
+		} else {
+			c.cfg.Logger.Error("idem: dead letter not stored; will retry the delivery", slog.String("handler", c.name), slog.Any("error", err))
+		}
 		return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), Outcome: out, Err: err}
 	}
 	c.cfg.Logger.Warn("idem: dead-lettered", slog.String("handler", c.name), slog.String("message_id", dl.MessageID),
 		slog.Int64("dead_letter", id), slog.String("class", class), slog.String("fingerprint", dl.Fingerprint), slog.Any("error", cause))
 	return Verdict{Ack: true, DeadLettered: true, DeadLetterClass: class, Outcome: out, Err: cause}
+}
+
+// putDeadLetter writes dl. The write outlives a cancelled delivery
+// context, bounded on its own: the broker is acknowledged on its success.
+func (c *deliveries) putDeadLetter(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	return c.dl.DeadLetterPut(wctx, dl)
 }
 
 // ReplayResult counts a Replay run.

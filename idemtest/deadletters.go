@@ -34,6 +34,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"AttemptsExhausted", testExhausted[TTx]},
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
 		{"DeadLetterWriteFailureIsNotAcked", testDeadLetterWriteFails[TTx]},
+		{"LastDeliveryKeepsWritingItsDeadLetter", testLastDeliveryDeadLetterRetried[TTx]},
 		{"ReplayAppliesOnceAndDuplicates", testReplay[TTx]},
 		{"ReplaySkipsWhatWasDiscardedMeanwhile", testReplayDiscardedMeanwhile[TTx]},
 		{"StatsCountDuplicatesAndStale", testStats[TTx]},
@@ -427,6 +428,54 @@ func testDeadLetterWriteFails[TTx any](t *testing.T, s *Store[TTx], dl driver.De
 	v := deliverTo(c, &idem.Message{ID: "poison", Payload: []byte("junk")}, 1)
 	if v.Ack || v.DeadLettered || v.Err == nil || !strings.Contains(v.Err.Error(), "disk full") {
 		t.Fatalf("%+v, want no acknowledgement and the write error", v)
+	}
+}
+
+// flakyDeadLetters fails the first fails dead-letter writes.
+type flakyDeadLetters struct {
+	driver.DeadLetterStore
+	fails, puts atomic.Int32
+}
+
+func (f *flakyDeadLetters) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
+	if f.puts.Add(1) <= f.fails.Load() {
+		return 0, errors.New("connection refused")
+	}
+	return f.DeadLetterStore.DeadLetterPut(ctx, dl)
+}
+
+// testLastDeliveryDeadLetterRetried: on the broker's last delivery, which
+// a retry verdict would lose (JetStream does not deliver a message again
+// after MaxDeliver), a dead letter that cannot be written is written
+// again while the delivery lasts; only a delivery that ends first (the
+// consumer stopping) gives up, unacknowledged.
+func testLastDeliveryDeadLetterRetried[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	flaky := &flakyDeadLetters{DeadLetterStore: dl}
+	flaky.fails.Store(5)
+	c := newConsumer(t, s, CreditHandler(s, "balances", nil), flaky, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: time.Millisecond, Max: 5 * time.Millisecond}})
+	poison := func(id string) *idem.Delivery {
+		return &idem.Delivery{Msg: &idem.Message{ID: id, Payload: []byte("junk")}, Source: "test", Attempt: 3, LastAttempt: true}
+	}
+	v := c.HandleDelivery(context.Background(), poison("p1"))
+	if !v.Ack || !v.DeadLettered || flaky.puts.Load() != 6 {
+		t.Fatalf("%+v after %d writes, want dead-lettered on the 6th", v, flaky.puts.Load())
+	}
+	if got := deadLetters(t, dl, nil); len(got) != 1 || got[0].MessageID != "p1" {
+		t.Fatalf("dead letters %+v, want p1's", got)
+	}
+	// The store stays down and the consumer stops: no acknowledgement.
+	flaky.fails.Store(1 << 30)
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	v = c.HandleDelivery(ctx, poison("p2"))
+	if v.Ack || v.DeadLettered || v.Err == nil || !strings.Contains(v.Err.Error(), "connection refused") {
+		t.Fatalf("%+v, want no acknowledgement and the write error once the delivery ended", v)
+	}
+	// A delivery the broker will make again is retried, not waited on.
+	before := flaky.puts.Load()
+	v = deliverTo(c, &idem.Message{ID: "p3", Payload: []byte("junk")}, 1)
+	if v.Ack || flaky.puts.Load() != before+1 {
+		t.Fatalf("%+v after %d writes, want one write and a retry verdict", v, flaky.puts.Load()-before)
 	}
 }
 

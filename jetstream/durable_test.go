@@ -90,7 +90,7 @@ func TestRunEndsWhenTheDurableIsDeleted(t *testing.T) {
 		defer cancel()
 		done := make(chan error, 1)
 		go func() { done <- cons.Run(ctx) }()
-		waitDurable(t, js, b.stream, 20)
+		waitDurable(t, js, b.stream, -1) // the default: no limit
 		if err := js.DeleteConsumer(ctx, b.stream, "idem"); err != nil {
 			t.Fatal(err)
 		}

@@ -45,13 +45,16 @@ type Config struct {
 	// the delivery a decode failure (dead-lettered with the reason, never
 	// dropped). Default: DefaultMap.
 	Map func(m jetstream.Msg) (*idem.Message, error)
-	// MaxDeliver is the consumer's delivery limit; the last delivery is
-	// marked LastAttempt so it is dead-lettered rather than dropped.
-	// Default 20. -1 removes the limit: a message is then redelivered
-	// until it is decided, and idem.ConsumerConfig.MaxAttempts alone
-	// turns a failure that does not pass into a dead letter. Only then is
-	// a message safe from a crash on its last delivery, which JetStream
-	// drops with no more than an advisory (see docs/jetstream.md). Run
+	// MaxDeliver is the consumer's delivery limit. 0 or -1, the default,
+	// sets none: a message is redelivered until it is decided, and
+	// idem.ConsumerConfig.MaxAttempts (unlimited by default) alone turns
+	// a failure that does not pass into a dead letter; nothing is dropped
+	// by the broker. With a limit, the last delivery is marked
+	// LastAttempt so that a failure is dead-lettered rather than dropped,
+	// but a consumer that dies during it, JetStream drops the message
+	// with no more than an advisory (see docs/jetstream.md), and a
+	// dependency down for longer than the limit's redeliveries take turns
+	// every message then in flight into an exhausted dead letter. Run
 	// sets it on the durable; when another consumer of the durable set a
 	// lower one since, the lower one marks the last delivery.
 	MaxDeliver int
@@ -120,7 +123,7 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 		c.cfg.Map = DefaultMap
 	}
 	if c.cfg.MaxDeliver == 0 {
-		c.cfg.MaxDeliver = 20
+		c.cfg.MaxDeliver = -1
 	}
 	if c.cfg.MaxDeliver < -1 {
 		return nil, fmt.Errorf("%w: jetstream: MaxDeliver %d must be positive, or -1 for no limit", idem.ErrInvalidConfig, c.cfg.MaxDeliver)
