@@ -74,9 +74,11 @@
 // # Drivers
 //
 // Stores are drivers implementing [driver.Driver], and [driver.LeaseDriver]
-// for lease mode: package sqlite (embedded, pure Go) and package postgres
-// (pgx). Every driver passes the conformance suite in package idemtest,
-// which you can run against your own database.
+// for lease mode: package sqlite (embedded, pure Go), package postgres
+// (pgx) and package redisstore (atomic mode for Redis read models). Every
+// driver passes the conformance suites in package idemtest that apply to
+// it (Redis: atomic, ordering, dead letters), which you can run against
+// your own database.
 //
 // # Outcomes and errors
 //

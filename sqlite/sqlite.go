@@ -6,7 +6,7 @@
 // synchronous=FULL, a busy timeout, BEGIN IMMEDIATE transactions and a single
 // connection), then build the driver with New and call Migrate:
 //
-//	db, err := sqlite.Open("app.db")
+//	db, err := sqlite.Open("app.db", nil)
 //	drv, err := sqlite.New(db, nil)
 //	err = drv.Migrate(ctx)
 //	proc, err := idem.NewProcessor(drv, nil)
