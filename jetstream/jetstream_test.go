@@ -621,3 +621,53 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 		}
 	})
 }
+
+// A retried message holds the later messages of its aggregate: under the
+// ordering guard's GapFail they would meet the gap it leaves and be
+// dead-lettered, one after another, while it waits for its redelivery.
+// Other aggregates flow meanwhile.
+func TestRetryHoldsItsAggregate(t *testing.T) {
+	t.Parallel()
+	for _, shape := range []struct{ batch, concurrency int }{{1, 1}, {1, 2}, {10, 1}, {10, 2}} {
+		b, e := newBroker(t, testenv.EmbeddedNATS(t)), adaptertest.NewEnv(t)
+		var failed atomic.Bool
+		h := &idem.Handler[*sql.Tx]{Name: "balances", Ordering: &idem.Ordering{}, Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+			if m.AggregateID == "a" && m.Seq == 2 && !failed.Swap(true) {
+				return errors.New("dependency down")
+			}
+			return nil
+		}}
+		c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{
+			Backoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 40 * time.Millisecond}, Logger: testenv.Logger(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var msgs []*idem.Message
+		for i := 1; i <= 6; i++ {
+			msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("a-%d", i), AggregateID: "a", Seq: int64(i)})
+			if i <= 3 {
+				msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("b-%d", i), AggregateID: "b", Seq: int64(i)})
+			}
+		}
+		b.Publish(t, msgs, 0)
+		nc, js := b.connect(t)
+		defer nc.Close()
+		cons, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: c, AckWait: 5 * time.Second,
+			Batch: shape.batch, Concurrency: shape.concurrency, Logger: testenv.Logger(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); _ = cons.Run(ctx) }()
+		e.WaitMarkers(len(msgs))
+		cancel()
+		<-done
+		if !failed.Load() {
+			t.Fatalf("%+v: a-2 never failed", shape)
+		}
+		if dls, err := e.Drv.DeadLetterList(context.Background(), nil); err != nil || len(dls) != 0 {
+			t.Fatalf("%+v: dead letters %+v (%v), want none: a-2's retry must hold a-3 and later", shape, dls, err)
+		}
+	}
+}
