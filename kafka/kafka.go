@@ -62,7 +62,9 @@ type Config struct {
 	// every partition of this one. Default 1: a poll's records one after
 	// another.
 	Concurrency int
-	// Logger receives commit failures. Default slog.Default().
+	// Logger receives commit failures, and the client's warnings and
+	// errors (a broker it cannot reach, a group it cannot join). Default
+	// slog.Default().
 	Logger *slog.Logger
 	// Options are extra franz-go client options (TLS, SASL, ...), applied
 	// after the Consumer's own. Of those, kgo.FetchMaxWait is 250 ms
@@ -134,6 +136,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		// fetch already waiting on the others returns: at most this late
 		// (kgo's default is 5 s).
 		kgo.FetchMaxWait(fetchMaxWait),
+		// The client's own warnings and errors (a broker it cannot
+		// reach, a group it cannot join) go to Logger; a kgo.WithLogger
+		// in Options replaces this.
+		kgo.WithLogger(kgoLogger{c.cfg.Logger}),
 	}, c.cfg.Options...)
 	// A rebalance waiting on this member's poll says so: the poll stops
 	// at its next record or batch, commits what it settled and lets the
@@ -149,6 +155,21 @@ func (c *Consumer) Run(ctx context.Context) error {
 		cl.Close()
 	}()
 	return c.loop(ctx, cl, hurry)
+}
+
+// kgoLogger passes franz-go's warnings and errors to a slog.Logger.
+type kgoLogger struct{ l *slog.Logger }
+
+// Level implements kgo.Logger.
+func (kgoLogger) Level() kgo.LogLevel { return kgo.LogLevelWarn }
+
+// Log implements kgo.Logger.
+func (k kgoLogger) Log(level kgo.LogLevel, msg string, keyvals ...any) {
+	lvl := slog.LevelWarn
+	if level == kgo.LogLevelError {
+		lvl = slog.LevelError
+	}
+	k.l.Log(context.Background(), lvl, "kafka: "+msg, keyvals...)
 }
 
 // partition names a topic's partition.

@@ -5,9 +5,11 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -693,4 +695,42 @@ func waitingIsNoAttempt(t *testing.T, ordering *idem.Ordering, msgs []*idem.Mess
 	if tries("a1") != 2 || tries("a2") != 1 {
 		t.Fatalf("tries a1 %d, a2 %d; want 2 and 1", tries("a1"), tries("a2"))
 	}
+}
+
+// An unreachable cluster is logged, not waited on in silence.
+func TestUnreachableClusterIsLogged(t *testing.T) {
+	t.Parallel()
+	var buf syncBuffer
+	c, err := kafka.New(&kafka.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"},
+		Handler: idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} }),
+		Logger: slog.New(slog.NewTextHandler(&buf, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	if err := c.Run(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Run: %v", err)
+	}
+	if out := buf.String(); !strings.Contains(out, "level=WARN") && !strings.Contains(out, "level=ERROR") || !strings.Contains(out, "kafka: ") {
+		t.Fatalf("nothing logged about the unreachable broker in 3 s: %q", out)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }
