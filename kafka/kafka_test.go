@@ -703,7 +703,7 @@ func TestUnreachableClusterIsLogged(t *testing.T) {
 	var buf syncBuffer
 	c, err := kafka.New(&kafka.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"},
 		Handler: idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} }),
-		Logger: slog.New(slog.NewTextHandler(&buf, nil))})
+		Logger:  slog.New(slog.NewTextHandler(&buf, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
