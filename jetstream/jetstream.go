@@ -110,7 +110,6 @@ type Consumer struct {
 	// watchEvery is how often Run reads the durable's info:
 	// durableRefresh, shorter in tests.
 	watchEvery time.Duration
-	holds      holds
 }
 
 // New returns a Consumer on js. It creates or updates the durable consumer
@@ -403,121 +402,22 @@ func (c *Consumer) fetchFailed(ctx context.Context, cons jetstream.Consumer, err
 	}
 }
 
-// decideBatch decides msgs, mapped to ds, in one call and settles each;
-// those held behind a retried message of their aggregate are put back.
+// decideBatch decides msgs, mapped to ds, in one call and settles each.
 func (c *Consumer) decideBatch(ctx context.Context, bh idem.BatchDeliveryHandler, msgs []jetstream.Msg, ds []*idem.Delivery) {
-	keepM, keepD := msgs[:0:0], ds[:0:0]
-	for i, m := range msgs {
-		if !c.held(m, ds[i]) {
-			keepM, keepD = append(keepM, m), append(keepD, ds[i])
-		}
-	}
-	if len(keepM) == 0 {
-		return
-	}
-	stop := c.keepAlive(keepM...)
-	vs := verdicts.Check(bh.HandleDeliveries(ctx, keepD), len(keepM), c.cfg.Logger, "jetstream")
+	stop := c.keepAlive(msgs...)
+	vs := verdicts.Check(bh.HandleDeliveries(ctx, ds), len(msgs), c.cfg.Logger, "jetstream")
 	stop()
-	for i, m := range keepM {
-		c.settle(m, keepD[i], vs[i])
-		c.noteVerdict(m, keepD[i], vs[i])
+	for i, m := range msgs {
+		c.settle(m, ds[i], vs[i])
 	}
 }
 
-// decide decides m, mapped to d, and settles it, unless it is held behind
-// a retried message of its aggregate.
+// decide decides m, mapped to d, and settles it.
 func (c *Consumer) decide(ctx context.Context, m jetstream.Msg, d *idem.Delivery) {
-	if c.held(m, d) {
-		return
-	}
 	stop := c.keepAlive(m)
 	v := c.cfg.Handler.HandleDelivery(ctx, d)
 	stop()
 	c.settle(m, d, v)
-	c.noteVerdict(m, d, v)
-}
-
-// holds are the aggregates whose sequenced messages wait behind a retried
-// one. JetStream redelivers a Nak'ed message after its delay, but hands
-// out the later ones meanwhile; decided then, each would meet the gap the
-// retried one leaves (dead-lettered under GapFail). Held, they are put
-// back to come again just after it.
-type holds struct {
-	mu sync.Mutex
-	m  map[string]hold
-}
-
-// hold is an aggregate's retried message.
-type hold struct {
-	seq   uint64    // its stream sequence
-	retry time.Time // when its redelivery is due
-	until time.Time // when the hold lapses without news of it (redelivered to another consumer of the durable, say)
-}
-
-// holdSlack is how long after the retried message a held one comes back.
-const holdSlack = 10 * time.Millisecond
-
-// sequenced reports whether d's message takes part in its aggregate's
-// order: an aggregate and a sequence.
-func sequenced(d *idem.Delivery) bool {
-	return d.Msg != nil && d.Msg.AggregateID != "" && d.Msg.Seq > 0
-}
-
-// held puts m, mapped to d, back (Nak with a delay) and reports true when
-// a message of its aggregate earlier in the stream is being retried. A
-// last delivery is never held: put back, JetStream would drop it.
-func (c *Consumer) held(m jetstream.Msg, d *idem.Delivery) bool {
-	if !sequenced(d) || d.LastAttempt {
-		return false
-	}
-	key, seq, now := c.key(m, d), streamSeq(m), time.Now()
-	c.holds.mu.Lock()
-	h, ok := c.holds.m[key]
-	if ok && now.After(h.until) {
-		delete(c.holds.m, key)
-		ok = false
-	}
-	c.holds.mu.Unlock()
-	if !ok || seq <= h.seq {
-		return false
-	}
-	delay := max(h.retry.Sub(now), 0) + holdSlack
-	if err := m.NakWithDelay(delay); err != nil {
-		c.cfg.Logger.Warn("jetstream: putting back a message held behind its aggregate failed; redelivered after AckWait", slog.String("source", d.Source), slog.Any("error", err))
-	}
-	return true
-}
-
-// noteVerdict keeps the holds up to date with v, the verdict on m: a
-// retried sequenced message holds its aggregate, a decided one releases
-// it.
-func (c *Consumer) noteVerdict(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
-	if !sequenced(d) {
-		return
-	}
-	key, seq, now := c.key(m, d), streamSeq(m), time.Now()
-	c.holds.mu.Lock()
-	defer c.holds.mu.Unlock()
-	h, ok := c.holds.m[key]
-	switch {
-	case v.Ack:
-		if ok && h.seq == seq {
-			delete(c.holds.m, key)
-		}
-	case !ok || seq <= h.seq || now.After(h.until):
-		if c.holds.m == nil {
-			c.holds.m = map[string]hold{}
-		}
-		if len(c.holds.m) >= 1024 {
-			for k, h := range c.holds.m {
-				if now.After(h.until) {
-					delete(c.holds.m, k)
-				}
-			}
-		}
-		retry := now.Add(v.RetryAfter)
-		c.holds.m[key] = hold{seq: seq, retry: retry, until: retry.Add(c.cfg.AckWait)}
-	}
 }
 
 // key returns what orders m, mapped to d: its aggregate as the Handler's
