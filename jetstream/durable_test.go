@@ -186,3 +186,29 @@ func newPublisher(t *testing.T) (*broker, natsjs.JetStream, *jetstream.Publisher
 	}
 	return b, js, p
 }
+
+// A message a consumer could only dead-letter as undecodable (no ID, a
+// sequence without an aggregate, no subject) is refused by the Publisher,
+// the whole call publishing nothing.
+func TestPublisherRefusesInvalidMessages(t *testing.T) {
+	t.Parallel()
+	b, js, p := newPublisher(t)
+	subj := b.stream + ".x"
+	for _, bad := range []*idem.Message{
+		{Stream: subj, Payload: []byte("no ID")},
+		{ID: "seq-only", Stream: subj, Seq: 1, Payload: []byte("x")},
+		{ID: "no-subject", Payload: []byte("x")},
+	} {
+		err := p.Publish(context.Background(), []*idem.Message{{ID: "before", Stream: subj, Payload: []byte("x")}, bad})
+		if !errors.Is(err, idem.ErrInvalidMessage) {
+			t.Fatalf("Publish of %+v: %v, want ErrInvalidMessage", bad, err)
+		}
+	}
+	info, err := js.Stream(context.Background(), b.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := info.CachedInfo().State.Msgs; n != 0 {
+		t.Fatalf("%d messages in the stream, want none", n)
+	}
+}

@@ -93,10 +93,19 @@ func (p *Publisher) checkSize(id string, r *kgo.Record) error {
 	return nil
 }
 
-// Publish produces msgs and returns once all are acknowledged. A message
-// whose record may not fit the client's limits fails the call before
-// anything is produced (ErrRecordTooLarge).
+// Publish produces msgs and returns once all are acknowledged. An invalid
+// message (Message.Validate, or no Stream to produce to:
+// idem.ErrInvalidMessage), or one whose record may not fit the client's
+// limits (ErrRecordTooLarge), fails the call before anything is produced.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
+	for _, m := range msgs {
+		if err := m.Validate(); err != nil {
+			return fmt.Errorf("kafka: publish: %w", err)
+		}
+		if m.Stream == "" {
+			return fmt.Errorf("kafka: publish %q: %w: Stream is empty; it is the topic to produce to", m.ID, idem.ErrInvalidMessage)
+		}
+	}
 	recs := make([]*kgo.Record, len(msgs))
 	for i, m := range msgs {
 		r := &kgo.Record{Topic: m.Stream, Key: []byte(m.AggregateID), Value: m.Payload}

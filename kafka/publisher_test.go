@@ -92,3 +92,34 @@ func topicIDs(t *testing.T, b *broker, n int) []string {
 	}
 	return ids
 }
+
+// A message a consumer could only dead-letter as undecodable (no ID, a
+// sequence without a key, no topic) fails the call, producing nothing.
+func TestPublisherRefusesInvalidMessages(t *testing.T) {
+	b := newBroker(t).(*broker)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	pub, err := kafka.NewPublisher(cl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []*idem.Message{
+		{Stream: topic, Payload: []byte("no ID")},
+		{ID: "seq-only", Stream: topic, Seq: 1, Payload: []byte("x")},
+		{ID: "no-topic", Payload: []byte("x")},
+	} {
+		err := pub.Publish(context.Background(), []*idem.Message{{ID: "before", Stream: topic, Payload: []byte("x")}, bad})
+		if !errors.Is(err, idem.ErrInvalidMessage) {
+			t.Fatalf("Publish of %+v: %v, want ErrInvalidMessage", bad, err)
+		}
+	}
+	if err := pub.Publish(context.Background(), []*idem.Message{{ID: "fits", Stream: topic, Payload: []byte("x")}}); err != nil {
+		t.Fatal(err)
+	}
+	if ids := topicIDs(t, b, 1); !slices.Equal(ids, []string{"fits"}) {
+		t.Fatalf("topic holds %v, want only fits", ids)
+	}
+}
