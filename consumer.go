@@ -45,7 +45,8 @@ type ConsumerConfig struct {
 	Classify func(err error) Class
 	// Backoff shapes the delay before a retriable failure is delivered
 	// again: exponential with full jitter. Default: 50 ms doubling up to
-	// 1 s; set Max higher for slow dependencies.
+	// 1 s; set Max higher for slow dependencies. Its Retries is not used
+	// here: MaxAttempts bounds a Consumer's retries.
 	Backoff Backoff
 	// MaxAttempts dead-letters a retriable failure once the broker has
 	// delivered the message this many times. 0, the default, retries

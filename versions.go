@@ -121,8 +121,9 @@ func (e *ExpectedVersionError) Is(target error) bool { return target == ErrExpec
 // Backoff is an exponential backoff with full jitter: before retry n (from
 // 0) it waits a random duration in [0, min(Max, Base·Multiplier^n)].
 type Backoff struct {
-	// Retries is how many times to retry after the first attempt.
-	// Default 3; negative means none.
+	// Retries is how many times RetryVersionConflicts retries after the
+	// first attempt. Default 3; negative means none. (A Consumer's
+	// retries are bounded by ConsumerConfig.MaxAttempts instead.)
 	Retries int
 	// Base is the first delay bound. Default 50ms.
 	Base time.Duration

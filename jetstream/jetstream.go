@@ -115,8 +115,17 @@ type Consumer struct {
 // New returns a Consumer on js. It creates or updates the durable consumer
 // when Run starts.
 func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
-	if js == nil || cfg == nil || cfg.Stream == "" || cfg.Durable == "" || cfg.Handler == nil {
-		return nil, fmt.Errorf("%w: jetstream: JetStream, Stream, Durable and Handler are required", idem.ErrInvalidConfig)
+	switch {
+	case js == nil:
+		return nil, fmt.Errorf("%w: jetstream: no JetStream context", idem.ErrInvalidConfig)
+	case cfg == nil:
+		return nil, fmt.Errorf("%w: jetstream: no Config", idem.ErrInvalidConfig)
+	case cfg.Stream == "":
+		return nil, fmt.Errorf("%w: jetstream: Config.Stream is required", idem.ErrInvalidConfig)
+	case cfg.Durable == "":
+		return nil, fmt.Errorf("%w: jetstream: Config.Durable is required", idem.ErrInvalidConfig)
+	case cfg.Handler == nil:
+		return nil, fmt.Errorf("%w: jetstream: Config.Handler is required", idem.ErrInvalidConfig)
 	}
 	c := &Consumer{js: js, cfg: *cfg, seed: maphash.MakeSeed(), watchEvery: durableRefresh}
 	if c.cfg.Map == nil {

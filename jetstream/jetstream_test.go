@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -180,6 +181,16 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	nc, js := newBroker(t, testenv.EmbeddedNATS(t)).connect(t)
 	defer nc.Close()
 	h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })
+	// A missing setting is named.
+	for field, cfg := range map[string]*jetstream.Config{
+		"Stream":  {Durable: "d", Handler: h},
+		"Durable": {Stream: "S", Handler: h},
+		"Handler": {Stream: "S", Durable: "d"},
+	} {
+		if _, err := jetstream.New(js, cfg); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "Config."+field+" is required") {
+			t.Errorf("New without %s: %v, want ErrInvalidConfig naming it", field, err)
+		}
+	}
 	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, MaxDeliver: -2}); !errors.Is(err, idem.ErrInvalidConfig) {
 		t.Fatalf("New with MaxDeliver -2: %v", err)
 	}

@@ -90,8 +90,17 @@ type Consumer struct {
 
 // New returns a Consumer; it connects when Run starts.
 func New(cfg *Config) (*Consumer, error) {
-	if cfg == nil || len(cfg.Brokers) == 0 || cfg.Group == "" || len(cfg.Topics) == 0 || cfg.Handler == nil {
-		return nil, fmt.Errorf("%w: kafka: Brokers, Group, Topics and Handler are required", idem.ErrInvalidConfig)
+	switch {
+	case cfg == nil:
+		return nil, fmt.Errorf("%w: kafka: no Config", idem.ErrInvalidConfig)
+	case len(cfg.Brokers) == 0:
+		return nil, fmt.Errorf("%w: kafka: Config.Brokers is required", idem.ErrInvalidConfig)
+	case cfg.Group == "":
+		return nil, fmt.Errorf("%w: kafka: Config.Group is required", idem.ErrInvalidConfig)
+	case len(cfg.Topics) == 0:
+		return nil, fmt.Errorf("%w: kafka: Config.Topics is required", idem.ErrInvalidConfig)
+	case cfg.Handler == nil:
+		return nil, fmt.Errorf("%w: kafka: Config.Handler is required", idem.ErrInvalidConfig)
 	}
 	c := &Consumer{cfg: *cfg}
 	if c.cfg.Map == nil {

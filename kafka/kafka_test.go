@@ -141,8 +141,17 @@ func newConcurrentBroker(t testing.TB) adaptertest.Broker {
 
 // TestNewRejectsBadConfig checks the required settings.
 func TestNewRejectsBadConfig(t *testing.T) {
-	if _, err := kafka.New(&kafka.Config{Brokers: []string{"x:9092"}}); !errors.Is(err, idem.ErrInvalidConfig) {
-		t.Fatalf("New without Group, Topics, Handler: %v", err)
+	h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })
+	// A missing setting is named.
+	for field, cfg := range map[string]*kafka.Config{
+		"Brokers": {Group: "g", Topics: []string{"t"}, Handler: h},
+		"Group":   {Brokers: []string{"x:9092"}, Topics: []string{"t"}, Handler: h},
+		"Topics":  {Brokers: []string{"x:9092"}, Group: "g", Handler: h},
+		"Handler": {Brokers: []string{"x:9092"}, Group: "g", Topics: []string{"t"}},
+	} {
+		if _, err := kafka.New(cfg); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "Config."+field+" is required") {
+			t.Errorf("New without %s: %v, want ErrInvalidConfig naming it", field, err)
+		}
 	}
 }
 
