@@ -91,7 +91,7 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 	ids, err := parseInterspersed(fs, args)
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return usagef("see 'idem dlq --help'")
+			return showHelp(e, dlqCommand())
 		}
 		return &usageError{err: err}
 	}

@@ -100,3 +100,14 @@ func TestStorePrefixDefaultsPerKind(t *testing.T) {
 		}
 	}
 }
+
+// TestSubcommandHelp: --help after a subcommand prints the command's help
+// and succeeds.
+func TestSubcommandHelp(t *testing.T) {
+	for _, args := range [][]string{{"dlq", "list", "--help"}, {"dlq", "replay", "-h"}, {"outbox", "stats", "--help"}} {
+		code, out, errOut := runCLI(t, args...)
+		if code != exitOK || !strings.HasPrefix(out, "Usage: idem "+args[0]) {
+			t.Errorf("idem %s: exit %d, %q %q; want the help and exit 0", strings.Join(args, " "), code, out, errOut)
+		}
+	}
+}

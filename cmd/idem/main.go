@@ -186,7 +186,7 @@ func runCommand(ctx context.Context, e *env, c *command, args []string) int {
 		return exitUsage
 	}
 	err := action(ctx, e, fs.Args())
-	if err == nil {
+	if err == nil || errors.Is(err, errHelpShown) {
 		return exitOK
 	}
 	var ue *usageError
@@ -218,6 +218,19 @@ func errorText(command string, err error) string {
 
 // newFlagSet returns an empty flag set for c that reports errors instead of
 // exiting and prints nothing by itself.
+// errHelpShown is returned by a command that printed its help because a
+// subcommand was given --help: the command succeeded.
+var errHelpShown = errors.New("help shown")
+
+// showHelp prints c's usage, as 'idem c --help' does, and returns
+// errHelpShown.
+func showHelp(e *env, c *command) error {
+	fs := newFlagSet(c)
+	c.setup(fs)
+	printCommandUsage(e.stdout, c, fs)
+	return errHelpShown
+}
+
 func newFlagSet(c *command) *flag.FlagSet {
 	fs := flag.NewFlagSet("idem "+c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)

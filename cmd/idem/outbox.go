@@ -60,7 +60,7 @@ part of the schema, for every process. See docs/outbox.md.
 				// Flags may follow the subcommand too.
 				if err := fs.Parse(rest); err != nil {
 					if errors.Is(err, flag.ErrHelp) {
-						return usagef("see 'idem outbox --help'")
+						return showHelp(e, outboxCommand())
 					}
 					return &usageError{err: err}
 				}
