@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -180,5 +181,36 @@ func TestConcurrentDuplicateUnderRepeatableRead(t *testing.T) {
 		if applied != 1 {
 			t.Fatalf("applied %d times", applied)
 		}
+	}
+}
+
+// TestProcessBeforeMigrate: processing in a schema without idem's tables
+// fails with ErrNotMigrated, which says what to do, rather than only
+// Postgres's "relation does not exist".
+func TestProcessBeforeMigrate(t *testing.T) {
+	ctx := context.Background()
+	pool := testenv.PostgresPool(t, 2)
+	d, err := New(pool, &Config{Schema: testenv.FreshSchema(t, pool)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(d, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[Tx]{Name: "h", Apply: idem.Ignore[Tx]}
+	msg := &idem.Message{ID: "x"}
+	if _, err := proc.Process(ctx, h, msg); !errors.Is(err, ErrNotMigrated) {
+		t.Fatalf("Process before Migrate: %v, want ErrNotMigrated", err)
+	}
+	if _, err := proc.ProcessBatch(ctx, h, []*idem.Message{msg}); !errors.Is(err, ErrNotMigrated) {
+		t.Fatalf("ProcessBatch before Migrate: %v, want ErrNotMigrated", err)
+	}
+	lp, err := idem.NewLeaseProcessor(d, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lp.Process(ctx, &idem.LeaseHandler{Name: "h", Call: func(context.Context, *idem.Lease, *idem.Message) error { return nil }}, msg); !errors.Is(err, ErrNotMigrated) {
+		t.Fatalf("lease Process before Migrate: %v, want ErrNotMigrated", err)
 	}
 }

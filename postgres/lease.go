@@ -47,7 +47,7 @@ func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (dr
 		res.Claimed = true
 		return res, nil
 	case !errors.Is(err, pgx.ErrNoRows):
-		return driver.LeaseClaimResult{}, fmt.Errorf("postgres: claim lease: %w", err)
+		return driver.LeaseClaimResult{}, fmt.Errorf("postgres: claim lease: %w", notMigrated(err))
 	}
 	row, err := d.LeaseGet(ctx, &driver.LeaseGetParams{Handler: p.Handler, MessageID: p.MessageID})
 	if err != nil {

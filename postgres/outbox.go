@@ -322,7 +322,9 @@ func (d *Driver) outboxNotifyOn(ctx context.Context, q interface {
 const outboxNotifyOptInVersion = 9
 
 // ErrNotMigrated is returned by SetOutboxNotify when the schema lacks a
-// migration of this version of idem: Migrate would undo the setting.
+// migration of this version of idem (Migrate would undo the setting), and
+// wrapped in the error of a message's processing (Process, ProcessBatch,
+// a lease claim) that finds idem's tables missing.
 var ErrNotMigrated = errors.New("postgres: the schema is not migrated to this version of idem; run Migrate first")
 
 // OutboxListen implements driver.OutboxNotifier: a connection held out of

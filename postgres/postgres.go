@@ -280,6 +280,16 @@ func (d *Driver) Migrate(ctx context.Context) error {
 	})
 }
 
+// notMigrated wraps ErrNotMigrated around err when err is Postgres's
+// "relation does not exist": idem's tables are missing.
+func notMigrated(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
+		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+	}
+	return err
+}
+
 // beginSQL opens the transactions the driver begins itself (Process,
 // ProcessBatch, lease and ordering writes) at READ COMMITTED, whatever the
 // server's default_transaction_isolation: a delivery that waits on a
@@ -360,7 +370,14 @@ func (d *Driver) Begin(ctx context.Context) (Tx, error) {
 // the existing hash together: two round trips, as many as ON CONFLICT and
 // the read take. For a second after a lost bet, and always under
 // Config.ConflictAwareInserts, the INSERT is conflict-aware from the start.
+// On a schema without idem's tables the error wraps ErrNotMigrated.
 func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertParams) (Tx, driver.MarkerInsertResult, error) {
+	tx, res, err := d.beginMarkerInsert(ctx, p)
+	return tx, res, notMigrated(err)
+}
+
+// beginMarkerInsert is BeginMarkerInsert.
+func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertParams) (Tx, driver.MarkerInsertResult, error) {
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
@@ -445,8 +462,15 @@ func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, p *driver.
 // rolled back and the batch runs again through MarkerInsertMany, so a batch
 // holding a redelivery pays one extra round trip and nothing else changes:
 // the plain INSERT waits on uncommitted markers of other transactions just
-// as ON CONFLICT does.
+// as ON CONFLICT does. On a schema without idem's tables the error wraps
+// ErrNotMigrated.
 func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInsertManyParams) (Tx, []driver.MarkerInsertResult, error) {
+	tx, res, err := d.beginMarkerInsertMany(ctx, p)
+	return tx, res, notMigrated(err)
+}
+
+// beginMarkerInsertMany is BeginMarkerInsertMany.
+func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInsertManyParams) (Tx, []driver.MarkerInsertResult, error) {
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, nil, err
