@@ -620,6 +620,10 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 	if msg.ID == "" {
 		return nil, fmt.Errorf("kafka: record %s/%d@%d has no %s header", r.Topic, r.Partition, r.Offset, HeaderID)
 	}
+	if msg.Seq > 0 && len(r.Key) == 0 {
+		return nil, fmt.Errorf("kafka: record %s/%d@%d (%s %q) has a %s header but no key: the aggregate a sequence counts in is the record key",
+			r.Topic, r.Partition, r.Offset, HeaderID, msg.ID, HeaderSeq)
+	}
 	err := msg.Validate()
 	if ve := (*idem.ValidationError)(nil); msg.Seq == 0 && errors.As(err, &ve) && ve.Field == "AggregateID" {
 		msg.AggregateID = ""

@@ -115,3 +115,13 @@ func TestDefaultMapTime(t *testing.T) {
 		t.Fatalf("%+v, %v; want Time %v", m, err, at)
 	}
 }
+
+// A sequence without a key says where the aggregate comes from, and which
+// message it was.
+func TestDefaultMapSequenceWithoutKey(t *testing.T) {
+	r := &kgo.Record{Topic: "credits", Value: []byte("10"), Headers: []kgo.RecordHeader{
+		{Key: kafka.HeaderID, Value: []byte("evt-1")}, {Key: kafka.HeaderSeq, Value: []byte("3")}}}
+	if m, err := kafka.DefaultMap(r); err == nil || !strings.Contains(err.Error(), "no key") || !strings.Contains(err.Error(), `"evt-1"`) {
+		t.Fatalf("%+v, %v; want an error naming the missing key and the message", m, err)
+	}
+}
