@@ -99,7 +99,17 @@ func (p *Publisher) checkSize(id string, r *kgo.Record) error {
 // limits (ErrRecordTooLarge), fails the call before anything is produced.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	for _, m := range msgs {
-		if err := m.Validate(); err != nil {
+		if m == nil {
+			return fmt.Errorf("kafka: publish: %w: nil message", idem.ErrInvalidMessage)
+		}
+		// What DefaultMap refuses: a key that is no aggregate ID (binary,
+		// long) is fine without a sequence, it only leaves the message
+		// without an aggregate.
+		v := *m
+		if v.Seq == 0 {
+			v.AggregateID = ""
+		}
+		if err := v.Validate(); err != nil {
 			return fmt.Errorf("kafka: publish: %w", err)
 		}
 		if m.Stream == "" {

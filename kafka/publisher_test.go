@@ -116,10 +116,15 @@ func TestPublisherRefusesInvalidMessages(t *testing.T) {
 			t.Fatalf("Publish of %+v: %v, want ErrInvalidMessage", bad, err)
 		}
 	}
-	if err := pub.Publish(context.Background(), []*idem.Message{{ID: "fits", Stream: topic, Payload: []byte("x")}}); err != nil {
+	// A key that is no aggregate ID (binary) goes out without a sequence:
+	// DefaultMap takes it as a message without an aggregate.
+	if err := pub.Publish(context.Background(), []*idem.Message{
+		{ID: "fits", Stream: topic, Payload: []byte("x")},
+		{ID: "binary-key", Stream: topic, AggregateID: "\x00\x00\x30\x39", Payload: []byte("x")},
+	}); err != nil {
 		t.Fatal(err)
 	}
-	if ids := topicIDs(t, b, 1); !slices.Equal(ids, []string{"fits"}) {
-		t.Fatalf("topic holds %v, want only fits", ids)
+	if ids := topicIDs(t, b, 2); !slices.Equal(slices.Sorted(slices.Values(ids)), []string{"binary-key", "fits"}) {
+		t.Fatalf("topic holds %v, want fits and binary-key", ids)
 	}
 }

@@ -89,9 +89,9 @@ EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, after, []byte(after)).Scan(
 		}
 		return after, nil
 	}
-	var isNum, isText bool
+	var isNum, isText, isBlob bool
 	if err := d.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ? AND typeof(`+col+`) <> 'text'),
-EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, num, after).Scan(&isNum, &isText); err != nil {
+EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?), EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, num, after, []byte(after)).Scan(&isNum, &isText, &isBlob); err != nil {
 		return nil, err
 	}
 	switch {
@@ -99,6 +99,8 @@ EXISTS (SELECT 1 FROM `+table+` WHERE `+col+` = ?)`, num, after).Scan(&isNum, &i
 		return num, nil
 	case isText:
 		return after, nil
+	case isBlob: // digits stored as bytes: a Kafka key, say
+		return []byte(after), nil
 	}
 	// Neither (a real whose text form does not read back exactly): the
 	// page after it cannot be found; say so rather than end the import
