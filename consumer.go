@@ -321,7 +321,7 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 	// On the broker's last delivery a retry verdict would lose the
 	// message: the broker does not deliver it again. Keep writing while
 	// the delivery lasts (the adapter keeps the message in progress).
-	for n := 0; err != nil && d.LastAttempt && !d.replay && ctx.Err() == nil; n++ {
+	for n := 0; err != nil && d.LastAttempt && !d.replay && ctx.Err() == nil && !closed(d.Stopping); n++ {
 		if n%10 == 0 {
 			c.cfg.Logger.Error("idem: dead letter not stored on the broker's last delivery; writing it again", slog.String("handler", c.name),
 				slog.String("message_id", dl.MessageID), slog.Int("tries", n+1), slog.Any("error", err))
@@ -329,6 +329,8 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 		t := time.NewTimer(c.cfg.Backoff.Delay(n))
 		select {
 		case <-ctx.Done():
+			t.Stop()
+		case <-d.Stopping:
 			t.Stop()
 		case <-t.C:
 			id, err = c.putDeadLetter(ctx, dl)
@@ -347,6 +349,16 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 	c.cfg.Logger.Warn("idem: dead-lettered", slog.String("handler", c.name), slog.String("message_id", dl.MessageID),
 		slog.Int64("dead_letter", id), slog.String("class", class), slog.String("fingerprint", dl.Fingerprint), slog.Any("error", cause))
 	return Verdict{Ack: true, DeadLettered: true, DeadLetterClass: class, Outcome: out, Err: cause}
+}
+
+// closed reports whether ch is closed (never, for nil).
+func closed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
 }
 
 // putDeadLetter writes dl. The write outlives a cancelled delivery

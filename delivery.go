@@ -34,6 +34,12 @@ type Delivery struct {
 	// again (for example JetStream's MaxDeliver is reached): the handler
 	// must then dead-letter a failure instead of asking for a retry.
 	LastAttempt bool
+	// Stopping, when set, is closed once the adapter stops consuming. An
+	// adapter that decides with a context that outlives its own (so that
+	// effects under way still commit) sets it: the Consumer then gives up
+	// what may wait, such as writing again the dead letter of a last
+	// delivery while its store is down. Nil: the context's end alone.
+	Stopping <-chan struct{}
 
 	// replay marks a delivery of a dead letter by Replay: a failure parks
 	// it again with the replay's log entry.

@@ -471,6 +471,15 @@ func testLastDeliveryDeadLetterRetried[TTx any](t *testing.T, s *Store[TTx], dl 
 	if v.Ack || v.DeadLettered || v.Err == nil || !strings.Contains(v.Err.Error(), "connection refused") {
 		t.Fatalf("%+v, want no acknowledgement and the write error once the delivery ended", v)
 	}
+	// The same when the adapter decides with a context that outlives it
+	// and says it stops through Delivery.Stopping.
+	stopping := make(chan struct{})
+	time.AfterFunc(100*time.Millisecond, func() { close(stopping) })
+	d := poison("p2")
+	d.Stopping = stopping
+	if v := c.HandleDelivery(context.Background(), d); v.Ack || v.Err == nil {
+		t.Fatalf("%+v, want no acknowledgement once the adapter stopped", v)
+	}
 	// A delivery the broker will make again is retried, not waited on.
 	before := flaky.puts.Load()
 	v = deliverTo(c, &idem.Message{ID: "p3", Payload: []byte("junk")}, 1)

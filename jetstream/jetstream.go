@@ -217,10 +217,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		m, err := it.Next()
 		if err == nil {
 			if ctx.Err() != nil {
-				collect(pending{m, c.delivery(m)})
+				collect(pending{m, c.delivery(ctx, m)})
 				continue
 			}
-			decide(m, c.delivery(m))
+			decide(m, c.delivery(ctx, m))
 			continue
 		}
 		if ls != nil {
@@ -342,7 +342,7 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 		)
 		for m := range mb.Messages() {
 			msgs = append(msgs, m)
-			ds = append(ds, c.delivery(m))
+			ds = append(ds, c.delivery(ctx, m))
 		}
 		if err := mb.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && ctx.Err() == nil {
 			if len(ds) == 0 {
@@ -534,9 +534,9 @@ func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
 	}
 }
 
-// delivery maps m.
-func (c *Consumer) delivery(m jetstream.Msg) *idem.Delivery {
-	d := &idem.Delivery{Raw: m.Data(), Source: "jetstream:" + c.cfg.Stream + "/" + m.Subject()}
+// delivery maps m, pulled by the Run whose context is ctx.
+func (c *Consumer) delivery(ctx context.Context, m jetstream.Msg) *idem.Delivery {
+	d := &idem.Delivery{Raw: m.Data(), Source: "jetstream:" + c.cfg.Stream + "/" + m.Subject(), Stopping: ctx.Done()}
 	if md, err := m.Metadata(); err == nil {
 		d.Attempt = int(md.NumDelivered)
 		maxDeliver := c.maxDeliver(d.Attempt > 1)
