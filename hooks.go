@@ -110,45 +110,65 @@ type CallEnd struct {
 // callHooks are a processor's HookCall hooks.
 type callHooks []HookCall
 
+// call is one call's run of the HookCall hooks: each hook whose
+// OnCallStart ran gets exactly one OnCallEnd, also when the call, or a
+// hook, panics.
+type call struct {
+	hs      callHooks
+	handler string
+	batch   bool
+	t0      time.Time
+	ctx     context.Context // the context the call runs with
+	open    int             // hooks started and not yet ended: hs[:open]
+	ev      *CallEnd        // set once ending has begun
+}
+
 // start runs OnCallStart of every hook for the messages of a call (msg
-// alone unless batch) and returns the context the call runs with.
-func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msgs []*Message, batch, lease bool) context.Context {
+// alone unless batch) and returns the call, whose ctx the call runs with.
+// If a hook panics, the hooks started before it are ended, and the panic
+// goes on.
+func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msgs []*Message, batch, lease bool) *call {
+	c := &call{hs: hs, handler: handler, batch: batch, t0: time.Now(), ctx: ctx}
 	if len(hs) == 0 {
-		return ctx
+		return c
 	}
 	if !batch {
 		msgs = []*Message{msg}
 	}
 	ev := &CallStart{Handler: handler, Messages: msgs, Lease: lease, Batch: batch}
+	defer c.endOnPanic()
 	for _, h := range hs {
-		if c := h.OnCallStart(ctx, ev); c != nil {
-			ctx = c
+		if cctx := h.OnCallStart(c.ctx, ev); cctx != nil {
+			c.ctx = cctx
 		}
+		c.open++
 	}
-	return ctx
+	return c
 }
 
-// end runs OnCallEnd of every hook, last installed first.
-func (hs callHooks) end(ctx context.Context, handler string, outs []Outcome, err error, start time.Time, batch bool) {
-	if len(hs) == 0 {
-		return
+// end runs OnCallEnd of the hooks not ended yet, last installed first.
+// A second call ends nothing more.
+func (c *call) end(outs []Outcome, err error) {
+	if c.ev == nil {
+		c.ev = &CallEnd{Handler: c.handler, Outcomes: outs, Err: err, Duration: time.Since(c.t0), Batch: c.batch}
 	}
-	ev := &CallEnd{Handler: handler, Outcomes: outs, Err: err, Duration: time.Since(start), Batch: batch}
-	for i := len(hs) - 1; i >= 0; i-- {
-		hs[i].OnCallEnd(ctx, ev)
+	for c.open > 0 {
+		c.open--
+		c.hs[c.open].OnCallEnd(c.ctx, c.ev)
 	}
 }
 
-// endOnPanic, deferred right after start, ends the call for the hooks when
-// it panics (a bug in another hook or in a driver: handler panics are
-// recovered into a *PanicError before this), with the panic as its
-// error, so that no span is left open; then the panic goes on.
-func (hs callHooks) endOnPanic(ctx context.Context, handler string, start time.Time, batch bool) {
-	if len(hs) == 0 {
+// endOnPanic, deferred right after start, ends the hooks still open when
+// the call panics (a bug in a hook or a driver: handler panics are
+// recovered into a *PanicError before this), with the panic as the error
+// unless ending had begun, so that no span is left open; then the panic
+// goes on. A hook that panics in OnCallEnd is not ended again.
+func (c *call) endOnPanic() {
+	if c.open == 0 {
 		return
 	}
 	if r := recover(); r != nil {
-		hs.end(ctx, handler, nil, fmt.Errorf("idem: the call panicked: %v", r), start, batch)
+		c.end(nil, fmt.Errorf("idem: the call panicked: %v", r))
 		panic(r)
 	}
 }

@@ -122,3 +122,77 @@ func TestHookCallWrapsLeaseCalls(t *testing.T) {
 		t.Errorf("lease handler saw context tags %v, want [a]", seen)
 	}
 }
+
+// panicAt is a HookCall (and HookOutcome) that panics where told.
+type panicAt struct {
+	callRecorder
+	where string // "start", "end" or "outcome"
+}
+
+func (p panicAt) OnCallStart(ctx context.Context, ev *idem.CallStart) context.Context {
+	if p.where == "start" {
+		panic("hook bug")
+	}
+	return p.callRecorder.OnCallStart(ctx, ev)
+}
+
+func (p panicAt) OnCallEnd(ctx context.Context, ev *idem.CallEnd) {
+	if p.where == "end" {
+		panic("hook bug")
+	}
+	p.callRecorder.OnCallEnd(ctx, ev)
+}
+
+func (p panicAt) OnOutcome(context.Context, *idem.OutcomeEvent) {
+	if p.where == "outcome" {
+		panic("hook bug")
+	}
+}
+
+// Whatever panics — a hook starting, ending, or reporting an outcome —
+// every hook that started ends exactly once, and the panic goes on.
+func TestHookCallEndsOnceThroughPanics(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		where string
+		want  []string
+	}{
+		{"start", []string{"a start h [m]", "a end h [] true ctx=[a]"}},
+		{"end", []string{"a start h [m]", "b start h [m]", "c start h [m]", "c end h [applied] false ctx=[a b c]", "a end h [applied] false ctx=[a b c]"}},
+		{"outcome", []string{"a start h [m]", "b start h [m]", "c start h [m]", "c end h [] true ctx=[a b c]", "b end h [] true ctx=[a b c]", "a end h [] true ctx=[a b c]"}},
+	} {
+		for _, lease := range []bool{false, true} {
+			var log []string
+			hooks := []idem.Hook{callRecorder{"a", &log}, panicAt{callRecorder{"b", &log}, c.where}, callRecorder{"c", &log}}
+			run := func() {
+				if lease {
+					p, err := idem.NewLeaseProcessor(leaseDriver(t), &idem.LeaseConfig{Hooks: hooks})
+					if err != nil {
+						t.Fatal(err)
+					}
+					_, _ = p.Process(context.Background(), &idem.LeaseHandler{Name: "h", Call: func(context.Context, *idem.Lease, *idem.Message) error { return nil }}, &idem.Message{ID: "m"})
+					return
+				}
+				p := memProcessor(t, &idem.Config{Hooks: hooks})
+				_, _ = p.Process(context.Background(), &idem.Handler[*sql.Tx]{Name: "h", Apply: idem.Ignore[*sql.Tx]}, &idem.Message{ID: "m"})
+			}
+			func() {
+				defer func() {
+					if r := recover(); r != "hook bug" {
+						t.Errorf("%s (lease %v): recovered %v, want the hook's panic", c.where, lease, r)
+					}
+				}()
+				run()
+			}()
+			want := c.want
+			if lease && c.where == "outcome" {
+				// Lease mode ends the call after its outcome hooks, with
+				// the outcome, panic or not.
+				want = []string{"a start h [m]", "b start h [m]", "c start h [m]", "c end h [applied] false ctx=[a b c]", "b end h [applied] false ctx=[a b c]", "a end h [applied] false ctx=[a b c]"}
+			}
+			if !slices.Equal(log, want) {
+				t.Errorf("%s (lease %v):\n%s\nwant:\n%s", c.where, lease, strings.Join(log, "\n"), strings.Join(want, "\n"))
+			}
+		}
+	}
+}

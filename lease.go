@@ -436,12 +436,12 @@ func (p *LeaseProcessor) Process(ctx context.Context, h *LeaseHandler, msg *Mess
 // is due.
 func (p *LeaseProcessor) run(ctx context.Context, h *LeaseHandler, msg *Message, due *time.Duration) (Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), msg, nil, false, true)
-	defer p.onCall.endOnPanic(ctx, h.name(), start, false)
+	cs := p.onCall.start(ctx, h.name(), msg, nil, false, true)
+	defer cs.endOnPanic()
+	ctx = cs.ctx
 	out, err := p.process(ctx, h, msg, due)
-	if len(p.onCall) > 0 {
-		defer p.onCall.end(ctx, h.name(), []Outcome{out}, err, start, false)
-	}
+	// The call ends after the outcome hooks, as a Processor's does.
+	defer cs.end([]Outcome{out}, err)
 	if len(p.onOutcome) > 0 {
 		ev := &OutcomeEvent{Handler: h.name(), Outcome: out, Err: err, Duration: time.Since(start), BatchSize: 1}
 		if msg != nil {

@@ -148,11 +148,12 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 // retry). Invalid messages and handler names give a *ValidationError.
 func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), msg, nil, false, false)
-	defer p.onCall.endOnPanic(ctx, h.name(), start, false)
+	cs := p.onCall.start(ctx, h.name(), msg, nil, false, false)
+	defer cs.endOnPanic()
+	ctx = cs.ctx
 	out, err := p.process(ctx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
-	p.endOne(ctx, h, out, err, start)
+	cs.end([]Outcome{out}, err)
 	return out, err
 }
 
@@ -172,19 +173,13 @@ func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Mess
 // driver.MarkerDeleter, as all of idem's do), as under Process.
 func (p *Processor[TTx]) ProcessTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), msg, nil, false, false)
-	defer p.onCall.endOnPanic(ctx, h.name(), start, false)
+	cs := p.onCall.start(ctx, h.name(), msg, nil, false, false)
+	defer cs.endOnPanic()
+	ctx = cs.ctx
 	out, err := p.processTx(ctx, tx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
-	p.endOne(ctx, h, out, err, start)
+	cs.end([]Outcome{out}, err)
 	return out, err
-}
-
-// endOne runs the HookCall hooks' end of a single message's call.
-func (p *Processor[TTx]) endOne(ctx context.Context, h *Handler[TTx], out Outcome, err error, start time.Time) {
-	if len(p.onCall) > 0 {
-		p.onCall.end(ctx, h.name(), []Outcome{out}, err, start, false)
-	}
 }
 
 func (p *Processor[TTx]) process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
@@ -373,11 +368,12 @@ func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs
 // did not commit, and the Conflict and OutcomeNone ones when it did.
 func (p *Processor[TTx]) processBatchCall(ctx context.Context, h *Handler[TTx], msgs []*Message, redecided bool) ([]Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), nil, msgs, true, false)
-	defer p.onCall.endOnPanic(ctx, h.name(), start, true)
+	cs := p.onCall.start(ctx, h.name(), nil, msgs, true, false)
+	defer cs.endOnPanic()
+	ctx = cs.ctx
 	outs, errs, err := p.processBatch(ctx, nil, false, h, msgs)
 	p.reportBatch(ctx, h, msgs, outs, errs, err, start, redecided)
-	p.onCall.end(ctx, h.name(), outs, err, start, true)
+	cs.end(outs, err)
 	return outs, err
 }
 
@@ -385,11 +381,12 @@ func (p *Processor[TTx]) processBatchCall(ctx context.Context, h *Handler[TTx], 
 // As with ProcessTx, on error the caller must roll tx back.
 func (p *Processor[TTx]) ProcessBatchTx(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
 	start := time.Now()
-	ctx = p.onCall.start(ctx, h.name(), nil, msgs, true, false)
-	defer p.onCall.endOnPanic(ctx, h.name(), start, true)
+	cs := p.onCall.start(ctx, h.name(), nil, msgs, true, false)
+	defer cs.endOnPanic()
+	ctx = cs.ctx
 	outs, errs, err := p.processBatch(ctx, &tx, true, h, msgs)
 	p.reportBatch(ctx, h, msgs, outs, errs, err, start, false)
-	p.onCall.end(ctx, h.name(), outs, err, start, true)
+	cs.end(outs, err)
 	return outs, err
 }
 

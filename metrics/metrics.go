@@ -33,7 +33,9 @@
 //
 // A Consumer's batch that does not commit is decided again message by
 // message, and so are a committed batch's conflicts and gaps: each such
-// message is counted once, by the call that decided it. A handler name
+// message is counted once, by the call that decided it. (A message that
+// waits behind an earlier one of its aggregate to be retried is decided
+// by no call: it has a verdict, retried, and no outcome.) A handler name
 // idem refuses is labelled InvalidHandler.
 //
 // Counting costs a map lookup and an atomic add per message, on the

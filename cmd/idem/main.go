@@ -216,8 +216,6 @@ func errorText(command string, err error) string {
 	return msg
 }
 
-// newFlagSet returns an empty flag set for c that reports errors instead of
-// exiting and prints nothing by itself.
 // errHelpShown is returned by a command that printed its help because a
 // subcommand was given --help: the command succeeded.
 var errHelpShown = errors.New("help shown")
@@ -231,6 +229,8 @@ func showHelp(e *env, c *command) error {
 	return errHelpShown
 }
 
+// newFlagSet returns an empty flag set for c that reports errors instead of
+// exiting and prints nothing by itself.
 func newFlagSet(c *command) *flag.FlagSet {
 	fs := flag.NewFlagSet("idem "+c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
