@@ -709,7 +709,7 @@ func waitingIsNoAttempt(t *testing.T, ordering *idem.Ordering, msgs []*idem.Mess
 // An unreachable cluster is logged, not waited on in silence.
 func TestUnreachableClusterIsLogged(t *testing.T) {
 	t.Parallel()
-	var buf syncBuffer
+	var buf testenv.Buffer
 	c, err := kafka.New(&kafka.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"},
 		Handler: idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} }),
 		Logger:  slog.New(slog.NewTextHandler(&buf, nil))})
@@ -724,22 +724,4 @@ func TestUnreachableClusterIsLogged(t *testing.T) {
 	if out := buf.String(); !strings.Contains(out, "level=WARN") && !strings.Contains(out, "level=ERROR") || !strings.Contains(out, "kafka: ") {
 		t.Fatalf("nothing logged about the unreachable broker in 3 s: %q", out)
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }

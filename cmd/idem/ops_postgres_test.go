@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -182,22 +181,7 @@ func TestServeStopsWhileAReadWaits(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var out, errOut syncBuffer
-	e := &env{stdout: &out, stderr: &errOut, getenv: func(string) string { return "" }}
-	exit := make(chan int, 1)
-	go func() {
-		exit <- runEnv(ctx, e, []string{"serve", "--dsn", testenv.PostgresDSN(), "--schema", schema, "--addr", "127.0.0.1:0", "--read-timeout", "30s"})
-	}()
-	addr := regexp.MustCompile(`http://(127\.0\.0\.1:[0-9]+)`)
-	var url string
-	for deadline := time.Now().Add(10 * time.Second); url == "" && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if m := addr.FindStringSubmatch(out.String()); m != nil {
-			url = "http://" + m[1]
-		}
-	}
-	if url == "" {
-		t.Fatalf("serve printed no address: %q %q", out.String(), errOut.String())
-	}
+	url, errOut, exit := startServe(t, ctx, "--dsn", testenv.PostgresDSN(), "--schema", schema, "--read-timeout", "30s")
 	go func() {
 		if resp, err := http.Get(url + "/metrics"); err == nil {
 			resp.Body.Close()

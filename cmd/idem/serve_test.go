@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -10,7 +9,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -148,22 +146,23 @@ func TestServeHealthNeedsTables(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer safe to read while the command writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
+// startServe runs 'idem serve' with args on a free loopback port until ctx
+// ends, and returns its URL once it printed it, its stderr and where its
+// exit code will come.
+func startServe(t *testing.T, ctx context.Context, args ...string) (string, *testenv.Buffer, <-chan int) {
+	t.Helper()
+	out, errOut := new(testenv.Buffer), new(testenv.Buffer)
+	e := &env{stdout: out, stderr: errOut, getenv: func(string) string { return "" }}
+	exit := make(chan int, 1)
+	go func() { exit <- runEnv(ctx, e, append([]string{"serve", "--addr", "127.0.0.1:0"}, args...)) }()
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:[0-9]+)`)
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if m := addr.FindStringSubmatch(out.String()); m != nil {
+			return "http://" + m[1], errOut, exit
+		}
+	}
+	t.Fatalf("serve printed no address: %q %q", out.String(), errOut.String())
+	return "", nil, nil
 }
 
 // TestServeCommandStopsCleanly runs 'idem serve' on a free port, scrapes
@@ -172,20 +171,7 @@ func TestServeCommandStopsCleanly(t *testing.T) {
 	path, _, _ := seedServeStore(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var out, errOut syncBuffer
-	e := &env{stdout: &out, stderr: &errOut, getenv: func(string) string { return "" }}
-	exit := make(chan int, 1)
-	go func() { exit <- runEnv(ctx, e, []string{"serve", "--dsn", path, "--addr", "127.0.0.1:0"}) }()
-	addr := regexp.MustCompile(`http://(127\.0\.0\.1:[0-9]+)`)
-	var url string
-	for deadline := time.Now().Add(10 * time.Second); url == "" && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if m := addr.FindStringSubmatch(out.String()); m != nil {
-			url = "http://" + m[1]
-		}
-	}
-	if url == "" {
-		t.Fatalf("serve printed no address: %q %q", out.String(), errOut.String())
-	}
+	url, errOut, exit := startServe(t, ctx, "--dsn", path)
 	if code, body := get(t, url+"/metrics"); code != http.StatusOK || !strings.Contains(body, "idem_store_up 1") {
 		t.Fatalf("/metrics: %d", code)
 	}
