@@ -7,7 +7,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 )
 
@@ -85,37 +84,27 @@ WHERE processed_at < $1 AND `+prunableLease+` GROUP BY handler`, before)
 }
 
 // TryMaintenanceLock implements driver.MarkerPruner with a session-level
-// advisory lock named after the schema and table prefix, held on one
-// pooled connection until unlock.
+// advisory lock named after the schema and table prefix, held until unlock
+// on a connection of its own, opened with the pool's settings but outside
+// it: the run's batches take pooled connections, and a lock holding one
+// of a small pool (one, or two with a relay listening) would starve them.
 func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
-	// The lock's connection stays out of the pool until unlock, and every
-	// batch needs another one: with a pool of one, the first batch would
-	// wait for ever.
-	if n := d.pool.Config().MaxConns; n < 2 {
-		return nil, false, fmt.Errorf("%w: postgres: retention needs a pool of at least 2 connections (one holds the maintenance lock), this one has %d", idem.ErrInvalidConfig, n)
-	}
-	c, err := d.pool.Acquire(ctx)
+	c, err := pgx.ConnectConfig(ctx, d.pool.Config().ConnConfig.Copy())
 	if err != nil {
-		return nil, false, err
+		return nil, false, fmt.Errorf("postgres: maintenance lock: connect: %w", err)
 	}
 	key := "idem-maintenance:" + d.schema + "." + d.prefix
 	var ok bool
 	if err := c.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtext($1))`, key).Scan(&ok); err != nil {
-		c.Release()
+		_ = c.Close(context.WithoutCancel(ctx))
 		return nil, false, fmt.Errorf("postgres: maintenance lock: %w", err)
 	}
 	if !ok {
-		c.Release()
+		_ = c.Close(context.WithoutCancel(ctx))
 		return nil, false, nil
 	}
-	unlock := func() {
-		if _, err := c.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock(hashtext($1))`, key); err != nil {
-			// The lock is the session's: closing the connection frees it.
-			c.Hijack().Close(context.Background())
-			return
-		}
-		c.Release()
-	}
+	// The lock is the session's: closing the connection frees it.
+	unlock := func() { _ = c.Close(context.WithoutCancel(ctx)) }
 	return unlock, true, nil
 }
 
