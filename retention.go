@@ -64,7 +64,9 @@ type RetentionConfig struct {
 	// Logger receives a line per prune run and per failure. Default
 	// slog.Default().
 	Logger *slog.Logger
-	// Now returns the current time. Default time.Now; tests set it.
+	// Now returns the current time. Default: the store's clock where the
+	// driver reads it (driver.Clock: Postgres, which stamps the markers
+	// with its own clock), else time.Now; tests set it.
 	Now func() time.Time
 }
 
@@ -72,8 +74,9 @@ type RetentionConfig struct {
 // instance at a time (a Postgres advisory lock; SQLite has a single writer
 // anyway). It is safe for concurrent use.
 type Pruner struct {
-	drv driver.MarkerPruner
-	cfg RetentionConfig
+	drv   driver.MarkerPruner
+	cfg   RetentionConfig
+	clock driver.Clock // the store's, when its driver reads it and Now is not set
 }
 
 // PruneStats reports a prune run.
@@ -118,7 +121,10 @@ func NewPruner(drv any, cfg *RetentionConfig) (*Pruner, error) {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
-	if c.Now == nil {
+	clock, _ := drv.(driver.Clock)
+	if c.Now != nil {
+		clock = nil // the caller's clock wins
+	} else {
 		c.Now = time.Now
 	}
 	if c.Retention < c.RedeliveryHorizon {
@@ -128,16 +134,37 @@ func NewPruner(drv any, cfg *RetentionConfig) (*Pruner, error) {
 	if !ok || mp == nil {
 		return nil, fmt.Errorf("%w: driver %T does not implement driver.MarkerPruner", ErrInvalidConfig, drv)
 	}
-	return &Pruner{drv: mp, cfg: c}, nil
+	return &Pruner{drv: mp, cfg: c, clock: clock}, nil
 }
 
-// Cutoff returns the processing time before which markers are deleted now.
+// Cutoff returns the processing time before which markers are deleted now,
+// by this process's clock (Now). Prune and Prunable go by the store's
+// clock where the driver reads it; PruneStats.Cutoff tells which cutoff a
+// run used.
 func (p *Pruner) Cutoff() time.Time { return p.cfg.Now().Add(-p.cfg.Retention) }
+
+// cutoff is the cutoff of a run: by the store's clock when the driver
+// reads it (the markers' times come from it, so a skewed host would
+// delete early), else Cutoff.
+func (p *Pruner) cutoff(ctx context.Context) (time.Time, error) {
+	if p.clock == nil {
+		return p.Cutoff(), nil
+	}
+	now, err := p.clock.Now(ctx)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("idem: read the store's clock: %w", err)
+	}
+	return now.Add(-p.cfg.Retention), nil
+}
 
 // Prunable counts, per handler, the markers a Prune now would delete, and
 // returns the oldest marker's processing time: a dry run.
 func (p *Pruner) Prunable(ctx context.Context) (map[string]int64, time.Time, error) {
-	counts, oldest, err := p.drv.CountPrunable(ctx, p.Cutoff())
+	cut, err := p.cutoff(ctx)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	counts, oldest, err := p.drv.CountPrunable(ctx, cut)
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("idem: count prunable markers: %w", err)
 	}
@@ -157,7 +184,11 @@ func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
 		return PruneStats{}, ErrMaintenanceBusy
 	}
 	defer unlock()
-	st := PruneStats{Cutoff: p.Cutoff()}
+	cut, err := p.cutoff(ctx)
+	if err != nil {
+		return PruneStats{}, err
+	}
+	st := PruneStats{Cutoff: cut}
 	start := time.Now()
 	params := &driver.PruneParams{Before: st.Cutoff, Limit: p.cfg.BatchSize}
 	for {

@@ -5,6 +5,14 @@ import (
 	"time"
 )
 
+// Clock is implemented by drivers whose store stamps rows with its own
+// clock (Postgres: now()). Retention takes its cutoff from it, so that a
+// host whose clock runs ahead does not delete markers early.
+type Clock interface {
+	// Now returns the store's current time.
+	Now(ctx context.Context) (time.Time, error)
+}
+
 // MarkerPruner is implemented by drivers whose markers can be deleted by
 // age. idem.Pruner drives it: one bounded batch per call, each in its own
 // short transaction, walking the primary key with a cursor so that no batch

@@ -10,7 +10,20 @@ import (
 	"github.com/idemhq/idem/driver"
 )
 
-var _ driver.MarkerPruner = (*Driver)(nil)
+var (
+	_ driver.MarkerPruner = (*Driver)(nil)
+	_ driver.Clock        = (*Driver)(nil)
+)
+
+// Now implements driver.Clock: the server's clock, which stamps markers,
+// leases and outbox rows (now()).
+func (d *Driver) Now(ctx context.Context) (time.Time, error) {
+	var t time.Time
+	if err := d.pool.QueryRow(ctx, `SELECT now()`).Scan(&t); err != nil {
+		return time.Time{}, fmt.Errorf("postgres: read the server's clock: %w", err)
+	}
+	return t, nil
+}
 
 // prunableLease is the condition, besides its age, on a row that retention
 // may delete: a done marker or lease. A running lease stays whatever its

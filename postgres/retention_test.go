@@ -202,3 +202,54 @@ func TestPruneOnAPoolOfOne(t *testing.T) {
 		t.Fatalf("Prune after the other instance let go: %v", err)
 	}
 }
+
+// aheadClock is the driver with its store's clock moved: what a server
+// whose clock differs from the application host's looks like to idem.
+type aheadClock struct {
+	*postgres.Driver
+	by time.Duration
+}
+
+func (a aheadClock) Now(ctx context.Context) (time.Time, error) {
+	t, err := a.Driver.Now(ctx)
+	return t.Add(a.by), err
+}
+
+// TestPruneGoesByTheStoresClock: markers are stamped by the server's
+// clock, and the retention cutoff is taken from it too, not from the
+// application host's, unless RetentionConfig.Now says otherwise.
+func TestPruneGoesByTheStoresClock(t *testing.T) {
+	pool := testenv.PostgresPool(t, 2)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	drv := s.Driver.(*postgres.Driver)
+	if now, err := drv.Now(ctx); err != nil || time.Since(now).Abs() > time.Minute {
+		t.Fatalf("server clock %v (%v), want about now", now, err)
+	}
+	markers := pgx.Identifier{schema, "idem_processed"}.Sanitize()
+	// A marker an hour short of the 7-day retention, by the server's clock.
+	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
+VALUES ('h', 'young', '\x00', now() - interval '7 days' + interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		drv     any
+		now     func() time.Time
+		deleted int
+	}{
+		{drv, nil, 0}, // the server's clock: not old yet
+		{aheadClock{drv, -2 * time.Hour}, nil, 0},        // a server behind: still not
+		{drv, func() time.Time { return time.Now() }, 0}, // the caller's clock, in step
+		{aheadClock{drv, 2 * time.Hour}, nil, 1},         // a server two hours ahead: old
+	} {
+		pr, err := idem.NewPruner(c.drv, &idem.RetentionConfig{Now: c.now})
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := pr.Prune(ctx)
+		if err != nil || st.Deleted != c.deleted {
+			t.Fatalf("%T: %+v, %v; want %d deleted", c.drv, st, err, c.deleted)
+		}
+	}
+}
