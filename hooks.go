@@ -124,14 +124,16 @@ type call struct {
 }
 
 // start runs OnCallStart of every hook for the messages of a call (msg
-// alone unless batch) and returns the call, whose ctx the call runs with.
-// If a hook panics, the hooks started before it are ended, and the panic
-// goes on.
-func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msgs []*Message, batch, lease bool) *call {
-	c := &call{hs: hs, handler: handler, batch: batch, t0: time.Now(), ctx: ctx}
+// alone unless batch) begun at t0, and returns the context the call runs
+// with and the call to end; without hooks, ctx and a nil call, whose
+// methods do nothing (no allocation on the path of every message). If a
+// hook panics, the hooks started before it are ended, and the panic goes
+// on.
+func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msgs []*Message, batch, lease bool, t0 time.Time) (context.Context, *call) {
 	if len(hs) == 0 {
-		return c
+		return ctx, nil
 	}
+	c := &call{hs: hs, handler: handler, batch: batch, t0: t0, ctx: ctx}
 	if !batch {
 		msgs = []*Message{msg}
 	}
@@ -143,12 +145,15 @@ func (hs callHooks) start(ctx context.Context, handler string, msg *Message, msg
 		}
 		c.open++
 	}
-	return c
+	return c.ctx, c
 }
 
 // end runs OnCallEnd of the hooks not ended yet, last installed first.
 // A second call ends nothing more.
 func (c *call) end(outs []Outcome, err error) {
+	if c == nil {
+		return
+	}
 	if c.ev == nil {
 		c.ev = &CallEnd{Handler: c.handler, Outcomes: outs, Err: err, Duration: time.Since(c.t0), Batch: c.batch}
 	}
@@ -164,7 +169,7 @@ func (c *call) end(outs []Outcome, err error) {
 // unless ending had begun, so that no span is left open; then the panic
 // goes on. A hook that panics in OnCallEnd is not ended again.
 func (c *call) endOnPanic() {
-	if c.open == 0 {
+	if c == nil || c.open == 0 {
 		return
 	}
 	if r := recover(); r != nil {

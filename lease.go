@@ -436,9 +436,8 @@ func (p *LeaseProcessor) Process(ctx context.Context, h *LeaseHandler, msg *Mess
 // is due.
 func (p *LeaseProcessor) run(ctx context.Context, h *LeaseHandler, msg *Message, due *time.Duration) (Outcome, error) {
 	start := time.Now()
-	cs := p.onCall.start(ctx, h.name(), msg, nil, false, true)
+	ctx, cs := p.onCall.start(ctx, h.name(), msg, nil, false, true, start)
 	defer cs.endOnPanic()
-	ctx = cs.ctx
 	out, err := p.process(ctx, h, msg, due)
 	// The call ends after the outcome hooks, as a Processor's does.
 	defer cs.end([]Outcome{out}, err)

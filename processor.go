@@ -148,9 +148,8 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 // retry). Invalid messages and handler names give a *ValidationError.
 func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
-	cs := p.onCall.start(ctx, h.name(), msg, nil, false, false)
+	ctx, cs := p.onCall.start(ctx, h.name(), msg, nil, false, false, start)
 	defer cs.endOnPanic()
-	ctx = cs.ctx
 	out, err := p.process(ctx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
 	cs.end([]Outcome{out}, err)
@@ -173,9 +172,8 @@ func (p *Processor[TTx]) Process(ctx context.Context, h *Handler[TTx], msg *Mess
 // driver.MarkerDeleter, as all of idem's do), as under Process.
 func (p *Processor[TTx]) ProcessTx(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message) (Outcome, error) {
 	start := time.Now()
-	cs := p.onCall.start(ctx, h.name(), msg, nil, false, false)
+	ctx, cs := p.onCall.start(ctx, h.name(), msg, nil, false, false, start)
 	defer cs.endOnPanic()
-	ctx = cs.ctx
 	out, err := p.processTx(ctx, tx, h, msg)
 	p.report(ctx, h, msg, out, err, start, 1)
 	cs.end([]Outcome{out}, err)
@@ -368,9 +366,8 @@ func (p *Processor[TTx]) ProcessBatch(ctx context.Context, h *Handler[TTx], msgs
 // did not commit, and the Conflict and OutcomeNone ones when it did.
 func (p *Processor[TTx]) processBatchCall(ctx context.Context, h *Handler[TTx], msgs []*Message, redecided bool) ([]Outcome, error) {
 	start := time.Now()
-	cs := p.onCall.start(ctx, h.name(), nil, msgs, true, false)
+	ctx, cs := p.onCall.start(ctx, h.name(), nil, msgs, true, false, start)
 	defer cs.endOnPanic()
-	ctx = cs.ctx
 	outs, errs, err := p.processBatch(ctx, nil, false, h, msgs)
 	p.reportBatch(ctx, h, msgs, outs, errs, err, start, redecided)
 	cs.end(outs, err)
@@ -381,9 +378,8 @@ func (p *Processor[TTx]) processBatchCall(ctx context.Context, h *Handler[TTx], 
 // As with ProcessTx, on error the caller must roll tx back.
 func (p *Processor[TTx]) ProcessBatchTx(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message) ([]Outcome, error) {
 	start := time.Now()
-	cs := p.onCall.start(ctx, h.name(), nil, msgs, true, false)
+	ctx, cs := p.onCall.start(ctx, h.name(), nil, msgs, true, false, start)
 	defer cs.endOnPanic()
-	ctx = cs.ctx
 	outs, errs, err := p.processBatch(ctx, &tx, true, h, msgs)
 	p.reportBatch(ctx, h, msgs, outs, errs, err, start, false)
 	cs.end(outs, err)
