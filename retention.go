@@ -157,18 +157,31 @@ func (p *Pruner) cutoff(ctx context.Context) (time.Time, error) {
 	return now.Add(-p.cfg.Retention), nil
 }
 
+// PrunableStats reports what a Prune would delete now: a dry run.
+type PrunableStats struct {
+	// Cutoff is the processing time before which markers would be
+	// deleted, by the clock a Prune goes by (the store's where the driver
+	// reads it).
+	Cutoff time.Time
+	// Markers counts, per handler, the markers processed before Cutoff.
+	Markers map[string]int64
+	// Oldest is the oldest marker's processing time; zero when there is
+	// none.
+	Oldest time.Time
+}
+
 // Prunable counts, per handler, the markers a Prune now would delete, and
-// returns the oldest marker's processing time: a dry run.
-func (p *Pruner) Prunable(ctx context.Context) (map[string]int64, time.Time, error) {
+// reports the oldest marker's processing time: a dry run.
+func (p *Pruner) Prunable(ctx context.Context) (PrunableStats, error) {
 	cut, err := p.cutoff(ctx)
 	if err != nil {
-		return nil, time.Time{}, err
+		return PrunableStats{}, err
 	}
 	counts, oldest, err := p.drv.CountPrunable(ctx, cut)
 	if err != nil {
-		return nil, time.Time{}, fmt.Errorf("idem: count prunable markers: %w", err)
+		return PrunableStats{}, fmt.Errorf("idem: count prunable markers: %w", err)
 	}
-	return counts, oldest, nil
+	return PrunableStats{Cutoff: cut, Markers: counts, Oldest: oldest}, nil
 }
 
 // Prune deletes every marker older than the retention, batch by batch. It

@@ -128,12 +128,15 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	counts, oldest, err := pr.Prunable(ctx)
+	est, err := pr.Prunable(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if counts["balances"] != int64(len(ev)) || counts["mailer"] != 1 || oldest.IsZero() || time.Since(oldest) > time.Hour {
-		t.Fatalf("dry run: counts %v, oldest %v; want %d balances markers and the done lease", counts, oldest, len(ev))
+	if est.Markers["balances"] != int64(len(ev)) || est.Markers["mailer"] != 1 || est.Oldest.IsZero() || time.Since(est.Oldest) > time.Hour {
+		t.Fatalf("dry run: counts %v, oldest %v; want %d balances markers and the done lease", est.Markers, est.Oldest, len(ev))
+	}
+	if want := future().Add(-idem.DefaultRetention); est.Cutoff.Sub(want).Abs() > time.Minute {
+		t.Fatalf("dry run cutoff %v, want the configured clock's %v", est.Cutoff, want)
 	}
 	// Nothing is old yet with the real clock.
 	now, err := idem.NewPruner(s.Driver, nil)
@@ -166,8 +169,8 @@ func testPrune[TTx any](t *testing.T, s *Store[TTx]) {
 	}
 	// The oldest marker is a done one: the running and failed leases kept
 	// whatever their age would hold it back for good.
-	if _, oldest, err := pr.Prunable(ctx); err != nil || !oldest.IsZero() {
-		t.Fatalf("oldest marker with only running and failed leases left: %v, %v; want none", oldest, err)
+	if est, err := pr.Prunable(ctx); err != nil || !est.Oldest.IsZero() {
+		t.Fatalf("oldest marker with only running and failed leases left: %v, %v; want none", est.Oldest, err)
 	}
 	// A replay of the failed one's dead letter rearms its row: the next
 	// claim's token is above the failed attempt's.

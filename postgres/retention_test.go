@@ -247,9 +247,24 @@ VALUES ('h', 'young', '\x00', now() - interval '7 days' + interval '1 hour')`); 
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The dry run and the run count by the same clock, and say which
+		// cutoff they used.
+		var now time.Time
+		if c.now != nil {
+			now = c.now()
+		} else if now, err = c.drv.(interface {
+			Now(context.Context) (time.Time, error)
+		}).Now(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantCut := now.Add(-idem.DefaultRetention)
+		est, err := pr.Prunable(ctx)
+		if err != nil || est.Markers["h"] != int64(c.deleted) || est.Cutoff.Sub(wantCut).Abs() > time.Minute {
+			t.Fatalf("%T: dry run %+v, %v; want %d markers before %v", c.drv, est, err, c.deleted, wantCut)
+		}
 		st, err := pr.Prune(ctx)
-		if err != nil || st.Deleted != c.deleted {
-			t.Fatalf("%T: %+v, %v; want %d deleted", c.drv, st, err, c.deleted)
+		if err != nil || st.Deleted != c.deleted || st.Cutoff.Sub(wantCut).Abs() > time.Minute {
+			t.Fatalf("%T: %+v, %v; want %d deleted before %v", c.drv, st, err, c.deleted, wantCut)
 		}
 	}
 }

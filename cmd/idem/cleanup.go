@@ -117,22 +117,24 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 	if err != nil {
 		return err
 	}
-	rep := cleanupReport{DryRun: dryRun, Cutoff: pr.Cutoff().UTC().Truncate(time.Second)}
+	rep := cleanupReport{DryRun: dryRun}
 	if dryRun {
-		counts, oldest, err := pr.Prunable(ctx)
+		est, err := pr.Prunable(ctx)
 		if err != nil {
 			return err
 		}
-		rep.Prunable = counts
-		if !oldest.IsZero() {
-			o := oldest.UTC().Truncate(time.Second)
+		rep.Cutoff = est.Cutoff.UTC().Truncate(time.Second)
+		rep.Prunable = est.Markers
+		if !est.Oldest.IsZero() {
+			o := est.Oldest.UTC().Truncate(time.Second)
 			rep.OldestMarker = &o
 		}
-		for _, n := range counts {
+		for _, n := range est.Markers {
 			rep.Deleted += int(n)
 		}
 	} else {
 		st, err := pr.Prune(ctx)
+		rep.Cutoff = st.Cutoff.UTC().Truncate(time.Second)
 		rep.Deleted, rep.Batches, rep.OutboxDeleted = st.Deleted, st.Batches, st.OutboxDeleted
 		rep.DurationMS, rep.LongestBatchMS = st.Duration.Milliseconds(), st.LongestBatch.Milliseconds()
 		if errors.Is(err, idem.ErrMaintenanceBusy) {
