@@ -65,9 +65,9 @@ type Config struct {
 	// MaxDeliver, the durable's is used when another consumer set it lower.
 	AckWait time.Duration
 	// Batch, above 1, fetches up to that many messages at a time and hands
-	// them to the Handler's HandleDeliveries when it is an
-	// idem.BatchDeliveryHandler (idem.Consumer is): their effects commit
-	// in one transaction. Each message is still settled on its own
+	// them to the Handler's HandleDeliveries; the Handler must be an
+	// idem.BatchDeliveryHandler (idem.Consumer is, a LeaseConsumer is
+	// not), else New refuses it. Their effects commit in one transaction. Each message is still settled on its own
 	// verdict. Default 1: one message at a time.
 	Batch int
 	// BatchWait bounds how long a fetch waits to fill a batch: the extra
@@ -142,6 +142,9 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	}
 	if c.cfg.Batch < 0 || c.cfg.BatchWait < 0 || c.cfg.Prefetch < 0 || c.cfg.Concurrency < 0 {
 		return nil, fmt.Errorf("%w: jetstream: Batch, BatchWait, Prefetch and Concurrency must not be negative", idem.ErrInvalidConfig)
+	}
+	if _, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); !ok && c.cfg.Batch > 1 {
+		return nil, fmt.Errorf("%w: jetstream: Batch %d needs a Handler that implements idem.BatchDeliveryHandler (idem.Consumer does; %T decides one message at a time)", idem.ErrInvalidConfig, c.cfg.Batch, c.cfg.Handler)
 	}
 	if c.cfg.Prefetch == 0 {
 		c.cfg.Prefetch = 64

@@ -43,12 +43,13 @@ type Config struct {
 	// With Concurrency above 1 it does not apply: see there.
 	MaxPoll int
 	// Batch, above 1, hands a poll's records to the Handler's
-	// HandleDeliveries in chunks of up to that many when it is an
-	// idem.BatchDeliveryHandler (idem.Consumer is): their effects commit
-	// in one transaction. A record the batch did not settle holds its
-	// partition for a retry, as a single record's retry does; offsets are
-	// committed only up to the first record of a partition not settled.
-	// Default 1: one record at a time.
+	// HandleDeliveries in chunks of up to that many; the Handler must be
+	// an idem.BatchDeliveryHandler (idem.Consumer is, a LeaseConsumer is
+	// not), else New refuses it. Their effects commit in one transaction.
+	// A record the batch did not settle holds its partition for a retry,
+	// as a single record's retry does; offsets are committed only up to
+	// the first record of a partition not settled. Default 1: one record
+	// at a time.
 	Batch int
 	// Concurrency, above 1, handles up to that many partitions of a poll
 	// at once, each in its own goroutine; within a partition records are
@@ -114,6 +115,9 @@ func New(cfg *Config) (*Consumer, error) {
 	}
 	if c.cfg.Concurrency < 0 {
 		return nil, fmt.Errorf("%w: kafka: Concurrency %d is negative", idem.ErrInvalidConfig, c.cfg.Concurrency)
+	}
+	if _, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); !ok && c.cfg.Batch > 1 {
+		return nil, fmt.Errorf("%w: kafka: Batch %d needs a Handler that implements idem.BatchDeliveryHandler (idem.Consumer does; %T decides one record at a time)", idem.ErrInvalidConfig, c.cfg.Batch, c.cfg.Handler)
 	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
