@@ -63,6 +63,41 @@ func (m *Message) Validate() error {
 	return nil
 }
 
+// ValidatePublish reports whether m can be sent: what Validate checks,
+// plus a Stream (the topic or subject to publish to, 1–255 bytes), and
+// Stream, Type and every header name and value as text a store or broker
+// keeps as given (valid UTF-8, no NUL byte; a header name not empty). The
+// outbox and the broker publishers check it before anything is written or
+// sent. The error is a *ValidationError matching ErrInvalidMessage.
+func (m *Message) ValidatePublish() error {
+	if err := m.Validate(); err != nil {
+		return err
+	}
+	if reason := checkText(m.Stream, MaxIDLen); reason != "" {
+		if m.Stream == "" {
+			reason = "is empty; it is the topic or subject to publish to"
+		}
+		return &ValidationError{Field: "Stream", Reason: reason, Value: m.Stream, err: ErrInvalidMessage}
+	}
+	if m.Type != "" {
+		if reason := checkText(m.Type, MaxIDLen); reason != "" {
+			return &ValidationError{Field: "Type", Reason: reason, Value: m.Type, err: ErrInvalidMessage}
+		}
+	}
+	for k, v := range m.Headers {
+		if reason := checkText(k, MaxIDLen); reason != "" {
+			return &ValidationError{Field: "Headers", Reason: "name " + reason, Value: k, err: ErrInvalidMessage}
+		}
+		if v == "" {
+			continue
+		}
+		if reason := checkText(v, len(v)); reason != "" {
+			return &ValidationError{Field: "Headers", Reason: fmt.Sprintf("value of %q %s", k, reason), Value: v, err: ErrInvalidMessage}
+		}
+	}
+	return nil
+}
+
 // PayloadHash returns the SHA-256 of the payload: the value stored with the
 // marker and compared on redelivery.
 func (m *Message) PayloadHash() []byte {

@@ -176,6 +176,43 @@ func TestValidateBoundaries(t *testing.T) {
 	}
 }
 
+// TestValidatePublishBoundaries: what a publisher or the outbox sends must
+// name where it goes, and carry Stream, Type and headers as text a store
+// or a broker keeps as given.
+func TestValidatePublishBoundaries(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		msg   idem.Message
+		field string // "" = valid
+	}{
+		{idem.Message{ID: "x", Stream: "credits"}, ""},
+		{idem.Message{ID: "x", Stream: "credits", Type: "FundsCredited", Headers: map[string]string{"trace": "ünï", "empty": ""}}, ""},
+		{idem.Message{ID: "x"}, "Stream"},
+		{idem.Message{ID: "", Stream: "credits"}, "ID"},
+		{idem.Message{ID: "x", Stream: strings.Repeat("s", 256)}, "Stream"},
+		{idem.Message{ID: "x", Stream: "credits\x00ledger"}, "Stream"},
+		{idem.Message{ID: "x", Stream: "credits.\xff"}, "Stream"},
+		{idem.Message{ID: "x", Stream: "s", Type: "Cred\x00ited"}, "Type"},
+		{idem.Message{ID: "x", Stream: "s", Type: "\xc3"}, "Type"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"": "v"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"k": "ab\xffcd"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"k\x00": "v"}}, "Headers"},
+	}
+	for _, c := range cases {
+		err := c.msg.ValidatePublish()
+		var ve *idem.ValidationError
+		switch {
+		case c.field == "" && err != nil:
+			t.Errorf("%+v: unexpected %v", c.msg, err)
+		case c.field != "" && (!errors.As(err, &ve) || ve.Field != c.field || !errors.Is(err, idem.ErrInvalidMessage)):
+			t.Errorf("%+v: got %v, want a ValidationError on %s", c.msg, err, c.field)
+		}
+	}
+	if err := (*idem.Message)(nil).ValidatePublish(); !errors.Is(err, idem.ErrInvalidMessage) {
+		t.Errorf("nil message: %v", err)
+	}
+}
+
 func TestOutcomeString(t *testing.T) {
 	t.Parallel()
 	for o, s := range map[idem.Outcome]string{idem.OutcomeNone: "none", idem.Applied: "applied", idem.Duplicate: "duplicate", idem.Conflict: "conflict", 200: "outcome(200)"} {

@@ -40,16 +40,13 @@ var ErrStatusHeader = errors.New("jetstream: an empty message with a Status head
 
 // Publish sends msgs in order, each once the previous one is stored. It
 // refuses the call, publishing nothing, if any message is invalid
-// (Message.Validate, or no Stream to publish to: idem.ErrInvalidMessage)
-// or has an empty payload and a Status header (ErrStatusHeader): a
-// consumer could only dead-letter it.
+// (Message.ValidatePublish; Stream is the subject) or has an empty payload
+// and a Status header (ErrStatusHeader): a consumer could only
+// dead-letter it.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	for _, m := range msgs {
-		if err := m.Validate(); err != nil {
+		if err := m.ValidatePublish(); err != nil {
 			return fmt.Errorf("jetstream: publish: %w", err)
-		}
-		if m.Stream == "" {
-			return fmt.Errorf("jetstream: publish %q: %w: Stream is empty; it is the subject to publish to", m.ID, idem.ErrInvalidMessage)
 		}
 		if len(m.Payload) > 0 {
 			continue

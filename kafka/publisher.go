@@ -94,9 +94,10 @@ func (p *Publisher) checkSize(id string, r *kgo.Record) error {
 }
 
 // Publish produces msgs and returns once all are acknowledged. An invalid
-// message (Message.Validate, or no Stream to produce to:
-// idem.ErrInvalidMessage), or one whose record may not fit the client's
-// limits (ErrRecordTooLarge), fails the call before anything is produced.
+// message (Message.ValidatePublish: Stream is the topic; a key that is no
+// aggregate ID is fine without a sequence), or one whose record may not
+// fit the client's limits (ErrRecordTooLarge), fails the call before
+// anything is produced.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	for _, m := range msgs {
 		if m == nil {
@@ -109,11 +110,8 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		if v.Seq == 0 {
 			v.AggregateID = ""
 		}
-		if err := v.Validate(); err != nil {
+		if err := v.ValidatePublish(); err != nil {
 			return fmt.Errorf("kafka: publish: %w", err)
-		}
-		if m.Stream == "" {
-			return fmt.Errorf("kafka: publish %q: %w: Stream is empty; it is the topic to produce to", m.ID, idem.ErrInvalidMessage)
 		}
 	}
 	recs := make([]*kgo.Record, len(msgs))
