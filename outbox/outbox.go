@@ -44,8 +44,9 @@ func MessageID(stream, aggregateID string, seq int64) string {
 // Add inserts msgs into the outbox in tx; they are published after tx
 // commits, and never if it rolls back. Each message needs an ID and a
 // Stream, the topic or subject it is published to; rows of one aggregate
-// are published in the order they were added. An invalid message is a
-// *idem.ValidationError and nothing is added.
+// are published in the order they were added. An invalid message
+// (idem.Message.ValidatePublish) is a *idem.ValidationError and nothing is
+// added.
 func (o *Outbox[TTx]) Add(ctx context.Context, tx TTx, msgs ...*idem.Message) error {
 	rows := make([]driver.OutboxRow, len(msgs))
 	for i, m := range msgs {
@@ -63,11 +64,8 @@ func (o *Outbox[TTx]) Add(ctx context.Context, tx TTx, msgs ...*idem.Message) er
 
 // newRow validates m and turns it into an outbox row.
 func newRow(m *idem.Message) (driver.OutboxRow, error) {
-	if err := m.Validate(); err != nil {
+	if err := m.ValidatePublish(); err != nil {
 		return driver.OutboxRow{}, fmt.Errorf("outbox: %w", err)
-	}
-	if m.Stream == "" {
-		return driver.OutboxRow{}, fmt.Errorf("outbox: message %q has no Stream, the topic or subject to publish it to: %w", m.ID, idem.ErrInvalidMessage)
 	}
 	r := driver.OutboxRow{
 		Destination: m.Stream, MessageID: m.ID, OrderingKey: m.AggregateID, AggregateID: m.AggregateID,
@@ -91,8 +89,9 @@ func newRow(m *idem.Message) (driver.OutboxRow, error) {
 // AddNext allocates the next sequence of (stream, aggregateID) with the
 // write-side allocator (idem.Versions) in tx, and adds a message with that
 // sequence and the ID MessageID(stream, aggregateID, seq) — on Postgres in
-// one statement. stream and aggregateID together may take at most 235
-// bytes, so that every sequence gives a valid ID. The allocator
+// one statement. stream and aggregateID together may take at most 234
+// bytes, so that every sequence gives a valid ID (of at most 255 bytes:
+// two dashes and up to 19 digits). The allocator
 // locks the aggregate's row until tx ends, so concurrent writers of one
 // aggregate add their rows in sequence order. It returns the message.
 func (o *Outbox[TTx]) AddNext(ctx context.Context, tx TTx, stream, aggregateID, typ string, payload []byte) (*idem.Message, error) {

@@ -130,7 +130,7 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 		r.cfg = *cfg
 	}
 	c := &r.cfg
-	if c.BatchSize < 0 || c.Concurrency < 0 || c.ClaimTTL < 0 || c.PollInterval < 0 {
+	if c.BatchSize < 0 || c.Concurrency < 0 || c.ClaimTTL < 0 || c.PollInterval < 0 || c.Backoff.Base < 0 || c.Backoff.Max < 0 {
 		return nil, fmt.Errorf("%w: outbox relay settings must not be negative", idem.ErrInvalidConfig)
 	}
 	if c.Owner == "" {
@@ -186,15 +186,17 @@ func (r *Relay) fault(point string) {
 // pending for a later cycle, and a key whose publish failed is skipped by
 // every relay until its backoff (RelayConfig.Backoff) has passed.
 func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
-	res, _, err := r.runOnce(ctx)
+	res, _, _, err := r.runOnce(ctx)
 	return res, err
 }
 
 // runOnce is RunOnce, also reporting whether the store failed a write
 // the cycle needed (the claim, a mark, a failure's hold, the release):
 // Run backs the whole relay off then, since a key's own hold cannot be
-// counted on.
-func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool, _ error) {
+// counted on; and how many keys it claimed but left unpublished, unheld,
+// because their turn came too late in the claim: Run comes back for them
+// soon.
+func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool, late int, _ error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	start := time.Now()
@@ -203,17 +205,17 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	r.holdMu.Unlock()
 	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, r.cfg.BatchSize, r.cfg.ClaimTTL)
 	if err != nil {
-		return res, true, fmt.Errorf("outbox: claim: %w", err)
+		return res, true, 0, fmt.Errorf("outbox: claim: %w", err)
 	}
 	res.Claimed = len(rows)
 	if len(rows) == 0 {
-		return res, false, nil
+		return res, false, 0, nil
 	}
 	r.fault(FaultBeforePublish)
 	// Stop starting publishes at half the claim; give each until nine
 	// tenths, so that the claim outlives its owner's sends.
 	startBy := start.Add(r.cfg.ClaimTTL / 2)
-	pctx, cancel := context.WithDeadline(ctx, start.Add(r.cfg.ClaimTTL*9/10))
+	pctx, cancel := context.WithDeadline(ctx, start.Add(r.cfg.ClaimTTL-r.cfg.ClaimTTL/10))
 	defer cancel()
 
 	groups := groupByKey(rows)
@@ -230,15 +232,17 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		wg.Add(1)
 		go func(g []driver.OutboxRow) {
 			defer func() { <-sem; wg.Done() }()
-			err := r.publishGroup(pctx, startBy, g, &noHold)
+			n, err := r.publishGroup(pctx, startBy, g, &noHold)
 			mu.Lock()
 			defer mu.Unlock()
+			for _, row := range g[:n] {
+				published = append(published, row.ID)
+			}
 			if err != nil {
 				errs = append(errs, err)
-				return
-			}
-			for _, row := range g {
-				published = append(published, row.ID)
+				if errors.Is(err, errLate) {
+					late++
+				}
 			}
 		}(g)
 	}
@@ -262,50 +266,64 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		storeFailed = true
 		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
 	}
-	return res, storeFailed || noHold.Load(), errors.Join(errs...)
+	return res, storeFailed || noHold.Load(), late, errors.Join(errs...)
 }
 
-// publishGroup publishes one ordering key's rows, in order. It sets noHold
-// when a failure's hold could not be recorded.
-func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.OutboxRow, noHold *atomic.Bool) error {
+// errLate is a key left for the next cycle: its turn came after half the
+// claim.
+var errLate = errors.New("claim half gone before its turn; left for the next cycle")
+
+// publishGroup publishes one ordering key's rows, in order, and returns
+// how many of them (a prefix) the broker acknowledged. It sets noHold when
+// a failure's hold could not be recorded.
+func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.OutboxRow, noHold *atomic.Bool) (int, error) {
 	if time.Now().After(startBy) {
-		return fmt.Errorf("outbox: key %q: claim half gone before its turn; left for the next cycle", g[0].OrderingKey)
+		return 0, fmt.Errorf("outbox: key %q: %w", g[0].OrderingKey, errLate)
 	}
-	msgs := make([]*idem.Message, len(g))
+	msgs := make([]*idem.Message, 0, len(g))
 	var err error
-	for i, row := range g {
-		if msgs[i], err = rowMessage(&row); err != nil {
-			// A row written other than by Add: the key fails as a
+	for _, row := range g {
+		m, merr := rowMessage(&row)
+		if merr != nil {
+			// A row written other than by Add: the key fails at it as a
 			// refused publish does, held and visible, so that it does
-			// not take every cycle's claim from the other keys.
-			err = fmt.Errorf("outbox: key %q: %w", g[0].OrderingKey, err)
+			// not take every cycle's claim from the other keys. The
+			// rows before it go out first: their order allows it.
+			err = fmt.Errorf("outbox: key %q: %w", row.OrderingKey, merr)
 			break
+		}
+		msgs = append(msgs, m)
+	}
+	n := 0
+	if len(msgs) > 0 {
+		if perr := r.pub.Publish(ctx, msgs); perr != nil {
+			err = fmt.Errorf("outbox: publish %d rows of key %q from %q: %w", len(msgs), g[0].OrderingKey, g[0].MessageID, perr)
+			if errors.Is(ctx.Err(), context.Canceled) {
+				// The relay is stopping: not the key's failure, and no
+				// reason to keep the next relay off it.
+				return 0, err
+			}
+		} else {
+			n = len(msgs)
 		}
 	}
 	if err == nil {
-		if err = r.pub.Publish(ctx, msgs); err == nil {
-			return nil
-		}
-		err = fmt.Errorf("outbox: publish %d rows of key %q from %q: %w", len(msgs), g[0].OrderingKey, g[0].MessageID, err)
-		if errors.Is(ctx.Err(), context.Canceled) {
-			// The relay is stopping: not the key's failure, and no reason
-			// to keep the next relay off it.
-			return err
-		}
+		return n, nil
 	}
+	head := &g[n] // the row that failed: the first not published
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	// The key waits out its own backoff, growing with its head row's
 	// attempts (at least half of Base: a hold of nothing would let the key
 	// take the next cycle again); the other keys go on.
-	hold := max(r.cfg.Backoff.Delay(g[0].Attempts), r.cfg.Backoff.Base/2)
-	if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, g[0].ID, err.Error(), hold); ferr != nil {
+	hold := max(r.cfg.Backoff.Delay(head.Attempts), r.cfg.Backoff.Base/2)
+	if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, head.ID, err.Error(), hold); ferr != nil {
 		noHold.Store(true)
 		r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
 	} else {
 		r.held(time.Now().Add(hold + hold/20 + 10*time.Millisecond))
 	}
-	return err
+	return n, err
 }
 
 // held records that a key is held until at, for Run's wait.
@@ -370,7 +388,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	failures := 0
 	for {
-		res, storeFailed, err := r.runOnce(ctx)
+		res, storeFailed, late, err := r.runOnce(ctx)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -393,13 +411,19 @@ func (r *Relay) Run(ctx context.Context) error {
 			failures = 0
 			r.cfg.Logger.Warn("outbox: some keys failed; they are retried after their backoff", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Any("error", err))
-			// More may be waiting; but not at once after a cycle that
-			// published nothing: keys left unheld (their turn came too
-			// late in the claim) would be claimed again in a loop.
-			if res.Claimed >= r.cfg.BatchSize && res.Published > 0 {
+			// More may be waiting, and keys left unheld (their turn came
+			// too late in the claim) are pending already: go on at once
+			// after a cycle that published something. Not after one that
+			// published nothing, which would claim those keys again in a
+			// loop; they are still taken up within Backoff.Base, not left
+			// for a PollInterval that notifications may make long.
+			if (res.Claimed >= r.cfg.BatchSize || late > 0) && res.Published > 0 {
 				continue
 			}
 			wait = r.untilRetry(r.cfg.PollInterval)
+			if late > 0 {
+				wait = min(wait, r.cfg.Backoff.Base)
+			}
 			err = nil
 		case res.Claimed >= r.cfg.BatchSize:
 			failures = 0

@@ -100,7 +100,7 @@ WHERE processed_at < $1 AND `+prunableLease+` GROUP BY handler`, before)
 // advisory lock named after the schema and table prefix, held until unlock
 // on a connection of its own, opened with the pool's settings but outside
 // it: the run's batches take pooled connections, and a lock holding one
-// of a small pool (one, or two with a relay listening) would starve them.
+// of a small pool would starve them.
 func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
 	c, err := pgx.ConnectConfig(ctx, d.pool.Config().ConnConfig.Copy())
 	if err != nil {

@@ -327,8 +327,9 @@ const outboxNotifyOptInVersion = 9
 // a lease claim) that finds idem's tables missing.
 var ErrNotMigrated = errors.New("postgres: the schema is not migrated to this version of idem; run Migrate first")
 
-// OutboxListen implements driver.OutboxNotifier: a connection held out of
-// the pool LISTENs on the outbox channel. A lost connection is re-made
+// OutboxListen implements driver.OutboxNotifier: a connection of its own,
+// outside the pool (opened with its settings), LISTENs on the outbox
+// channel. A lost connection is re-made
 // after a second, and so is one that could not be made at first (the
 // error is logged, not returned); the relay polls meanwhile, and is woken
 // once each new LISTEN is in place, for the rows committed while none
@@ -336,16 +337,20 @@ var ErrNotMigrated = errors.New("postgres: the schema is not migrated to this ve
 func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
 	ch := make(chan struct{}, 1)
 	listen := func() (*pgx.Conn, func(), error) {
-		c, err := d.pool.Acquire(ctx)
+		// A connection of its own, opened with the pool's settings but
+		// outside it: one acquired from the pool would hold a pooled
+		// connection for the relay's life, and relays as many as the
+		// pool's connections would leave none to claim rows with.
+		c, err := pgx.ConnectConfig(ctx, d.pool.Config().ConnConfig.Copy())
 		if err != nil {
 			return nil, nil, err
 		}
+		closeConn := func() { _ = c.Close(context.Background()) }
 		if _, err := c.Exec(ctx, `LISTEN `+sqlident.Quote(d.outboxChannel())); err != nil {
-			c.Release()
+			closeConn()
 			return nil, nil, err
 		}
-		// The connection is LISTENing: never hand it back to the pool.
-		return c.Conn(), func() { c.Hijack().Close(context.Background()) }, nil
+		return c, closeConn, nil
 	}
 	conn, closeConn, err := listen()
 	if err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/idemhq/idem/driver"
@@ -52,11 +51,6 @@ func wrapOutboxAdd(err error) error {
 		return fmt.Errorf("sqlite: add outbox rows: %w", err)
 	}
 	return nil
-}
-
-// placeholders returns "?, ?, …" for n values.
-func placeholders(n int) string {
-	return strings.TrimSuffix(strings.Repeat("?, ", n), ", ")
 }
 
 // OutboxClaim implements driver.OutboxRelayStore, in one write
@@ -114,8 +108,12 @@ ON CONFLICT (ordering_key) DO UPDATE SET claimed_until = excluded.claimed_until`
 		}
 	}
 	st.Close()
+	// The claims just written, found by their owner and expiry (not by a
+	// list of keys: one ? per key would stop at SQLite's 32,766 bound
+	// variables, and a relay's batch is the user's to size).
 	rows, err = tx.QueryContext(ctx, `SELECT id, destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash, created_at, attempts
-FROM `+d.tables.outbox+` WHERE published_at IS NULL AND ordering_key IN (`+placeholders(len(keys))+`) ORDER BY id LIMIT ?`, append(keys, limit)...)
+FROM `+d.tables.outbox+` WHERE published_at IS NULL AND ordering_key IN (SELECT ordering_key FROM `+d.tables.outboxClaims+` WHERE owner = ? AND claimed_until = ?)
+ORDER BY id LIMIT ?`, owner, until, limit)
 	if err != nil {
 		return nil, err
 	}

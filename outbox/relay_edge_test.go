@@ -1,0 +1,275 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
+)
+
+// acceptPublisher takes everything; it records what it was given, and can
+// be slowed down for one ordering key.
+type acceptPublisher struct {
+	mu      sync.Mutex
+	got     []string
+	calls   atomic.Int64
+	slowKey string
+	slowFor time.Duration
+}
+
+func (p *acceptPublisher) Publish(ctx context.Context, msgs []*idem.Message) error {
+	p.calls.Add(1)
+	if err := ctx.Err(); err != nil { // as a real broker client would
+		return err
+	}
+	if p.slowKey != "" && msgs[0].AggregateID == p.slowKey {
+		time.Sleep(p.slowFor)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, m := range msgs {
+		p.got = append(p.got, m.ID)
+	}
+	return nil
+}
+
+func (p *acceptPublisher) published() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.got...)
+}
+
+// TestRelaysShareASmallPool: each relay LISTENs on Postgres on a
+// connection of its own, beside the driver's pool: two relays on a pool of
+// two connections still claim and publish (when the listeners held pooled
+// connections, neither relay could ever claim).
+func TestRelaysShareASmallPool(t *testing.T) {
+	admin := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, admin)
+	adminDrv, err := postgres.New(admin, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := adminDrv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(adminDrv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := admin.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Add(ctx, tx, &idem.Message{ID: "m-1", Stream: "s", AggregateID: "a", Seq: 1, Payload: []byte("1")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	small := testenv.PostgresPool(t, 2)
+	drv, err := postgres.New(small, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := &acceptPublisher{}
+	rctx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for i := range 2 {
+		r, err := outbox.NewRelay(drv, pub, &outbox.RelayConfig{Owner: fmt.Sprintf("r%d", i), PollInterval: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = r.Run(rctx) }()
+	}
+	defer func() { stop(); wg.Wait() }()
+	deadline := time.Now().Add(5 * time.Second)
+	for len(pub.published()) == 0 {
+		if time.Now().After(deadline) {
+			st := small.Stat()
+			t.Fatalf("row not published after 5 s: two relays on a 2-connection pool (acquired %d of %d, all by LISTEN)", st.AcquiredConns(), st.MaxConns())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestSQLiteClaimsMoreKeysThanBoundVariables: a claim of more than 32,766
+// keys (SQLite's bound on variables) publishes them all; the rows of the
+// claimed keys were read with one ? per key, which failed every cycle.
+func TestSQLiteClaimsMoreKeysThanBoundVariables(t *testing.T) {
+	p := sqliteProducer(t)
+	ctx := context.Background()
+	const n = 33_000
+	msgs := make([]*idem.Message, n)
+	for i := range msgs { // no aggregate: each message is its own key
+		msgs[i] = &idem.Message{ID: fmt.Sprintf("m-%05d", i), Stream: "s", Payload: []byte("1")}
+	}
+	if err := p.add(ctx, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	pub := &acceptPublisher{}
+	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{Owner: "r", BatchSize: 40_000, ClaimTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := r.RunOnce(ctx)
+	if err != nil || res.Published != n {
+		t.Fatalf("cycle with BatchSize 40,000 over %d keys: %+v, %v; want all published", n, res, err)
+	}
+}
+
+// TestKeyLeftLateIsTakenUpSoon: a key whose turn comes after half the
+// claim is left unheld for the next cycle, and Run comes back for it at
+// once, not after PollInterval (an hour here, as with notifications on).
+func TestKeyLeftLateIsTakenUpSoon(t *testing.T) {
+	p := sqliteProducer(t)
+	ctx := context.Background()
+	if err := p.add(ctx,
+		&idem.Message{ID: "slow-1", Stream: "s", AggregateID: "slow", Seq: 1, Payload: []byte("1")},
+		&idem.Message{ID: "fast-1", Stream: "s", AggregateID: "fast", Seq: 1, Payload: []byte("1")},
+	); err != nil {
+		t.Fatal(err)
+	}
+	// The slow key's publish succeeds after 150 ms: past half of the
+	// 200 ms claim, so the fast key (one key at a time) is skipped.
+	pub := &acceptPublisher{slowKey: "slow", slowFor: 150 * time.Millisecond}
+	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{Owner: "r", Concurrency: 1, ClaimTTL: 200 * time.Millisecond, PollInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = r.Run(rctx) }()
+	defer func() { stop(); <-done }()
+	waitFor(t, "the skipped key's row (claimed, not failed) to be published", 3*time.Second, func() bool {
+		return outboxStats(t, p).Pending == 0
+	})
+}
+
+// TestAddValidatesStreamTypeAndHeaders: a Stream, Type or header that is
+// not text is an *idem.ValidationError on every store, and nothing is
+// added. (SQLite stored a NUL in Stream, to fail at every publish;
+// Postgres refused it with a bare driver error; a header's invalid UTF-8
+// was silently replaced by json.Marshal.)
+func TestAddValidatesStreamTypeAndHeaders(t *testing.T) {
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			p := open(t)
+			ctx := context.Background()
+			for _, bad := range []*idem.Message{
+				{ID: "nul-stream", Stream: "credits\x00ledger"},
+				{ID: "utf8-stream", Stream: "credits.\xff"},
+				{ID: "nul-type", Stream: "s", Type: "Cred\x00ited"},
+				{ID: "no-stream", Stream: ""},
+				{ID: "utf8-header", Stream: "s", Headers: map[string]string{"trace": "ab\xffcd"}},
+			} {
+				err := p.add(ctx, bad)
+				var ve *idem.ValidationError
+				if !errors.Is(err, idem.ErrInvalidMessage) || !errors.As(err, &ve) {
+					t.Errorf("Add(%s: stream %q, type %q) = %v; want an *idem.ValidationError (ErrInvalidMessage)", bad.ID, bad.Stream, bad.Type, err)
+				}
+			}
+			if st := outboxStats(t, p); st.Pending != 0 {
+				t.Errorf("%d rows added; want none", st.Pending)
+			}
+		})
+	}
+}
+
+// TestAddNextLengthLimit: stream and aggregate ID together may take 234
+// bytes, as documented; 235 would make the ID
+// "<stream>-<aggregate>-<19 digits>" 256 bytes long.
+func TestAddNextLengthLimit(t *testing.T) {
+	p := sqliteProducer(t)
+	ctx := context.Background()
+	stream, agg := strings.Repeat("s", 200), strings.Repeat("a", 34) // 234 bytes
+	if _, err := p.credit(ctx, stream, agg, 1, false); err != nil {
+		t.Fatalf("AddNext with stream+aggregate of 234 bytes (documented maximum): %v", err)
+	}
+	if _, err := p.credit(ctx, stream, agg+"a", 1, false); !errors.Is(err, idem.ErrInvalidMessage) {
+		t.Fatalf("AddNext with stream+aggregate of 235 bytes: %v, want ErrInvalidMessage", err)
+	}
+}
+
+// TestUnreadableRowLetsEarlierRowsOut: a row that cannot be turned into a
+// message (headers that do not decode, written other than by Add) holds
+// its key from that row on: the rows before it are published, and the
+// failure is recorded on it, not on the key's first row.
+func TestUnreadableRowLetsEarlierRowsOut(t *testing.T) {
+	p := postgresProducer(t)
+	ctx := context.Background()
+	if err := p.add(ctx, &idem.Message{ID: "good-1", Stream: "s", AggregateID: "k", Seq: 1, Payload: []byte("1")}); err != nil {
+		t.Fatal(err)
+	}
+	admin := testenv.PostgresPool(t, 2)
+	if _, err := admin.Exec(ctx, `INSERT INTO `+p.schema+`.idem_outbox (destination, message_id, ordering_key, aggregate_id, seq, headers, payload, payload_hash)
+VALUES ('s', 'bad-2', 'k', 'k', 2, '{"n": 1}', 'x', 'h')`); err != nil {
+		t.Fatal(err)
+	}
+	pub := &acceptPublisher{}
+	r, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{Owner: "r", Backoff: idem.Backoff{Base: time.Minute, Max: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := r.RunOnce(ctx)
+	if got := pub.published(); len(got) != 1 || got[0] != "good-1" || res.Published != 1 || res.Failed != 1 || err == nil {
+		t.Fatalf("cycle %+v, %v; published %v: want good-1 (before the unreadable row) published, bad-2 failed", res, err, got)
+	}
+	var attempts int
+	if err := admin.QueryRow(ctx, `SELECT attempts FROM `+p.schema+`.idem_outbox WHERE message_id = 'bad-2'`).Scan(&attempts); err != nil || attempts != 1 {
+		t.Fatalf("bad-2 attempts %d, %v; want the failure recorded on it", attempts, err)
+	}
+	if st := outboxStats(t, p); st.Pending != 1 || st.Failing != 1 || !strings.Contains(st.LastError, "headers") {
+		t.Fatalf("stats %+v; want bad-2 alone pending, failing on its headers", st)
+	}
+}
+
+// TestHugeClaimTTL: a ClaimTTL of a century publishes (nine tenths of it,
+// the publishes' deadline, overflowed into the past), and a negative
+// backoff is refused like the other negative settings.
+func TestHugeClaimTTL(t *testing.T) {
+	_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "p.db"), nil)
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	db := drv.DB()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Add(ctx, tx, &idem.Message{ID: "m-1", Stream: "s", Payload: []byte("1")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	pub := &acceptPublisher{}
+	r, err := outbox.NewRelay(drv, pub, &outbox.RelayConfig{Owner: "r", ClaimTTL: 100 * 365 * 24 * time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := r.RunOnce(ctx)
+	if err != nil || res.Published != 1 {
+		t.Fatalf("cycle with a 100-year ClaimTTL: %+v, %v (publisher called %d times); want the row published", res, err, pub.calls.Load())
+	}
+	for _, b := range []idem.Backoff{{Base: -time.Second}, {Max: -time.Second}} {
+		if _, err := outbox.NewRelay(drv, pub, &outbox.RelayConfig{Backoff: b}); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("NewRelay with Backoff %+v: %v, want ErrInvalidConfig", b, err)
+		}
+	}
+}
