@@ -70,8 +70,11 @@ type Config struct {
 	// Options are extra franz-go client options (TLS, SASL, ...), applied
 	// after the Consumer's own. Of those, kgo.FetchMaxWait is 250 ms
 	// rather than kgo's 5 s: it bounds how late a partition resumes after
-	// a retry's delay. kgo.OnPartitionsCallbackBlocked is the Consumer's
-	// own and cannot be replaced: it tells a poll to yield to a rebalance.
+	// a retry's delay. kgo.OnPartitionsCallbackBlocked,
+	// kgo.OnPartitionsRevoked and kgo.OnPartitionsLost are the Consumer's
+	// own and cannot be replaced (a poll yields to a rebalance; a
+	// partition given up is no longer held for a retry): the Consumer's
+	// are applied after Options.
 	Options []kgo.Opt
 	// FaultHook, when set, is called at FaultBeforeCommit. Crash tests
 	// stop the consumer's goroutine there (runtime.Goexit), so that
@@ -107,7 +110,10 @@ func New(cfg *Config) (*Consumer, error) {
 	if c.cfg.Map == nil {
 		c.cfg.Map = DefaultMap
 	}
-	if c.cfg.MaxPoll <= 0 {
+	if c.cfg.MaxPoll < 0 {
+		return nil, fmt.Errorf("%w: kafka: MaxPoll %d is negative", idem.ErrInvalidConfig, c.cfg.MaxPoll)
+	}
+	if c.cfg.MaxPoll == 0 {
 		c.cfg.MaxPoll = 500
 	}
 	if c.cfg.Batch < 0 {
@@ -138,6 +144,18 @@ const fetchMaxWait = 250 * time.Millisecond
 // retry are durable but not committed, and whoever consumes the partition
 // next hands them to the Handler again.
 func (c *Consumer) Run(ctx context.Context) error {
+	// A rebalance waiting on this member's poll says so: the poll stops
+	// at its next record or batch, commits what it settled and lets the
+	// rebalance through.
+	hurry := new(atomic.Bool)
+	blocked := func(context.Context, *kgo.Client) { hurry.Store(true) }
+	// A partition revoked or lost is no longer this member's to hold for
+	// a retry: its pause would outlive the assignment (kgo keeps pauses),
+	// and should it come back, it would not be fetched until the old
+	// retry's time although its new owner may have settled the record.
+	h := &holds{at: map[partition]time.Time{}}
+	gone := func(_ context.Context, cl *kgo.Client, lost map[string][]int32) { h.forget(cl, lost) }
+	own := []kgo.Opt{kgo.OnPartitionsCallbackBlocked(blocked), kgo.OnPartitionsRevoked(gone), kgo.OnPartitionsLost(gone)}
 	opts := append([]kgo.Opt{
 		kgo.SeedBrokers(c.cfg.Brokers...),
 		kgo.ConsumerGroup(c.cfg.Group),
@@ -154,11 +172,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		// in Options replaces this.
 		kgo.WithLogger(kgoLogger{c.cfg.Logger}),
 	}, c.cfg.Options...)
-	// A rebalance waiting on this member's poll says so: the poll stops
-	// at its next record or batch, commits what it settled and lets the
-	// rebalance through.
-	hurry := new(atomic.Bool)
-	opts = append(opts, kgo.OnPartitionsCallbackBlocked(func(context.Context, *kgo.Client) { hurry.Store(true) }))
+	opts = append(opts, own...)
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
 		return fmt.Errorf("kafka: client: %w", err)
@@ -167,7 +181,34 @@ func (c *Consumer) Run(ctx context.Context) error {
 		cl.AllowRebalance() // Close waits for a blocked rebalance otherwise
 		cl.Close()
 	}()
-	return c.loop(ctx, cl, hurry)
+	return c.loop(ctx, cl, hurry, h)
+}
+
+// holds is when each partition paused for a retry is due. The loop holds
+// and resumes partitions while rebalances are blocked; a revocation
+// forgets them from kgo's callback, between polls.
+type holds struct {
+	mu sync.Mutex
+	at map[partition]time.Time
+}
+
+// forget resumes the partitions given up (revoked or lost) that were held,
+// and drops them.
+func (h *holds) forget(cl *kgo.Client, gone map[string][]int32) {
+	h.mu.Lock()
+	resume := map[string][]int32{}
+	for topic, parts := range gone {
+		for _, p := range parts {
+			if _, ok := h.at[partition{topic, p}]; ok {
+				delete(h.at, partition{topic, p})
+				resume[topic] = append(resume[topic], p)
+			}
+		}
+	}
+	h.mu.Unlock()
+	if len(resume) > 0 {
+		cl.ResumeFetchPartitions(resume)
+	}
 }
 
 // kgoLogger passes franz-go's warnings and errors to a slog.Logger.
@@ -201,8 +242,8 @@ type retry struct {
 type member struct {
 	*Consumer
 	cl    *kgo.Client
-	held  map[partition]time.Time // paused until then, for a retry
-	hurry *atomic.Bool            // a rebalance waits on the poll
+	held  *holds       // partitions paused for a retry
+	hurry *atomic.Bool // a rebalance waits on the poll
 
 	mu sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
 	// tries counts, per partition and offset, the deliveries of records
@@ -234,8 +275,8 @@ type tried struct {
 	n int
 }
 
-func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool) error {
-	m := &member{Consumer: c, cl: cl, hurry: hurry, held: map[partition]time.Time{}, tries: map[partition]map[int64]tried{}, ahead: map[partition]map[int64]stamp{}}
+func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool, held *holds) error {
+	m := &member{Consumer: c, cl: cl, hurry: hurry, held: held, tries: map[partition]map[int64]tried{}, ahead: map[partition]map[int64]stamp{}}
 	maxPoll := c.cfg.MaxPoll
 	if c.cfg.Concurrency > 1 {
 		// Everything fetched: under a backlog a poll of MaxPoll records
@@ -274,7 +315,7 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool)
 		}
 		if len(done) > 0 {
 			if err := cl.CommitRecords(context.WithoutCancel(ctx), done...); err != nil {
-				c.cfg.Logger.Warn("kafka: commit failed; the records will be redelivered as duplicates", slog.Any("error", err))
+				c.cfg.Logger.Warn("kafka: commit failed; a later commit covers the records, or, should their partitions move first, they are redelivered as duplicates", slog.Any("error", err))
 			}
 		}
 		m.hold(retries)
@@ -288,8 +329,9 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool)
 }
 
 // hold rewinds the partition of every retry to its record and pauses it
-// until the retry is due (a retry at once is not paused). It runs while the poll still blocks rebalances,
-// and after the commit, as kgo.Client.SetOffsets requires.
+// until the retry is due (a retry at once is not paused). It runs while
+// the poll still blocks rebalances, and after the commit, as
+// kgo.Client.SetOffsets requires.
 func (m *member) hold(retries []retry) {
 	if len(retries) == 0 {
 		return
@@ -297,6 +339,7 @@ func (m *member) hold(retries []retry) {
 	offsets := map[string]map[int32]kgo.EpochOffset{}
 	paused := map[string][]int32{}
 	now := time.Now()
+	m.held.mu.Lock()
 	for _, rt := range retries {
 		r := rt.rec
 		if offsets[r.Topic] == nil {
@@ -305,9 +348,10 @@ func (m *member) hold(retries []retry) {
 		offsets[r.Topic][r.Partition] = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset}
 		if rt.after > 0 {
 			paused[r.Topic] = append(paused[r.Topic], r.Partition)
-			m.held[partition{r.Topic, r.Partition}] = now.Add(rt.after)
+			m.held.at[partition{r.Topic, r.Partition}] = now.Add(rt.after)
 		}
 	}
+	m.held.mu.Unlock() // kgo is called without it: its callbacks take it
 	if len(paused) > 0 {
 		// Paused first: no fetch starts at the rewound offset meanwhile.
 		m.cl.PauseFetchPartitions(paused)
@@ -319,12 +363,14 @@ func (m *member) hold(retries []retry) {
 func (m *member) resumeDue() {
 	now := time.Now()
 	resume := map[string][]int32{}
-	for p, h := range m.held {
+	m.held.mu.Lock()
+	for p, h := range m.held.at {
 		if !h.After(now) {
 			resume[p.topic] = append(resume[p.topic], p.part)
-			delete(m.held, p)
+			delete(m.held.at, p)
 		}
 	}
+	m.held.mu.Unlock()
 	if len(resume) > 0 {
 		m.cl.ResumeFetchPartitions(resume)
 	}
@@ -334,7 +380,9 @@ func (m *member) resumeDue() {
 // next retry is due if a partition is held.
 func (m *member) pollContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	var next time.Time
-	for _, due := range m.held {
+	m.held.mu.Lock()
+	defer m.held.mu.Unlock()
+	for _, due := range m.held.at {
 		if next.IsZero() || due.Before(next) {
 			next = due
 		}

@@ -153,6 +153,9 @@ func TestNewRejectsBadConfig(t *testing.T) {
 			t.Errorf("New without %s: %v, want ErrInvalidConfig naming it", field, err)
 		}
 	}
+	if _, err := kafka.New(&kafka.Config{Brokers: []string{"x:9092"}, Group: "g", Topics: []string{"t"}, Handler: h, MaxPoll: -1}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("New with MaxPoll -1: %v, want ErrInvalidConfig", err)
+	}
 	// A Batch the handler cannot take is refused, not ignored.
 	if _, err := kafka.New(&kafka.Config{Brokers: []string{"x:9092"}, Group: "g", Topics: []string{"t"}, Handler: h, Batch: 10}); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "BatchDeliveryHandler") {
 		t.Errorf("New with Batch 10 and a one-at-a-time handler: %v, want ErrInvalidConfig", err)

@@ -8,7 +8,7 @@ import (
 )
 
 func newTestMember() *member {
-	return &member{Consumer: &Consumer{cfg: Config{Map: DefaultMap}}, held: map[partition]time.Time{}, tries: map[partition]map[int64]tried{}, ahead: map[partition]map[int64]stamp{}}
+	return &member{Consumer: &Consumer{cfg: Config{Map: DefaultMap}}, held: &holds{at: map[partition]time.Time{}}, tries: map[partition]map[int64]tried{}, ahead: map[partition]map[int64]stamp{}}
 }
 
 func rec(part int32, offset int64, epoch int32, ts time.Time) *kgo.Record {

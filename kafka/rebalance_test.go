@@ -1,0 +1,170 @@
+package kafka_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/kafka"
+)
+
+// readAll reads n records of topic from the start, without a group.
+func readAll(t *testing.T, addrs []string, n int) []*kgo.Record {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.ConsumeTopics(topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var out []*kgo.Record
+	for len(out) < n {
+		fs := cl.PollFetches(ctx)
+		if ctx.Err() != nil {
+			t.Fatalf("read %d of %d records in 10 s", len(out), n)
+		}
+		out = append(out, fs.Records()...)
+	}
+	return out
+}
+
+// TestPublisherSpreadsKeylessMessages: a message without an aggregate is
+// produced with a null key, which the partitioner spreads; an empty key
+// ([]byte("")) was hashed like any key, sending every keyless message of
+// an outbox to one partition (and making them wait for its leader).
+func TestPublisherSpreadsKeylessMessages(t *testing.T) {
+	b := newBroker(t).(*broker)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	pub, err := kafka.NewPublisher(cl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 400
+	payload := []byte(strings.Repeat("x", 1024))
+	for i := range n { // one call per message, as a relay of unrelated rows may
+		if err := pub.Publish(context.Background(), []*idem.Message{{ID: fmt.Sprintf("keyless-%03d", i), Stream: topic, Payload: payload}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	parts := map[int32]int{}
+	var emptyKey bool
+	for _, r := range readAll(t, b.addrs, n) {
+		parts[r.Partition]++
+		emptyKey = emptyKey || (r.Key != nil && len(r.Key) == 0)
+	}
+	if len(parts) == 1 {
+		t.Fatalf("%d keyless messages (%d KiB) all on one partition %v (empty non-nil key on the wire: %v); want a null key, spread by the sticky partitioner", n, n, parts, emptyKey)
+	}
+}
+
+// TestPartitionBackFromAnotherMemberIsNotHeld: a partition held for a
+// retry and then revoked is no longer held: when it comes back (here:
+// another member took it, settled the record, and left), its new records
+// are consumed at once, not after the old retry's minute (kgo's pauses
+// outlive assignments, and the member kept the hold).
+func TestPartitionBackFromAnotherMemberIsNotHeld(t *testing.T) {
+	t.Parallel()
+	const hold = time.Minute
+	b := newBroker(t).(*broker)
+	b.producePartitioned(t, 1) // p0-000 … p3-000
+	var (
+		mu     sync.Mutex
+		triedA = map[string]bool{}
+		gotA   = map[string]time.Time{}
+	)
+	a := idem.DeliveryHandlerFunc(func(_ context.Context, d *idem.Delivery) idem.Verdict {
+		mu.Lock()
+		defer mu.Unlock()
+		if strings.HasSuffix(d.Msg.ID, "-000") {
+			triedA[d.Msg.ID] = true
+			return idem.Verdict{RetryAfter: hold} // a dependency down: long backoff
+		}
+		gotA[d.Msg.ID] = time.Now()
+		return idem.Verdict{Ack: true}
+	})
+	b.start(t, b.consumer(t, a, nil, 1))
+	waitFor(t, 10*time.Second, "A tried the four records", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(triedA) == 4
+	})
+	// B joins, takes some partitions and settles their records (the
+	// dependency is back).
+	var (
+		bmu   sync.Mutex
+		moved []int32
+		ackB  atomic.Int64
+	)
+	killB := b.start(t, b.consumer(t, idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
+		ackB.Add(1)
+		return idem.Verdict{Ack: true}
+	}), nil, 1, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, got map[string][]int32) {
+		bmu.Lock()
+		defer bmu.Unlock()
+		moved = append(moved, got[topic]...)
+	})))
+	waitFor(t, 15*time.Second, "B got partitions and settled their records", func() bool {
+		bmu.Lock()
+		defer bmu.Unlock()
+		return len(moved) > 0 && ackB.Load() >= int64(len(moved))
+	})
+	time.Sleep(500 * time.Millisecond) // B's commit
+	killB()                            // the partitions go back to A
+	bmu.Lock()
+	back := slices.Clone(moved)
+	bmu.Unlock()
+	// New records on the partitions that came back.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	var want []string
+	for _, p := range back {
+		id := fmt.Sprintf("p%d-001", p)
+		want = append(want, id)
+		if err := cl.ProduceSync(context.Background(), &kgo.Record{Partition: p, Value: []byte(id), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(id)}}}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	produced := time.Now()
+	const wait = 12 * time.Second
+	for time.Since(produced) < wait {
+		mu.Lock()
+		n := 0
+		for _, id := range want {
+			if _, ok := gotA[id]; ok {
+				n++
+			}
+		}
+		mu.Unlock()
+		if n == len(want) {
+			t.Logf("A handled %v %s after they were produced", want, time.Since(produced).Round(time.Millisecond))
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("partitions %v came back to A with nothing waiting, yet their new records %v were not handled within %s: still paused for A's old %s retry", back, want, wait, hold)
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(d); !ok(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within %s: %s", d, what)
+		}
+	}
+}
