@@ -198,6 +198,9 @@ func TestPublisherRefusesInvalidMessages(t *testing.T) {
 		{Stream: subj, Payload: []byte("no ID")},
 		{ID: "seq-only", Stream: subj, Seq: 1, Payload: []byte("x")},
 		{ID: "no-subject", Payload: []byte("x")},
+		{ID: "nul-type", Stream: subj, Type: "Cred\x00ited", Payload: []byte("x")},
+		{ID: "own-seq", Stream: subj, Payload: []byte("x"), Headers: map[string]string{jetstream.HeaderSeq: "n/a"}},
+		{ID: "own-aggregate", Stream: subj, Payload: []byte("x"), Headers: map[string]string{jetstream.HeaderAggregate: "acct-9"}},
 	} {
 		err := p.Publish(context.Background(), []*idem.Message{{ID: "before", Stream: subj, Payload: []byte("x")}, bad})
 		if !errors.Is(err, idem.ErrInvalidMessage) {

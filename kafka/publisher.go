@@ -95,9 +95,10 @@ func (p *Publisher) checkSize(id string, r *kgo.Record) error {
 
 // Publish produces msgs and returns once all are acknowledged. An invalid
 // message (Message.ValidatePublish: Stream is the topic; a key that is no
-// aggregate ID is fine without a sequence), or one whose record may not
-// fit the client's limits (ErrRecordTooLarge), fails the call before
-// anything is produced.
+// aggregate ID is fine without a sequence; a header named as one of
+// idem's, such as HeaderSeq, is refused), or one whose record may not fit
+// the client's limits (ErrRecordTooLarge), fails the call before anything
+// is produced. A message without an AggregateID gets no record key.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	for _, m := range msgs {
 		if m == nil {
@@ -113,10 +114,24 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		if err := v.ValidatePublish(); err != nil {
 			return fmt.Errorf("kafka: publish: %w", err)
 		}
+		for k := range m.Headers {
+			switch k {
+			case HeaderID, HeaderSeq, HeaderType:
+				// DefaultMap would read it as idem's own: a decode
+				// failure, or another Seq or Type than the message's.
+				return fmt.Errorf("kafka: publish %q: %w: header %q is idem's own; set the Message field instead", m.ID, idem.ErrInvalidMessage, k)
+			}
+		}
 	}
 	recs := make([]*kgo.Record, len(msgs))
 	for i, m := range msgs {
-		r := &kgo.Record{Topic: m.Stream, Key: []byte(m.AggregateID), Value: m.Payload}
+		r := &kgo.Record{Topic: m.Stream, Value: m.Payload}
+		if m.AggregateID != "" {
+			// A message without an aggregate has no key (null, not
+			// empty): the partitioner spreads such records, where it
+			// would hash an empty key to one partition.
+			r.Key = []byte(m.AggregateID)
+		}
 		for k, v := range m.Headers {
 			r.Headers = append(r.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
 		}

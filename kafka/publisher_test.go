@@ -110,6 +110,9 @@ func TestPublisherRefusesInvalidMessages(t *testing.T) {
 		{Stream: topic, Payload: []byte("no ID")},
 		{ID: "seq-only", Stream: topic, Seq: 1, Payload: []byte("x")},
 		{ID: "no-topic", Payload: []byte("x")},
+		{ID: "nul-type", Stream: topic, Type: "Cred\x00ited", Payload: []byte("x")},
+		{ID: "own-seq", Stream: topic, Payload: []byte("x"), Headers: map[string]string{kafka.HeaderSeq: "n/a"}},
+		{ID: "own-type", Stream: topic, Payload: []byte("x"), Headers: map[string]string{kafka.HeaderType: "Debited"}},
 	} {
 		err := pub.Publish(context.Background(), []*idem.Message{{ID: "before", Stream: topic, Payload: []byte("x")}, bad})
 		if !errors.Is(err, idem.ErrInvalidMessage) {
