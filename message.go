@@ -3,6 +3,7 @@ package idem
 import (
 	"crypto/sha256"
 	"fmt"
+	"strings"
 	"time"
 	"unicode/utf8"
 )
@@ -63,12 +64,20 @@ func (m *Message) Validate() error {
 	return nil
 }
 
+// ReservedHeaderPrefix begins the names of the headers the broker
+// publishers write from a message's fields (idem-id, idem-seq, ...), which
+// the adapters' DefaultMap reads back.
+const ReservedHeaderPrefix = "idem-"
+
 // ValidatePublish reports whether m can be sent: what Validate checks,
 // plus a Stream (the topic or subject to publish to, 1–255 bytes), and
 // Stream, Type and every header name and value as text a store or broker
-// keeps as given (valid UTF-8, no NUL byte; a header name not empty). The
-// outbox and the broker publishers check it before anything is written or
-// sent. The error is a *ValidationError matching ErrInvalidMessage.
+// keeps as given (valid UTF-8, no NUL byte; a header name not empty). A
+// header name may not be one a publisher writes itself (beginning with
+// ReservedHeaderPrefix, or JetStream's Nats-Msg-Id): a consumer would read
+// it as the message's own ID, sequence or type. The outbox and the broker
+// publishers check it before anything is written or sent. The error is a
+// *ValidationError matching ErrInvalidMessage.
 func (m *Message) ValidatePublish() error {
 	if err := m.Validate(); err != nil {
 		return err
@@ -87,6 +96,9 @@ func (m *Message) ValidatePublish() error {
 	for k, v := range m.Headers {
 		if reason := checkText(k, MaxIDLen); reason != "" {
 			return &ValidationError{Field: "Headers", Reason: "name " + reason, Value: k, err: ErrInvalidMessage}
+		}
+		if strings.HasPrefix(k, ReservedHeaderPrefix) || k == "Nats-Msg-Id" {
+			return &ValidationError{Field: "Headers", Reason: "name is a publisher's own: it is written from the message's fields", Value: k, err: ErrInvalidMessage}
 		}
 		if v == "" {
 			continue

@@ -197,6 +197,9 @@ func TestValidatePublishBoundaries(t *testing.T) {
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"": "v"}}, "Headers"},
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"k": "ab\xffcd"}}, "Headers"},
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"k\x00": "v"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"idem-seq": "7"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"Nats-Msg-Id": "y"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"traceparent": "00-ab", "Idem": "free"}}, ""},
 	}
 	for _, c := range cases {
 		err := c.msg.ValidatePublish()

@@ -40,22 +40,13 @@ var ErrStatusHeader = errors.New("jetstream: an empty message with a Status head
 
 // Publish sends msgs in order, each once the previous one is stored. It
 // refuses the call, publishing nothing, if any message is invalid
-// (Message.ValidatePublish; Stream is the subject; a header named as one
-// of idem's, such as HeaderSeq, is refused) or has an empty payload and a
-// Status header (ErrStatusHeader): a consumer could only dead-letter it.
+// (Message.ValidatePublish; Stream is the subject) or has an empty payload
+// and a Status header (ErrStatusHeader): a consumer could only
+// dead-letter it.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	for _, m := range msgs {
 		if err := m.ValidatePublish(); err != nil {
 			return fmt.Errorf("jetstream: publish: %w", err)
-		}
-		for k := range m.Headers {
-			switch k {
-			case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType, HeaderTime:
-				// DefaultMap would read it as idem's own: a decode
-				// failure, or another aggregate, Seq or Type than the
-				// message's.
-				return fmt.Errorf("jetstream: publish %q: %w: header %q is idem's own; set the Message field instead", m.ID, idem.ErrInvalidMessage, k)
-			}
 		}
 		if len(m.Payload) > 0 {
 			continue

@@ -95,8 +95,7 @@ func (p *Publisher) checkSize(id string, r *kgo.Record) error {
 
 // Publish produces msgs and returns once all are acknowledged. An invalid
 // message (Message.ValidatePublish: Stream is the topic; a key that is no
-// aggregate ID is fine without a sequence; a header named as one of
-// idem's, such as HeaderSeq, is refused), or one whose record may not fit
+// aggregate ID is fine without a sequence), or one whose record may not fit
 // the client's limits (ErrRecordTooLarge), fails the call before anything
 // is produced. A message without an AggregateID gets no record key.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
@@ -113,14 +112,6 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		}
 		if err := v.ValidatePublish(); err != nil {
 			return fmt.Errorf("kafka: publish: %w", err)
-		}
-		for k := range m.Headers {
-			switch k {
-			case HeaderID, HeaderSeq, HeaderType:
-				// DefaultMap would read it as idem's own: a decode
-				// failure, or another Seq or Type than the message's.
-				return fmt.Errorf("kafka: publish %q: %w: header %q is idem's own; set the Message field instead", m.ID, idem.ErrInvalidMessage, k)
-			}
 		}
 	}
 	recs := make([]*kgo.Record, len(msgs))

@@ -175,6 +175,7 @@ func TestAddValidatesStreamTypeAndHeaders(t *testing.T) {
 				{ID: "nul-type", Stream: "s", Type: "Cred\x00ited"},
 				{ID: "no-stream", Stream: ""},
 				{ID: "utf8-header", Stream: "s", Headers: map[string]string{"trace": "ab\xffcd"}},
+				{ID: "own-header", Stream: "s", Headers: map[string]string{"idem-seq": "7"}},
 			} {
 				err := p.add(ctx, bad)
 				var ve *idem.ValidationError
