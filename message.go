@@ -72,8 +72,10 @@ const ReservedHeaderPrefix = "idem-"
 // ValidatePublish reports whether m can be sent: what Validate checks,
 // plus a Stream (the topic or subject to publish to, 1–255 bytes), and
 // Stream, Type and every header name and value as text a store or broker
-// keeps as given (valid UTF-8, no NUL byte; a header name not empty). A
-// header name may not be one a publisher writes itself (beginning with
+// keeps as given (valid UTF-8, no NUL byte; ID, AggregateID, Type and
+// Stream without line breaks or white space at either end; a header name
+// printable ASCII without spaces or colons). A header name may not be one
+// a publisher writes itself (beginning with
 // ReservedHeaderPrefix, or JetStream's Nats-Msg-Id): a consumer would read
 // it as the message's own ID, sequence or type. The outbox and the broker
 // publishers check it before anything is written or sent. The error is a
@@ -93,9 +95,19 @@ func (m *Message) ValidatePublish() error {
 			return &ValidationError{Field: "Type", Reason: reason, Value: m.Type, err: ErrInvalidMessage}
 		}
 	}
+	// Sent as header values, which NATS trims and whose line breaks it
+	// turns into spaces: "evt-1" and "evt-1 " would arrive as one ID.
+	for _, f := range [...]struct{ name, v string }{{"ID", m.ID}, {"AggregateID", m.AggregateID}, {"Type", m.Type}, {"Stream", m.Stream}} {
+		if f.v != "" && (strings.ContainsAny(f.v, "\r\n") || f.v != strings.TrimSpace(f.v)) {
+			return &ValidationError{Field: f.name, Reason: "has a line break, or white space at an end, which a broker's headers do not keep", Value: f.v, err: ErrInvalidMessage}
+		}
+	}
 	for k, v := range m.Headers {
 		if reason := checkText(k, MaxIDLen); reason != "" {
 			return &ValidationError{Field: "Headers", Reason: "name " + reason, Value: k, err: ErrInvalidMessage}
+		}
+		if i := strings.IndexFunc(k, func(r rune) bool { return r <= ' ' || r > '~' || r == ':' }); i >= 0 {
+			return &ValidationError{Field: "Headers", Reason: fmt.Sprintf("name has %q at offset %d; header names are printable ASCII without spaces or colons", k[i:i+1], i), Value: k, err: ErrInvalidMessage}
 		}
 		if strings.HasPrefix(k, ReservedHeaderPrefix) || k == "Nats-Msg-Id" {
 			return &ValidationError{Field: "Headers", Reason: "name is a publisher's own: it is written from the message's fields", Value: k, err: ErrInvalidMessage}

@@ -200,6 +200,17 @@ func TestValidatePublishBoundaries(t *testing.T) {
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"idem-seq": "7"}}, "Headers"},
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"Nats-Msg-Id": "y"}}, "Headers"},
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"traceparent": "00-ab", "Idem": "free"}}, ""},
+		{idem.Message{ID: "evt-1 ", Stream: "s"}, "ID"},
+		{idem.Message{ID: " ", Stream: "s"}, "ID"},
+		{idem.Message{ID: "a\nb", Stream: "s"}, "ID"},
+		{idem.Message{ID: "a b", Stream: "s", AggregateID: "acct 1"}, ""},
+		{idem.Message{ID: "x", Stream: "s", AggregateID: "acct\r"}, "AggregateID"},
+		{idem.Message{ID: "x", Stream: "s", Type: " Credited"}, "Type"},
+		{idem.Message{ID: "x", Stream: "s\t"}, "Stream"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"my key": "v"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"a:b": "v"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"clé": "v"}}, "Headers"},
+		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"k": " spaced value\n"}}, ""},
 	}
 	for _, c := range cases {
 		err := c.msg.ValidatePublish()

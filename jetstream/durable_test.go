@@ -201,6 +201,13 @@ func TestPublisherRefusesInvalidMessages(t *testing.T) {
 		{ID: "nul-type", Stream: subj, Type: "Cred\x00ited", Payload: []byte("x")},
 		{ID: "own-seq", Stream: subj, Payload: []byte("x"), Headers: map[string]string{jetstream.HeaderSeq: "n/a"}},
 		{ID: "own-aggregate", Stream: subj, Payload: []byte("x"), Headers: map[string]string{jetstream.HeaderAggregate: "acct-9"}},
+		{ID: "spaced-id ", Stream: subj, Payload: []byte("x")}, // NATS trims header values: it would arrive as "spaced-id"
+		{ID: " ", Stream: subj, Payload: []byte("x")},
+		{ID: "a\nb", Stream: subj, Payload: []byte("x")},
+		{ID: "bad-header-name", Stream: subj, Payload: []byte("x"), Headers: map[string]string{"a b": "x"}},
+		{ID: "wildcard", Stream: subj + ".*", Payload: []byte("x")},
+		{ID: "empty-token", Stream: subj + "..x", Payload: []byte("x")},
+		{ID: "inner-space", Stream: "a b", Payload: []byte("x")},
 	} {
 		err := p.Publish(context.Background(), []*idem.Message{{ID: "before", Stream: subj, Payload: []byte("x")}, bad})
 		if !errors.Is(err, idem.ErrInvalidMessage) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -48,6 +49,9 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		if err := m.ValidatePublish(); err != nil {
 			return fmt.Errorf("jetstream: publish: %w", err)
 		}
+		if reason := badSubject(m.Stream); reason != "" {
+			return fmt.Errorf("jetstream: publish %q: %w: Stream %q is no subject to publish to: %s", m.ID, idem.ErrInvalidMessage, m.Stream, reason)
+		}
 		if len(m.Payload) > 0 {
 			continue
 		}
@@ -78,4 +82,22 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		}
 	}
 	return nil
+}
+
+// badSubject says why subj cannot be published to, or "": NATS subjects
+// are dot-separated tokens, none empty, without white space, and a
+// publish names no wildcard (* or >).
+func badSubject(subj string) string {
+	if strings.ContainsAny(subj, " \t\r\n") {
+		return "it holds white space"
+	}
+	for _, tok := range strings.Split(subj, ".") {
+		switch tok {
+		case "":
+			return "it has an empty token"
+		case "*", ">":
+			return "it has a wildcard"
+		}
+	}
+	return ""
 }
