@@ -71,7 +71,8 @@ type Config struct {
 	// verdict. Default 1: one message at a time.
 	Batch int
 	// BatchWait bounds how long a fetch waits to fill a batch: the extra
-	// latency a batch may add when messages trickle in. Default 50 ms.
+	// latency a batch may add when messages trickle in. It must be below
+	// half of AckWait. Default 50 ms.
 	BatchWait time.Duration
 	// Prefetch is how many messages a consumer handling one at a time
 	// pulls ahead of the one it handles. Their AckWait runs while they
@@ -152,6 +153,11 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	if c.cfg.BatchWait == 0 {
 		c.cfg.BatchWait = 50 * time.Millisecond
 	}
+	if c.cfg.BatchWait >= c.cfg.AckWait/2 {
+		// A message early in a fetch would run out its AckWait before
+		// the batch is handed over, and come again into the same batch.
+		return nil, fmt.Errorf("%w: jetstream: BatchWait %s must be below half of AckWait %s", idem.ErrInvalidConfig, c.cfg.BatchWait, c.cfg.AckWait)
+	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
 	}
@@ -167,13 +173,20 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 // of its aggregate. A consumer that dies instead (a crash, a lost
 // connection) has its unacknowledged messages redelivered after AckWait.
 func (c *Consumer) Run(ctx context.Context) error {
-	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, jetstream.ConsumerConfig{
-		Durable:       c.cfg.Durable,
-		FilterSubject: c.cfg.FilterSubject,
-		AckPolicy:     jetstream.AckExplicitPolicy,
-		AckWait:       c.cfg.AckWait,
-		MaxDeliver:    c.cfg.MaxDeliver,
-	})
+	want := jetstream.ConsumerConfig{Durable: c.cfg.Durable}
+	if cur, err := c.js.Consumer(ctx, c.cfg.Stream, c.cfg.Durable); err == nil {
+		// An existing durable keeps its other settings: those set by
+		// hand (MaxAckPending), and those JetStream does not let an
+		// update change (DeliverPolicy), which a config built afresh
+		// would try to reset, and be refused.
+		want = cur.CachedInfo().Config
+	} else if !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		return fmt.Errorf("jetstream: consumer %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
+	}
+	want.FilterSubject, want.FilterSubjects = c.cfg.FilterSubject, nil
+	want.AckPolicy = jetstream.AckExplicitPolicy
+	want.AckWait, want.MaxDeliver = c.cfg.AckWait, c.cfg.MaxDeliver
+	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, want)
 	if err != nil {
 		return fmt.Errorf("jetstream: consumer %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 	}
@@ -181,7 +194,81 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if bh, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); ok && c.cfg.Batch > 1 {
 		return c.runBatches(ctx, cons, bh)
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(c.cfg.Prefetch))
+	prefetch := c.cfg.Prefetch
+	for {
+		if prefetch == c.cfg.Prefetch {
+			err := c.runMessages(ctx, cons, prefetch)
+			if !errors.Is(err, errStatusLookalike) {
+				return err
+			}
+		} else {
+			// One message per pull, so that the lookalike ends its own
+			// pull only: it comes back first (its stream sequence is
+			// the lowest) with every message pulled behind it, which
+			// would be lost with it again and again. Back to Prefetch
+			// once it has not been seen for a while (deleted).
+			sctx, cancel := context.WithTimeout(ctx, lookalikeQuiet*c.dur.ackWait(c.cfg.AckWait))
+			err := c.runMessages(sctx, cons, prefetch)
+			cancel()
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if errors.Is(err, context.DeadlineExceeded) {
+				prefetch = c.cfg.Prefetch
+				continue
+			}
+			if !errors.Is(err, errStatusLookalike) {
+				return err
+			}
+		}
+		prefetch = 1
+		// Subscribe again after a pause: a server refusing the pulls for
+		// another reason should not be asked in a loop.
+		t := time.NewTimer(lookalikePause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// lookalikeQuiet is how many AckWaits without a message posing as the
+// server's status end the one-message pulls that follow one;
+// lookalikePause is the pause before pulling again after one.
+const (
+	lookalikeQuiet = 10
+	lookalikePause = 100 * time.Millisecond
+)
+
+// errStatusLookalike ends runMessages when its subscription was ended by
+// what nats.go took for the server's status (a bad request, the consumer
+// deleted) while the durable still exists: a stream message with an empty
+// payload and a Status header, which nats.go cannot tell from one.
+var errStatusLookalike = errors.New("jetstream: subscription ended by a message that looks like a server status")
+
+// statusLookalike reports whether err, which ended a subscription or a
+// fetch of cons, came from a stream message posing as the server's status:
+// nats.go says the request was bad or the consumer deleted, yet the
+// durable is there. It logs what to do about such a message.
+func (c *Consumer) statusLookalike(ctx context.Context, cons jetstream.Consumer, err error) bool {
+	if !errors.Is(err, jetstream.ErrBadRequest) && !errors.Is(err, jetstream.ErrConsumerDeleted) {
+		return false
+	}
+	if _, ierr := cons.Info(ctx); ierr != nil {
+		return false
+	}
+	c.cfg.Logger.Warn("jetstream: the server seemed to end the pull, but the durable is there: a message with an empty payload and a Status header, "+
+		"which nats.go takes for the server's status, is likely on the stream; it is never decided and comes back every AckWait until deleted "+
+		"(by its stream sequence); pulling again", slog.String("consumer", c.cfg.Stream+"/"+c.cfg.Durable), slog.Any("error", err))
+	return true
+}
+
+// runMessages consumes one message at a time (or in lanes) through one
+// subscription, until ctx is done or the subscription ends.
+func (c *Consumer) runMessages(ctx context.Context, cons jetstream.Consumer, prefetch int) error {
+	it, err := cons.Messages(jetstream.PullMaxMessages(prefetch))
 	if err != nil {
 		return fmt.Errorf("jetstream: subscribe %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 	}
@@ -233,6 +320,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return fmt.Errorf("jetstream: consumer %s/%s: %w", c.cfg.Stream, c.cfg.Durable, gone)
 		}
 		if ctx.Err() == nil {
+			if c.statusLookalike(ctx, cons, err) {
+				return errStatusLookalike
+			}
 			// Failed, or closed under us (the connection was closed).
 			return fmt.Errorf("jetstream: next message from %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 		}
@@ -325,6 +415,9 @@ func streamSeq(m jetstream.Msg) uint64 {
 // together, or with Concurrency each lane's part of them together.
 func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh idem.BatchDeliveryHandler) error {
 	failures := 0 // fetches in a row that failed with no message
+	// After a message posing as the server's status, fetches take one
+	// message until then (see Run).
+	var single time.Time
 	// The watch keeps the durable's limits current; a fetch itself finds
 	// out that the durable is gone (fetchFailed).
 	defer c.watchDurable(ctx, cons, func(error) {})()
@@ -332,12 +425,20 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		mb, err := cons.Fetch(c.cfg.Batch, jetstream.FetchMaxWait(c.cfg.BatchWait))
+		size := c.cfg.Batch
+		if time.Now().Before(single) {
+			size = 1
+		}
+		mb, err := cons.Fetch(size, jetstream.FetchMaxWait(c.cfg.BatchWait))
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			return fmt.Errorf("jetstream: fetch from %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
+			failures++
+			if err := c.fetchFailed(ctx, cons, err, failures, &single); err != nil {
+				return err
+			}
+			continue
 		}
 		var (
 			msgs []jetstream.Msg
@@ -350,12 +451,16 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 		if err := mb.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && ctx.Err() == nil {
 			if len(ds) == 0 {
 				failures++
-				if err := c.fetchFailed(ctx, cons, err, failures); err != nil {
+				if err := c.fetchFailed(ctx, cons, err, failures, &single); err != nil {
 					return err
 				}
 				continue
 			}
-			c.cfg.Logger.Warn("jetstream: fetch ended with an error", slog.Any("error", err))
+			if c.statusLookalike(ctx, cons, err) {
+				single = time.Now().Add(lookalikeQuiet * c.dur.ackWait(c.cfg.AckWait))
+			} else {
+				c.cfg.Logger.Warn("jetstream: fetch ended with an error", slog.Any("error", err))
+			}
 		}
 		failures = 0
 		if len(ds) == 0 {
@@ -387,15 +492,22 @@ func (c *Consumer) runBatches(ctx context.Context, cons jetstream.Consumer, bh i
 
 // fetchFailed handles the failures-th fetch in a row that ended with err
 // and no message. What JetStream's own iterator takes as final (the durable
-// deleted, a bad request, the connection closed) ends Run, and so does a
-// durable or stream that no longer exists (a fetch then finds no
-// responders); anything else, such as no responders while a new leader is
-// elected, is logged once and the next fetch waits, longer after each
-// failure, up to a second.
-func (c *Consumer) fetchFailed(ctx context.Context, cons jetstream.Consumer, err error, failures int) error {
+// deleted, a bad request, the connection closed) ends Run, unless the
+// durable is there (a message posing as the server's status, see
+// statusLookalike: the next fetches take one message, after a pause),
+// and so does a durable
+// or stream that no longer exists (a fetch then finds no responders);
+// anything else, such as no responders while a new leader is elected, is
+// logged once and the next fetch waits, longer after each failure, up to a
+// second.
+func (c *Consumer) fetchFailed(ctx context.Context, cons jetstream.Consumer, err error, failures int, single *time.Time) error {
 	where := c.cfg.Stream + "/" + c.cfg.Durable
-	if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrBadRequest) ||
-		errors.Is(err, jetstream.ErrConnectionClosed) || errors.Is(err, nats.ErrConnectionClosed) {
+	switch {
+	case c.statusLookalike(ctx, cons, err):
+		*single = time.Now().Add(lookalikeQuiet * c.dur.ackWait(c.cfg.AckWait))
+		failures = 5 // a pause of lookalikePause, as Run's
+	case errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrBadRequest) ||
+		errors.Is(err, jetstream.ErrConnectionClosed) || errors.Is(err, nats.ErrConnectionClosed):
 		return fmt.Errorf("jetstream: fetch from %s: %w", where, err)
 	}
 	if _, ierr := cons.Info(ctx); errors.Is(ierr, jetstream.ErrConsumerNotFound) || errors.Is(ierr, jetstream.ErrStreamNotFound) {
@@ -526,8 +638,12 @@ func (c *Consumer) keepAlive(msgs ...jetstream.Msg) (stop func()) {
 		}
 		t.Reset(every())
 	}
+	// The first InProgress goes out early: the message may have waited
+	// (Prefetch, a lane) for much of its AckWait before its handler
+	// started, and keepAlive cannot tell how long. A handler faster than
+	// that sends none.
 	mu.Lock()
-	t = time.AfterFunc(every(), tick)
+	t = time.AfterFunc(min(every(), max(c.dur.ackWait(c.cfg.AckWait)/20, minKeepAlive)), tick)
 	mu.Unlock()
 	return func() {
 		mu.Lock()

@@ -203,6 +203,9 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, MaxDeliver: -1}); err != nil {
 		t.Fatalf("New with MaxDeliver -1 (no limit): %v", err)
 	}
+	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, AckWait: time.Second, BatchWait: 500 * time.Millisecond}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("New with BatchWait half of AckWait: %v, want ErrInvalidConfig", err)
+	}
 	// A Batch the handler cannot take is refused, not ignored.
 	if _, err := jetstream.New(js, &jetstream.Config{Stream: "S", Durable: "d", Handler: h, Batch: 10}); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "BatchDeliveryHandler") {
 		t.Fatalf("New with Batch 10 and a one-at-a-time handler: %v, want ErrInvalidConfig", err)
