@@ -33,6 +33,9 @@ func (d *Driver) sequenceLockKey(handler, aggregateID string) string {
 // transaction sees it (its own advances included), locking the ones it
 // has not read yet, in the order given.
 func (d *Driver) lastSeqs(ctx context.Context, tx *Tx, handler string, aggs []string) ([]*claim, error) {
+	if tx == nil {
+		return nil, errNilTx
+	}
 	out := make([]*claim, len(aggs))
 	var keys, locks []string
 	var idx []int
@@ -129,13 +132,21 @@ func (d *Driver) SequenceSetMany(ctx context.Context, tx *Tx, p *driver.Sequence
 	return nil
 }
 
-// gapScript records the first sighting of a sequence behind a gap. KEYS:
-// the aggregate's gap hash. ARGV: the sequence, and the hash's lifetime
-// in ms after its latest sighting (0: kept). It returns the first sighting
-// and now, in µs on the server's clock.
+// gapScript records the first sighting of a sequence behind a gap, and
+// forgets the sightings of sequences the aggregate has reached, so the
+// hash holds only gaps still open. KEYS: the aggregate's gap hash, its
+// sequence key. ARGV: the sequence, and the hash's lifetime in ms after
+// its latest sighting (0: kept). It returns the first sighting and now,
+// in µs on the server's clock.
 var gapScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
+local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if tonumber(f) <= last then
+    redis.call('HDEL', KEYS[1], f)
+  end
+end
 redis.call('HSETNX', KEYS[1], ARGV[1], now)
 if tonumber(ARGV[2]) > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -145,10 +156,12 @@ return {tonumber(redis.call('HGET', KEYS[1], ARGV[1])), now}
 
 // GapSighting implements driver.SequenceGuard on the Redis server's clock.
 // Sightings are kept in the hash Prefix+"g:<handler>|<aggregate>", one
-// field per sequence; with a MarkerTTL the hash expires that long after
-// the aggregate's latest sighting, as markers do.
+// field per sequence still ahead of the aggregate (each sighting forgets
+// those it has reached); with a MarkerTTL the hash expires that long
+// after the aggregate's latest sighting, as markers do.
 func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (driver.GapSightingResult, error) {
-	v, err := gapScript.Run(ctx, d.client, []string{d.prefix + "g:" + p.Handler + "|" + p.AggregateID}, p.Seq, d.markerTTL.Milliseconds()).Int64Slice()
+	v, err := gapScript.Run(ctx, d.client, []string{d.prefix + "g:" + p.Handler + "|" + p.AggregateID, d.SequenceKey(p.Handler, p.AggregateID)},
+		p.Seq, d.markerTTL.Milliseconds()).Int64Slice()
 	if err != nil {
 		return driver.GapSightingResult{}, fmt.Errorf("redisstore: record gap sighting: %w", err)
 	}

@@ -94,6 +94,9 @@ import (
 	"github.com/idemhq/idem/driver"
 )
 
+// errNilTx is the error of a call given a nil *Tx.
+var errNilTx = errors.New("redisstore: nil transaction")
+
 // Errors of the Redis driver.
 var (
 	// ErrAborted matches a commit that Redis refused because a key the
@@ -256,6 +259,9 @@ func (tx *Tx) Queue() redis.Pipeliner { return tx.queue }
 // is applied. Call it before reading a key whose value the handler's
 // writes depend on.
 func (tx *Tx) Watch(ctx context.Context, keys ...string) error {
+	if tx == nil {
+		return errNilTx
+	}
 	if len(keys) == 0 {
 		return nil
 	}
@@ -613,7 +619,7 @@ func (d *Driver) MarkerInsert(ctx context.Context, tx *Tx, p *driver.MarkerInser
 // overlapping batches cannot wait on each other in a cycle.
 func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerInsertManyParams) ([]driver.MarkerInsertResult, error) {
 	if tx == nil {
-		return nil, errors.New("redisstore: nil transaction")
+		return nil, errNilTx
 	}
 	out := make([]driver.MarkerInsertResult, len(p.MessageIDs))
 	var keys []string
@@ -717,6 +723,9 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 // MarkerDelete implements driver.MarkerDeleter: the markers this
 // transaction inserted are let go at commit instead of written.
 func (d *Driver) MarkerDelete(ctx context.Context, tx *Tx, p *driver.MarkerDeleteParams) error {
+	if tx == nil {
+		return errNilTx
+	}
 	for _, id := range p.MessageIDs {
 		if c, ok := tx.claims[d.MarkerKey(p.Handler, id)]; ok && c.marker() {
 			c.hasWrite = false

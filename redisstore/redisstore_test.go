@@ -89,6 +89,11 @@ func scan(ctx context.Context, c *redis.Client, pattern string) ([]string, error
 	return keys, iter.Err()
 }
 
+// The store runs the core, ordering and dead-letter suites. It has no
+// lease mode (RunLease, RunLeaseCrash), no SQL-style pruner (RunRetention:
+// retention is by MarkerTTL, TestMarkerTTL; gap sightings are forgotten as
+// the aggregate passes them, TestGapSightingsStayBounded) and no importer
+// (CheckImport); docs/redis.md says so.
 func TestConformance(t *testing.T) {
 	t.Parallel()
 	idemtest.Run(t, &idemtest.Harness[*redisstore.Tx]{Open: func(t testing.TB) *idemtest.Store[*redisstore.Tx] {

@@ -27,6 +27,9 @@ func (d *Driver) versionLockKey(p *driver.VersionParams) string {
 // versionClaim locks the aggregate's version for tx (waiting for a
 // transaction that holds it) and returns its claim.
 func (d *Driver) versionClaim(ctx context.Context, tx *Tx, p *driver.VersionParams) (*claim, error) {
+	if tx == nil {
+		return nil, errNilTx
+	}
 	k := d.versionKey(p)
 	if c, ok := tx.claims[k]; ok {
 		return c, nil
@@ -74,6 +77,9 @@ func (d *Driver) VersionAdvance(ctx context.Context, tx *Tx, p *driver.VersionPa
 // allocation if it made one, else the committed version, read without a
 // lock.
 func (d *Driver) VersionCurrent(ctx context.Context, tx *Tx, p *driver.VersionParams) (int64, error) {
+	if tx == nil {
+		return 0, errNilTx
+	}
 	if c, ok := tx.claims[d.versionKey(p)]; ok {
 		return c.current()
 	}
