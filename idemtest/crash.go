@@ -36,6 +36,28 @@ type LeaseCrashHarness struct {
 	TTL time.Duration
 }
 
+// AtomicCrashHarness tells RunAtomicCrash how to share a store with a
+// child process, as LeaseCrashHarness does for lease mode: the driver's
+// test package provides it to two test functions, one calling
+// RunAtomicCrash, one (named ChildTest) calling AtomicCrashChild.
+type AtomicCrashHarness[TTx any] struct {
+	// Create makes a fresh, migrated store with its balances table and
+	// returns it and where: a string from which Attach opens the same
+	// store in another process (a file path, a schema name). Required.
+	Create func(t testing.TB) (*Store[TTx], string)
+	// Attach opens the store that Create named where, in the child
+	// process: Driver and Credit are enough. Required.
+	Attach func(t testing.TB, where string) *Store[TTx]
+	// ChildTest is the name of the top-level test function that calls
+	// AtomicCrashChild with this harness. Required.
+	ChildTest string
+}
+
+const (
+	envAtomicCrashPoint = "IDEM_ATOMIC_CRASH_POINT"
+	envAtomicCrashStore = "IDEM_ATOMIC_CRASH_STORE"
+)
+
 // Crash points of RunLeaseCrash, in the order an attempt reaches them. Two
 // are inside the handler; the others are idem.LeaseConfig fault points.
 const (

@@ -248,3 +248,115 @@ func LeaseCrashChild(t *testing.T, h *LeaseCrashHarness) {
 	out, err := p.Process(context.Background(), chargeHandler(os.Getenv(envCrashURL), crash), msg)
 	t.Fatalf("the child reached the end of the attempt alive at crash point %q: (%v, %v)", point, out, err)
 }
+
+// RunAtomicCrash kills (SIGKILL) a child process processing one message
+// in atomic mode: as the handler starts (before its write), after the
+// write and before the commit, and after the commit (Process returned
+// Applied; the broker was not acknowledged). Then four redeliveries run at
+// once in this process. Before the commit: nothing is visible, and
+// exactly one redelivery applies. After it: all four are Duplicates. The
+// balance is the event's amount either way.
+func RunAtomicCrash[TTx any](t *testing.T, h *AtomicCrashHarness[TTx]) {
+	if os.Getenv(envAtomicCrashPoint) != "" {
+		return
+	}
+	for _, point := range []string{"before_write", "after_write", "after_commit"} {
+		t.Run(point, func(t *testing.T) {
+			s, where := h.Create(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^"+h.ChildTest+"$", "-test.count=1")
+			cmd.Env = append(os.Environ(), envAtomicCrashPoint+"="+point, envAtomicCrashStore+"="+where)
+			out, err := cmd.CombinedOutput()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) {
+				t.Fatalf("child not killed: %v\n%s", err, out)
+			}
+			ws, ok := ee.Sys().(syscall.WaitStatus)
+			if !ok || !ws.Signaled() || ws.Signal() != syscall.SIGKILL || !strings.Contains(string(out), "atomic crash at "+point) {
+				t.Fatalf("child did not die of SIGKILL at %s: %v\n%s", point, err, out)
+			}
+			e := atomicCrashEvent()
+			committed := point == "after_commit"
+			want := map[string]int64{}
+			if committed {
+				want = Expected([]Event{e})
+			}
+			wantBalances(t, s, want)
+			p := newProc(t, s)
+			var calls sync.Map
+			hd := CreditHandler(s, "balances", &calls)
+			var (
+				mu   sync.Mutex
+				outs = map[idem.Outcome]int{}
+				wg   sync.WaitGroup
+			)
+			for range 4 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					out, err := p.Process(context.Background(), hd, e.Message())
+					if err != nil {
+						t.Errorf("redelivery: %v", err)
+					}
+					mu.Lock()
+					outs[out]++
+					mu.Unlock()
+				}()
+			}
+			wg.Wait()
+			wantApplied := 1
+			if committed {
+				wantApplied = 0
+			}
+			if outs[idem.Applied] != wantApplied || outs[idem.Duplicate] != 4-wantApplied {
+				t.Fatalf("redeliveries %v, want %d applied, the rest duplicate", outs, wantApplied)
+			}
+			if n := callsOf(&calls, e.ID); n != int64(wantApplied) {
+				t.Fatalf("redeliveries reached the handler %d times, want %d", n, wantApplied)
+			}
+			wantBalances(t, s, Expected([]Event{e}))
+		})
+	}
+}
+
+func atomicCrashEvent() Event { return Event{ID: "crash-1", Account: "acct-1", Amount: 7} }
+
+// AtomicCrashChild is the child side of RunAtomicCrash: it does nothing
+// unless RunAtomicCrash started this process.
+func AtomicCrashChild[TTx any](t *testing.T, h *AtomicCrashHarness[TTx]) {
+	point := os.Getenv(envAtomicCrashPoint)
+	if point == "" {
+		return
+	}
+	s := h.Attach(t, os.Getenv(envAtomicCrashStore))
+	kill := func(at string) {
+		if at == point {
+			fmt.Printf("atomic crash at %s\n", at)
+			_ = os.Stdout.Sync()
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			time.Sleep(time.Minute)
+		}
+	}
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hd := &idem.Handler[TTx]{Name: "balances", Apply: func(ctx context.Context, tx TTx, m *idem.Message) error {
+		kill("before_write")
+		acct, amt, err := DecodeCredit(m.Payload)
+		if err != nil {
+			return err
+		}
+		if err := s.Credit(ctx, tx, acct, amt); err != nil {
+			return err
+		}
+		kill("after_write")
+		return nil
+	}}
+	out, err := p.Process(context.Background(), hd, atomicCrashEvent().Message())
+	if err == nil && out == idem.Applied {
+		kill("after_commit")
+	}
+	t.Fatalf("child alive after %q: (%v, %v)", point, out, err)
+}

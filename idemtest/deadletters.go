@@ -33,6 +33,7 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"RetriedUntilApplied", testRetriedUntilApplied[TTx]},
 		{"AttemptsExhausted", testExhausted[TTx]},
 		{"DecodeFailureKeptVerbatim", testDecodeFailure[TTx]},
+		{"ConflictDeadLettered", testConflictDeadLettered[TTx]},
 		{"DeadLetterWriteFailureIsNotAcked", testDeadLetterWriteFails[TTx]},
 		{"LastDeliveryKeepsWritingItsDeadLetter", testLastDeliveryDeadLetterRetried[TTx]},
 		{"ReplayAppliesOnceAndDuplicates", testReplay[TTx]},

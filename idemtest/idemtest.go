@@ -95,6 +95,8 @@ func Run[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"LargeBatchOverOldMarkers", testLargeBatch[TTx]},
 		{"BatchHandlerErrorRollsBack", testBatchRollback[TTx]},
 		{"ProcessBatchTx", testProcessBatchTx[TTx]},
+		{"DuplicateWaitsForOpenTx/commit", func(t *testing.T, s *Store[TTx]) { testDuplicateWaitsForOpenTx(t, s, true) }},
+		{"DuplicateWaitsForOpenTx/rollback", func(t *testing.T, s *Store[TTx]) { testDuplicateWaitsForOpenTx(t, s, false) }},
 		{"ConcurrentDuplicates", func(t *testing.T, s *Store[TTx]) {
 			if err := CheckConcurrentDuplicates(context.Background(), s, g, n, 0); err != nil {
 				t.Fatal(err)

@@ -31,6 +31,7 @@ func RunOrdering[TTx any](t *testing.T, h *Harness[TTx]) {
 		fn   func(t *testing.T, s *Store[TTx])
 	}{
 		{"AllowShuffledWithDuplicates", func(t *testing.T, s *Store[TTx]) { testAllowShuffled(t, s, aggs) }},
+		{"AllowConcurrentAppendNeverRepeats", testAllowConcurrentAppend[TTx]},
 		{"FailHoldsOnlyTheGappedAggregate", func(t *testing.T, s *Store[TTx]) { testFailHolds(t, s, aggs) }},
 		{"WaitRetriesUntilDeadline", testWaitDeadline[TTx]},
 		{"WaitReordersLocalShuffleExactly", func(t *testing.T, s *Store[TTx]) { testWaitLocalShuffle(t, s, min(aggs, 20)) }},

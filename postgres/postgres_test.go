@@ -107,10 +107,14 @@ func TestConformance(t *testing.T) {
 // The same suite with every marker insert conflict-aware, as
 // Config.ConflictAwareInserts sets it.
 func TestConformanceConflictAware(t *testing.T) {
-	idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
+	h := &idemtest.Harness[postgres.Tx]{Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
 		pool := testenv.PostgresPool(t, 40)
 		return storeWith(t, pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool), ConflictAwareInserts: true})
-	}})
+	}}
+	idemtest.Run(t, h)
+	// The guard and the dead letters insert markers too.
+	t.Run("Ordering", func(t *testing.T) { idemtest.RunOrdering(t, h) })
+	t.Run("DeadLetters", func(t *testing.T) { idemtest.RunDeadLetters(t, h) })
 }
 
 func TestImportMarkers(t *testing.T) {
