@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"sync"
@@ -284,7 +285,8 @@ func testRefailLogged[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetter
 }
 
 // testRetriedUntilApplied: a handler failing its first three calls is
-// retried with a backoff and applied exactly once.
+// retried with a backoff and applied exactly once; without MaxAttempts
+// a failure is retried however many deliveries it has had.
 func testRetriedUntilApplied[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
 	h := CreditHandler(s, "balances", nil)
 	var calls atomic.Int64
@@ -315,6 +317,19 @@ func testRetriedUntilApplied[TTx any](t *testing.T, s *Store[TTx], dl driver.Dea
 	wantBalances(t, s, Expected(ev))
 	if got := deadLetters(t, dl, nil); len(got) != 0 {
 		t.Fatalf("dead letters %+v, want none", got)
+	}
+	// MaxAttempts 0 (the default) retries without limit: a failure on
+	// the millionth delivery is retried too, not dead-lettered.
+	down := CreditHandler(s, "down", nil)
+	down.Apply = func(context.Context, TTx, *idem.Message) error { return errors.New("service unavailable") }
+	cd := newConsumer(t, s, down, dl, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: time.Millisecond, Max: 10 * time.Millisecond}})
+	for _, attempt := range []int{1, 1000, 1_000_000, math.MaxInt32} {
+		if v := deliverTo(cd, ev[0].Message(), attempt); v.Ack || v.DeadLettered || v.Err == nil {
+			t.Fatalf("failure at attempt %d without MaxAttempts: %+v, want a retry", attempt, v)
+		}
+	}
+	if got := deadLetters(t, dl, nil); len(got) != 0 {
+		t.Fatalf("dead letters %+v after failures without MaxAttempts, want none", got)
 	}
 }
 
