@@ -116,8 +116,15 @@ func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
 		_ = c.Close(context.WithoutCancel(ctx))
 		return nil, false, nil
 	}
-	// The lock is the session's: closing the connection frees it.
-	unlock := func() { _ = c.Close(context.WithoutCancel(ctx)) }
+	// The lock is the session's: closing the connection frees it too, but
+	// only once the server's backend has gone, after Close returns. It is
+	// released first, so that the next TryMaintenanceLock finds it free.
+	unlock := func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_, _ = c.Exec(uctx, `SELECT pg_advisory_unlock(hashtext($1))`, key)
+		_ = c.Close(uctx)
+	}
 	return unlock, true, nil
 }
 
