@@ -57,39 +57,13 @@ func newRedisEnv(t *testing.T) *redisEnv {
 // events and at least minDups deliveries were counted as duplicates.
 func (e *redisEnv) waitExact(events []idemtest.Event, minDups int64) {
 	e.t.Helper()
-	want := idemtest.Expected(events)
-	ctx := context.Background()
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		got, err := e.balances(ctx)
-		if err != nil {
-			e.t.Fatal(err)
-		}
+	adaptertest.WaitExact(e.t, events, minDups, e.balances, func(ctx context.Context) (int64, error) {
 		if err := e.stats.Flush(ctx); err != nil {
-			e.t.Fatal(err)
+			return 0, err
 		}
 		stats, err := e.drv.StatsRead(ctx)
-		if err != nil {
-			e.t.Fatal(err)
-		}
-		dups := stats["balances"].Duplicates
-		exact := len(got) == len(want)
-		for a, w := range want {
-			exact = exact && got[a] == w
-		}
-		if exact && dups >= minDups {
-			return
-		}
-		for a, w := range want {
-			if got[a] > w {
-				e.t.Fatalf("%s = %d, above the %d of the unique events: applied twice", a, got[a], w)
-			}
-		}
-		if time.Now().After(deadline) {
-			e.t.Fatalf("after 60 s: balances %v, want %v; %d duplicates counted, want ≥ %d", got, want, dups, minDups)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return stats["balances"].Duplicates, err
+	})
 }
 
 // TestRedisStoreEndToEnd runs a Consumer on redisstore behind the

@@ -166,16 +166,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 // Publisher, kfake and DefaultMap to the processing span.
 func TestTraceContextReachesProcessingSpan(t *testing.T) {
 	b := newBroker(t).(*broker)
-	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	pub, err := kafka.NewPublisher(cl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	adaptertest.CheckTraceContext(t, topic, pub, func(h idem.DeliveryHandler) { b.Start(t, h) })
+	adaptertest.CheckTraceContext(t, topic, newPublisher(t, b), func(h idem.DeliveryHandler) { b.Start(t, h) })
 }
 
 // producePartitioned writes perPart records to each of the four

@@ -7,7 +7,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -35,16 +34,8 @@ func TestPublisherRefusesTooLargeRecord(t *testing.T) {
 			return 4 << 20
 		})}, 2<<20 - 40},
 	} {
-		cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(b.addrs...)}, c.opts...)...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer cl.Close()
-		pub, err := kafka.NewPublisher(cl)
-		if err != nil {
-			t.Fatal(err)
-		}
-		err = pub.Publish(context.Background(), []*idem.Message{
+		pub := newPublisher(t, b, c.opts...)
+		err := pub.Publish(context.Background(), []*idem.Message{
 			{ID: "big", Stream: topic, AggregateID: "acct-1", Seq: 1, Payload: bytes.Repeat([]byte("x"), c.size)},
 			{ID: "after", Stream: topic, AggregateID: "acct-1", Seq: 2, Payload: []byte("small")},
 		})
@@ -53,12 +44,7 @@ func TestPublisherRefusesTooLargeRecord(t *testing.T) {
 		}
 	}
 	// A record that fits goes out, and nothing of the refused calls did.
-	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.ProducerBatchMaxBytes(4096))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	pub, _ := kafka.NewPublisher(cl)
+	pub := newPublisher(t, b, kgo.ProducerBatchMaxBytes(4096))
 	if err := pub.Publish(context.Background(), []*idem.Message{
 		{ID: "fits", Stream: topic, AggregateID: "acct-1", Payload: bytes.Repeat([]byte("x"), 3900)},
 	}); err != nil {
@@ -73,39 +59,38 @@ func TestPublisherRefusesTooLargeRecord(t *testing.T) {
 // read n of them.
 func topicIDs(t *testing.T, b *broker, n int) []string {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.ConsumeTopics(topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	var ids []string
+	for _, r := range readAll(t, b.addrs, n) {
+		for _, h := range r.Headers {
+			if h.Key == kafka.HeaderID {
+				ids = append(ids, string(h.Value))
+			}
+		}
+	}
+	return ids
+}
+
+// newPublisher returns a Publisher on a client of b with opts; both close
+// at the test's end.
+func newPublisher(t *testing.T, b *broker, opts ...kgo.Opt) *kafka.Publisher {
+	t.Helper()
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(b.addrs...)}, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cl.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	var ids []string
-	for len(ids) < n && ctx.Err() == nil {
-		cl.PollFetches(ctx).EachRecord(func(r *kgo.Record) {
-			for _, h := range r.Headers {
-				if h.Key == kafka.HeaderID {
-					ids = append(ids, string(h.Value))
-				}
-			}
-		})
+	t.Cleanup(cl.Close)
+	pub, err := kafka.NewPublisher(cl)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return ids
+	return pub
 }
 
 // A message a consumer could only dead-letter as undecodable (no ID, a
 // sequence without a key, no topic) fails the call, producing nothing.
 func TestPublisherRefusesInvalidMessages(t *testing.T) {
 	b := newBroker(t).(*broker)
-	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	pub, err := kafka.NewPublisher(cl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pub := newPublisher(t, b)
 	for _, bad := range []*idem.Message{
 		{Stream: topic, Payload: []byte("no ID")},
 		{ID: "seq-only", Stream: topic, Seq: 1, Payload: []byte("x")},

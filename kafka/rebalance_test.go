@@ -43,15 +43,7 @@ func readAll(t *testing.T, addrs []string, n int) []*kgo.Record {
 // an outbox to one partition (and making them wait for its leader).
 func TestPublisherSpreadsKeylessMessages(t *testing.T) {
 	b := newBroker(t).(*broker)
-	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	pub, err := kafka.NewPublisher(cl)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pub := newPublisher(t, b)
 	const n = 400
 	payload := []byte(strings.Repeat("x", 1024))
 	for i := range n { // one call per message, as a relay of unrelated rows may

@@ -281,6 +281,42 @@ func (e *Env) CheckBalances(events []idemtest.Event) {
 	}
 }
 
+// WaitExact waits until balances equals the balances of the unique
+// intended events and dups (the deliveries counted as Duplicate) is at
+// least minDups. A balance above its expected value is a double apply and
+// fails at once; so does anything short of exact after 60 s. It serves the
+// end-to-end tests on stores other than Env's.
+func WaitExact(t testing.TB, events []idemtest.Event, minDups int64, balances func(context.Context) (map[string]int64, error), dups func(context.Context) (int64, error)) {
+	t.Helper()
+	want := idemtest.Expected(events)
+	ctx := context.Background()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		got, err := balances(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := dups(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		exact := len(got) == len(want)
+		for a, w := range want {
+			exact = exact && got[a] == w
+			if got[a] > w {
+				t.Fatalf("%s = %d, above the %d of the unique events: applied twice", a, got[a], w)
+			}
+		}
+		if exact && n >= minDups {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 60 s: balances %v, want %v; %d duplicates counted, want ≥ %d", got, want, n, minDups)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // Messages turns events into messages keyed by account (one account, one
 // partition or subject).
 func Messages(events []idemtest.Event) []*idem.Message {
