@@ -57,13 +57,7 @@ func newRedisEnv(t *testing.T) *redisEnv {
 // events and at least minDups deliveries were counted as duplicates.
 func (e *redisEnv) waitExact(events []idemtest.Event, minDups int64) {
 	e.t.Helper()
-	adaptertest.WaitExact(e.t, events, minDups, e.balances, func(ctx context.Context) (int64, error) {
-		if err := e.stats.Flush(ctx); err != nil {
-			return 0, err
-		}
-		stats, err := e.drv.StatsRead(ctx)
-		return stats["balances"].Duplicates, err
-	})
+	adaptertest.WaitExact(e.t, events, minDups, e.balances, adaptertest.StoredDuplicates(e.stats, e.drv, "balances"))
 }
 
 // TestRedisStoreEndToEnd runs a Consumer on redisstore behind the

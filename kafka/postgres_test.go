@@ -80,13 +80,7 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`, acct, 
 // events and at least minDups deliveries were counted as duplicates.
 func (e *postgresEnv) waitExact(events []idemtest.Event, minDups int64) {
 	e.t.Helper()
-	adaptertest.WaitExact(e.t, events, minDups, e.balances, func(ctx context.Context) (int64, error) {
-		if err := e.stats.Flush(ctx); err != nil {
-			return 0, err
-		}
-		stats, err := e.drv.StatsRead(ctx)
-		return stats["balances"].Duplicates, err
-	})
+	adaptertest.WaitExact(e.t, events, minDups, e.balances, adaptertest.StoredDuplicates(e.stats, e.drv, "balances"))
 }
 
 // TestPostgresStoreEndToEnd runs a Consumer on Postgres behind the Kafka

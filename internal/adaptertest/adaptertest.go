@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
@@ -314,6 +315,19 @@ func WaitExact(t testing.TB, events []idemtest.Event, minDups int64, balances fu
 			t.Fatalf("after 60 s: balances %v, want %v; %d duplicates counted, want ≥ %d", got, want, n, minDups)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// StoredDuplicates returns WaitExact's dups for a store that keeps the
+// duplicate counts: what stats has counted for handler, flushed to st and
+// read back.
+func StoredDuplicates(stats *idem.StatsRecorder, st driver.StatsStore, handler string) func(context.Context) (int64, error) {
+	return func(ctx context.Context) (int64, error) {
+		if err := stats.Flush(ctx); err != nil {
+			return 0, err
+		}
+		got, err := st.StatsRead(ctx)
+		return got[handler].Duplicates, err
 	}
 }
 
