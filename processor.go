@@ -423,11 +423,16 @@ func (p *Processor[TTx]) newBatchGuard(h *Handler[TTx], msgs []*Message) (*batch
 // in errs.
 func (p *Processor[TTx]) guardBatch(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message, g *batchGuard, cand []int) (refused map[int]Outcome, errs map[int]error, err error) {
 	order := slices.Clone(cand)
-	slices.SortStableFunc(order, func(a, b int) int {
+	slices.SortFunc(order, func(a, b int) int {
 		if c := strings.Compare(g.keys[a], g.keys[b]); c != 0 {
 			return c // one lock order for all batches: no deadlock
 		}
-		return cmp.Compare(msgs[a].Seq, msgs[b].Seq)
+		if c := cmp.Compare(msgs[a].Seq, msgs[b].Seq); c != 0 {
+			return c
+		}
+		// Two IDs claiming one sequence: the first delivered applies,
+		// as one at a time (cand may come in another order).
+		return cmp.Compare(a, b)
 	})
 	res, err := p.advanceBatch(ctx, tx, h, msgs, g, order)
 	if err != nil {

@@ -32,6 +32,13 @@ func RunOrdering[TTx any](t *testing.T, h *Harness[TTx]) {
 	}{
 		{"AllowShuffledWithDuplicates", func(t *testing.T, s *Store[TTx]) { testAllowShuffled(t, s, aggs) }},
 		{"AllowConcurrentAppendNeverRepeats", testAllowConcurrentAppend[TTx]},
+		{"SeqAboveInt32InOrder", testBigSeqInOrder[TTx]},
+		{"SeqAboveInt32GapIsFinal", testBigSeqGap[TTx]},
+		{"SeqAboveInt32VersionOnly", testBigSeqVersionOnly[TTx]},
+		{"SeqAtMaxInt64", testMaxSeq[TTx]},
+		{"GapWaitDeadlineAtHugeSeq", testGapWaitHugeSeq[TTx]},
+		{"BatchConflictsAndStaleCopies", testBatchConflictsAndStaleCopies[TTx]},
+		{"BatchSameSeqTieFollowsDeliveryOrder", testBatchSameSeqTie[TTx]},
 		{"FailHoldsOnlyTheGappedAggregate", func(t *testing.T, s *Store[TTx]) { testFailHolds(t, s, aggs) }},
 		{"WaitRetriesUntilDeadline", testWaitDeadline[TTx]},
 		{"WaitReordersLocalShuffleExactly", func(t *testing.T, s *Store[TTx]) { testWaitLocalShuffle(t, s, min(aggs, 20)) }},

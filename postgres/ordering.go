@@ -42,7 +42,7 @@ WHERE s.last_seq = excluded.last_seq - 1 OR ($4::boolean AND s.last_seq < exclud
 RETURNING last_seq`, []any{p.Handler, p.AggregateID, p.Seq, p.AllowGap}
 	}
 	return `UPDATE ` + d.t.sequences + ` SET last_seq = $3
-WHERE handler = $1 AND aggregate_id = $2 AND last_seq = $3 - 1
+WHERE handler = $1 AND aggregate_id = $2 AND last_seq = $3::bigint - 1
 RETURNING last_seq`, []any{p.Handler, p.AggregateID, p.Seq}
 }
 

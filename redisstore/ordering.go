@@ -141,9 +141,11 @@ func (d *Driver) SequenceSetMany(ctx context.Context, tx *Tx, p *driver.Sequence
 var gapScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
-local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local last = redis.call('GET', KEYS[2]) or '0'
 for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-  if tonumber(f) <= last then
+  -- Decimal strings compared as such: a Lua number (a double) would
+  -- round sequences above 2^53.
+  if #f < #last or (#f == #last and f <= last) then
     redis.call('HDEL', KEYS[1], f)
   end
 end
