@@ -203,8 +203,9 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 	var ge *GapError
 	if errors.As(err, &ge) && !ge.Deadline.IsZero() {
 		// Waiting for a missing event: try again soon, not later than
-		// the deadline.
-		delay = min(delay, max(time.Until(ge.Deadline), 0))
+		// the deadline, as the store's clock measures it (Deadline is on
+		// it; the host's may be ahead or behind).
+		delay = min(delay, max(ge.Remaining, 0))
 	}
 	c.cfg.Logger.Warn("idem: delivery failed; will retry", slog.String("handler", c.name),
 		slog.String("message_id", d.Msg.ID), slog.Int("attempt", d.Attempt), slog.Duration("retry_after", delay), slog.Any("error", err))

@@ -599,7 +599,8 @@ func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Messag
 			wait = DefaultGapWait
 		}
 		ge.FirstSeen, ge.Deadline = r.FirstSeen, r.FirstSeen.Add(wait)
-		ge.Final = !r.Now.Before(ge.Deadline)
+		ge.Remaining = ge.Deadline.Sub(r.Now)
+		ge.Final = ge.Remaining <= 0
 	}
 	return OutcomeNone, true, p.release(ctx, h, msg, l, ge)
 }

@@ -101,8 +101,14 @@ type GapError struct {
 	Last, Seq int64
 	// Policy is the handler's gap policy that produced the error.
 	Policy GapPolicy
-	// FirstSeen and Deadline are set under GapWait.
+	// FirstSeen and Deadline are set under GapWait, on the store's clock
+	// (the one the first sighting was recorded by).
 	FirstSeen, Deadline time.Time
+	// Remaining is what was left of the wait when the gap was seen, by the
+	// store's clock: Deadline minus the store's time then. A retry is due
+	// within it; measuring time.Until(Deadline) on a host whose clock
+	// differs from the store's would be off by the skew.
+	Remaining time.Duration
 	// Final is true when retrying is pointless: under GapFail always, under
 	// GapWait once Deadline has passed. IsPermanent reports Final.
 	Final bool
@@ -115,8 +121,10 @@ func (e *GapError) Error() string {
 	if e.Policy == GapWait {
 		if e.Final {
 			s += fmt.Sprintf("; waited since %s, deadline passed", e.FirstSeen.Format(time.RFC3339))
-		} else {
+		} else if !e.Deadline.IsZero() {
 			s += fmt.Sprintf("; retry until %s", e.Deadline.Format(time.RFC3339))
+		} else {
+			s += "; to be retried"
 		}
 	}
 	return s
@@ -210,7 +218,8 @@ func (p *Processor[TTx]) sight(ctx context.Context, h *Handler[TTx], err error) 
 	}
 	ge.FirstSeen = r.FirstSeen
 	ge.Deadline = r.FirstSeen.Add(wait)
-	ge.Final = !r.Now.Before(ge.Deadline)
+	ge.Remaining = ge.Deadline.Sub(r.Now)
+	ge.Final = ge.Remaining <= 0
 	return ge
 }
 
