@@ -199,7 +199,9 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 	case d.LastAttempt || (c.cfg.MaxAttempts > 0 && d.Attempt >= c.cfg.MaxAttempts):
 		return c.deadLetter(ctx, d, DeadLetterExhausted, err, out)
 	}
-	delay := c.cfg.Backoff.Delay(max(d.Attempt-1, 0))
+	// Not before the message may run again (lease mode: a failed
+	// attempt's retry time), or the delivery would find it in flight.
+	delay := max(c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), notBefore)
 	var ge *GapError
 	if errors.As(err, &ge) && !ge.Deadline.IsZero() {
 		// Waiting for a missing event: try again soon, not later than

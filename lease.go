@@ -498,7 +498,7 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		// failed, and a wait behind a gap uses no attempt.)
 		// This claim calls nothing, so it gives its attempt back: the row
 		// records the attempts that ran.
-		return p.failCall(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)), false)
+		return p.failCall(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)), false, nil)
 	}
 	if !time.Now().Before(sent.Add(p.cfg.TTL)) {
 		// The lease ran out before the call (a slow ordering read, say):
@@ -506,15 +506,21 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		// overlap its call. This claim calls nothing.
 		return OutcomeNone, p.release(ctx, h, msg, l, fmt.Errorf("idem: handler %q, message %q: %w before the call", h.Name, msg.ID, ErrLeaseExpired))
 	}
+	if err := ctx.Err(); err != nil {
+		// Stopping: a call would start cancelled, and its failure would
+		// count an attempt. This claim calls nothing.
+		return OutcomeNone, p.release(ctx, h, msg, l, fmt.Errorf("idem: handler %q, message %q: stopped before the call: %w", h.Name, msg.ID, err))
+	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	k := p.keep(ctx, cancel, h.Name, msg.ID, l, sent)
 	herr := callLease(hctx, h, l, msg)
+	until := time.Now().Add(k.remaining()) // the lease, as far as this worker knows
 	k.stop()
 	if herr == nil {
-		return p.complete(ctx, h, msg, l, advance)
+		return p.complete(ctx, h, msg, l, advance, until)
 	}
-	return p.fail(ctx, h, msg, l, herr)
+	return p.failCall(ctx, h, msg, l, herr, true, due)
 }
 
 // notClaimed decides the outcome of a claim that found a row it could not
@@ -581,7 +587,7 @@ func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Messag
 	o := h.Ordering
 	switch {
 	case msg.Seq <= last:
-		if out, err := p.complete(ctx, h, msg, l, nil); err != nil {
+		if out, err := p.complete(ctx, h, msg, l, nil, time.Time{}); err != nil { // no effect to lose: no retry
 			return out, true, err
 		}
 		return Stale, true, nil
@@ -627,32 +633,44 @@ func (p *LeaseProcessor) release(ctx context.Context, h *LeaseHandler, msg *Mess
 }
 
 // complete marks the row done, advancing the aggregate's sequence when
-// advance is set.
-func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, advance *driver.LeaseAdvance) (Outcome, error) {
+// advance is set. The effect has happened: a write that fails (a dropped
+// connection) is tried again, with a growing pause, while the lease lasts
+// (until), since a row left running would be claimed again once it runs
+// out, and the effect repeated.
+func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, advance *driver.LeaseAdvance, until time.Time) (Outcome, error) {
 	p.fault(FaultBeforeDone)
-	wctx, cancel := p.writeContext(ctx)
-	defer cancel()
-	res, err := p.drv.LeaseComplete(wctx, &driver.LeaseCompleteParams{Handler: h.Name, MessageID: msg.ID, Token: l.Token, Advance: advance})
-	if err != nil {
-		return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done: %w", h.Name, msg.ID, err)
+	for try := 0; ; try++ {
+		wctx, cancel := p.writeContext(ctx)
+		res, err := p.drv.LeaseComplete(wctx, &driver.LeaseCompleteParams{Handler: h.Name, MessageID: msg.ID, Token: l.Token, Advance: advance})
+		cancel()
+		if err == nil && !res.OK && try > 0 && res.Current != nil && res.Current.Status == driver.LeaseDone && res.Current.Token == l.Token {
+			// An earlier try was written, though its answer was lost.
+			res.OK = true
+		}
+		if err == nil && !res.OK {
+			fe := fencedError("done", h.Name, msg.ID, l.Token, res.Current)
+			p.fenced(ctx, l, fe)
+			return OutcomeNone, fe
+		}
+		if err == nil {
+			p.fault(FaultAfterDone)
+			return Applied, nil
+		}
+		pause := min(50*time.Millisecond<<min(try, 5), time.Second)
+		if !time.Now().Add(pause).Before(until) {
+			return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done (%d tries, until the lease ran out): %w", h.Name, msg.ID, try+1, err)
+		}
+		p.cfg.Logger.Warn("idem: marking a lease done failed; trying again while the lease lasts", slog.String("handler", h.Name),
+			slog.String("message_id", msg.ID), slog.Duration("retry_after", pause), slog.Any("error", err))
+		time.Sleep(pause)
 	}
-	if !res.OK {
-		fe := fencedError("done", h.Name, msg.ID, l.Token, res.Current)
-		p.fenced(ctx, l, fe)
-		return OutcomeNone, fe
-	}
-	p.fault(FaultAfterDone)
-	return Applied, nil
 }
 
-// fail marks the row failed with a retry time, or permanently.
-func (p *LeaseProcessor) fail(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error) (Outcome, error) {
-	return p.failCall(ctx, h, msg, l, herr, true)
-}
-
-// failCall is fail; called says whether this claim called the handler
-// (its attempt counts).
-func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error, called bool) (Outcome, error) {
+// failCall marks the row failed with a retry time, or permanently; called
+// says whether this claim called the handler (its attempt counts). The
+// retry time goes to due, when set: a delivery before it would only find
+// the message in flight.
+func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error, called bool, due *time.Duration) (Outcome, error) {
 	permanent := IsPermanent(herr)
 	shutdown := ctx.Err() != nil
 	exhausted := !permanent && !shutdown && p.cfg.MaxAttempts > 0 && l.Attempt >= p.cfg.MaxAttempts
@@ -678,6 +696,9 @@ func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Mes
 	}
 	if exhausted {
 		return OutcomeNone, &PermanentError{Err: fmt.Errorf("idem: gave up after %d attempts: %w", l.Attempt, herr)}
+	}
+	if due != nil && !permanent {
+		*due = retryIn
 	}
 	return OutcomeNone, herr
 }
