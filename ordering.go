@@ -83,7 +83,9 @@ type Ordering struct {
 // so " Straße", "STRASSE" and "stra\u00dfe" all become "strasse", and "é"
 // composed or decomposed compare equal. It does not fold look-alikes from
 // other scripts (Latin "a" and Cyrillic "а" stay distinct) and keeps inner
-// white space and separators as they are.
+// white space and separators as they are. Folding can lengthen an ID
+// ("İ" becomes three bytes from two): the guard refuses a result over 255
+// bytes with a *ValidationError.
 func FoldAggregateID(id string) string {
 	return norm.NFC.String(cases.Fold().String(norm.NFC.String(strings.TrimSpace(id))))
 }

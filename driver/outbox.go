@@ -42,9 +42,9 @@ type OutboxWriter[TTx any] interface {
 
 // OutboxNextAdder is implemented by drivers that allocate an aggregate's
 // next version (as VersionStore.VersionNext) and insert its outbox row in
-// one statement. The row's MessageID and Seq are ignored: the driver sets
-// Seq to the allocated version and MessageID to
-// "<row.Destination>-<row.AggregateID>-<seq>", and returns the version.
+// one statement. The row's Seq is ignored and its MessageID is the ID's
+// prefix: the driver sets Seq to the allocated version and MessageID to
+// the prefix followed by the version in decimal, and returns the version.
 type OutboxNextAdder[TTx any] interface {
 	OutboxAddNext(ctx context.Context, tx TTx, row *OutboxRow) (int64, error)
 }

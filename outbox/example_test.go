@@ -112,7 +112,7 @@ func Example() {
 	}
 	fmt.Println(raw.Subject, raw.Header.Get(jetstream.HeaderMsgID), raw.Header.Get(jetstream.HeaderSeq), string(raw.Data))
 	// Output:
-	// added credits.accounts-acct-1-1
+	// added 16:credits.accounts-acct-1-1
 	// published 1
-	// credits.accounts credits.accounts-acct-1-1 1 {"amount":10}
+	// credits.accounts 16:credits.accounts-acct-1-1 1 {"amount":10}
 }

@@ -35,10 +35,18 @@ func New[TTx any](drv driver.Driver[TTx]) (*Outbox[TTx], error) {
 	return o, nil
 }
 
-// MessageID returns the deterministic ID "<stream>-<aggregate>-<seq>": the
-// same event gets the same ID however often it is published.
+// MessageID returns the deterministic ID "<n>:<stream>-<aggregate>-<seq>",
+// n being the stream's length in bytes: the same event gets the same ID
+// however often it is published, and two events of different streams or
+// aggregates never share one (without n, stream "orders" with aggregate
+// "eu-7" and stream "orders-eu" with aggregate "7" would).
 func MessageID(stream, aggregateID string, seq int64) string {
-	return stream + "-" + aggregateID + "-" + strconv.FormatInt(seq, 10)
+	return idPrefix(stream, aggregateID) + strconv.FormatInt(seq, 10)
+}
+
+// idPrefix is MessageID without the sequence.
+func idPrefix(stream, aggregateID string) string {
+	return strconv.Itoa(len(stream)) + ":" + stream + "-" + aggregateID + "-"
 }
 
 // Add inserts msgs into the outbox in tx; they are published after tx
@@ -89,9 +97,9 @@ func newRow(m *idem.Message) (driver.OutboxRow, error) {
 // AddNext allocates the next sequence of (stream, aggregateID) with the
 // write-side allocator (idem.Versions) in tx, and adds a message with that
 // sequence and the ID MessageID(stream, aggregateID, seq) — on Postgres in
-// one statement. stream and aggregateID together may take at most 234
-// bytes, so that every sequence gives a valid ID (of at most 255 bytes:
-// two dashes and up to 19 digits). The allocator
+// one statement. stream and aggregateID together may take at most 230
+// bytes (231 with a stream under 100 bytes, 232 under 10), so that every
+// sequence gives a valid ID of at most 255 bytes. The allocator
 // locks the aggregate's row until tx ends, so concurrent writers of one
 // aggregate add their rows in sequence order. It returns the message.
 func (o *Outbox[TTx]) AddNext(ctx context.Context, tx TTx, stream, aggregateID, typ string, payload []byte) (*idem.Message, error) {
@@ -107,6 +115,7 @@ func (o *Outbox[TTx]) AddNext(ctx context.Context, tx TTx, stream, aggregateID, 
 		if err != nil {
 			return nil, err
 		}
+		row.MessageID = idPrefix(stream, aggregateID) // the driver appends the sequence
 		seq, err := o.next.OutboxAddNext(ctx, tx, &row)
 		if err != nil {
 			return nil, fmt.Errorf("outbox: add: %w", err)

@@ -38,8 +38,8 @@ func TestAddIsTransactional(t *testing.T) {
 				t.Fatal(err)
 			}
 			// The rolled-back transaction's sequence was not used.
-			if m.ID != "credits.ledger-acct-1-1" || m.Seq != 1 {
-				t.Fatalf("message %q seq %d, want credits.ledger-acct-1-1 seq 1", m.ID, m.Seq)
+			if m.ID != "14:credits.ledger-acct-1-1" || m.Seq != 1 {
+				t.Fatalf("message %q seq %d, want 14:credits.ledger-acct-1-1 seq 1", m.ID, m.Seq)
 			}
 			if s := outboxStats(t, p); s.Pending != 1 || s.OldestPending.IsZero() {
 				t.Fatalf("stats %+v, want 1 pending with its time", s)
@@ -53,7 +53,7 @@ func TestAddIsTransactional(t *testing.T) {
 			if err := rs.OutboxRelease(ctx, "check"); err != nil {
 				t.Fatal(err)
 			}
-			if m2, err := p.credit(ctx, "credits.ledger", "acct-1", 5, false); err != nil || m2.ID != "credits.ledger-acct-1-2" {
+			if m2, err := p.credit(ctx, "credits.ledger", "acct-1", 5, false); err != nil || m2.ID != "14:credits.ledger-acct-1-2" {
 				t.Fatalf("second credit: %v, %v", m2, err)
 			}
 			if _, err := p.credit(ctx, strings.Repeat("s", 200), strings.Repeat("a", 40), 1, false); !errors.Is(err, idem.ErrInvalidMessage) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/postgres"
@@ -190,18 +192,46 @@ func TestAddValidatesStreamTypeAndHeaders(t *testing.T) {
 	}
 }
 
-// TestAddNextLengthLimit: stream and aggregate ID together may take 234
-// bytes, as documented; 235 would make the ID
-// "<stream>-<aggregate>-<19 digits>" 256 bytes long.
+// TestAddNextLengthLimit: stream and aggregate ID together may take up to
+// 230 bytes with a stream of 100 bytes or more, as documented; one more
+// would make the ID "<n>:<stream>-<aggregate>-<19 digits>" 256 bytes long.
 func TestAddNextLengthLimit(t *testing.T) {
 	p := sqliteProducer(t)
 	ctx := context.Background()
-	stream, agg := strings.Repeat("s", 200), strings.Repeat("a", 34) // 234 bytes
+	stream, agg := strings.Repeat("s", 200), strings.Repeat("a", 30) // 230 bytes
 	if _, err := p.credit(ctx, stream, agg, 1, false); err != nil {
-		t.Fatalf("AddNext with stream+aggregate of 234 bytes (documented maximum): %v", err)
+		t.Fatalf("AddNext with stream+aggregate of 230 bytes (documented maximum): %v", err)
 	}
 	if _, err := p.credit(ctx, stream, agg+"a", 1, false); !errors.Is(err, idem.ErrInvalidMessage) {
-		t.Fatalf("AddNext with stream+aggregate of 235 bytes: %v, want ErrInvalidMessage", err)
+		t.Fatalf("AddNext with stream+aggregate of 231 bytes and a 3-digit stream length: %v, want ErrInvalidMessage", err)
+	}
+	if n := len(outbox.MessageID(stream, agg, math.MaxInt64)); n != idem.MaxIDLen {
+		t.Fatalf("longest ID %d bytes, want %d", n, idem.MaxIDLen)
+	}
+}
+
+// TestMessageIDsDoNotCollide: two streams and aggregates never share an
+// ID; without the stream's length, "orders"/"eu-7" and "orders-eu"/"7"
+// both gave "orders-eu-7-1", and a consumer of both (or one JetStream
+// stream's duplicate window) took the second event for the first.
+func TestMessageIDsDoNotCollide(t *testing.T) {
+	if a, b := outbox.MessageID("orders", "eu-7", 1), outbox.MessageID("orders-eu", "7", 1); a == b {
+		t.Fatalf("MessageID(orders, eu-7, 1) = MessageID(orders-eu, 7, 1) = %q", a)
+	}
+	if got := outbox.MessageID("credits", "acct-1", 12); got != "7:credits-acct-1-12" {
+		t.Fatalf("MessageID = %q, want 7:credits-acct-1-12", got)
+	}
+	// The Postgres driver builds the ID in its statement: the same one.
+	for name, open := range producers() {
+		p := open(t)
+		m, err := p.credit(context.Background(), "orders-eu", "7", 1, false)
+		if err != nil || m.ID != outbox.MessageID("orders-eu", "7", 1) {
+			t.Fatalf("%s: AddNext gave %v, %v; want %q", name, m, err, outbox.MessageID("orders-eu", "7", 1))
+		}
+		rows, err := p.drv.(driver.OutboxRelayStore).OutboxClaim(context.Background(), "check", 10, time.Minute)
+		if err != nil || len(rows) != 1 || rows[0].MessageID != m.ID {
+			t.Fatalf("%s: stored rows %+v, %v; want one with ID %q", name, rows, err, m.ID)
+		}
 	}
 }
 

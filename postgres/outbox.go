@@ -82,8 +82,8 @@ func (d *Driver) OutboxAddNext(ctx context.Context, tx Tx, r *driver.OutboxRow) 
   INSERT INTO `+d.t.versions+` AS v (stream, aggregate_id, version) VALUES ($1, $2, 1)
   ON CONFLICT (stream, aggregate_id) DO UPDATE SET version = v.version + 1 RETURNING version)
 INSERT INTO `+d.t.outbox+` (destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash)
-SELECT $1, $1 || '-' || $2 || '-' || v.version, $3, $2, v.version, $4, $5, $6, $7 FROM v RETURNING seq`,
-		r.Destination, r.AggregateID, r.OrderingKey, r.Type, r.Headers, payload, r.PayloadHash).Scan(&seq)
+SELECT $1, $8::text || v.version, $3, $2, v.version, $4, $5, $6, $7 FROM v RETURNING seq`,
+		r.Destination, r.AggregateID, r.OrderingKey, r.Type, r.Headers, payload, r.PayloadHash, r.MessageID).Scan(&seq)
 	if err != nil {
 		return 0, fmt.Errorf("postgres: add next outbox row: %w", err)
 	}
