@@ -537,6 +537,14 @@ func (p *LeaseProcessor) notClaimed(h *LeaseHandler, id string, hash []byte, row
 	case driver.LeaseDone:
 		return Duplicate, nil
 	case driver.LeaseRunning:
+		// Held: by a live worker, which acknowledges its own delivery, or
+		// by one that crashed, whose lease must run out first. Asked
+		// again before then, a delivery would find it in flight again,
+		// and under a broker delivery limit the last one would
+		// dead-letter it before it could be taken over.
+		if due != nil && !row.LeaseUntil.IsZero() {
+			*due = max(row.LeaseUntil.Sub(row.Now), 0)
+		}
 		return InFlight, nil
 	case driver.LeaseFailed:
 		if row.NextAttemptAt.IsZero() {

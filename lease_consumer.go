@@ -15,9 +15,9 @@ import (
 //
 // Besides what Consumer does, it maps InFlight: another worker holds the
 // message's lease, or a failed attempt's retry is not due. Such a delivery
-// is not acknowledged but asked again after the backoff, or, for a failed
-// attempt, once its retry is due; the worker holding the lease acknowledges
-// its own delivery. On the broker's last delivery (Delivery.LastAttempt)
+// is not acknowledged but asked again after the backoff, and no earlier
+// than the holder's lease can run out or the failed attempt's retry is
+// due; the worker holding the lease acknowledges its own delivery. On the broker's last delivery (Delivery.LastAttempt)
 // an in-flight message is dead-lettered rather than dropped; replayed
 // later, it is a Duplicate if the holder finished it.
 //

@@ -187,3 +187,53 @@ func TestLeaseStoppedBeforeTheCallIsNoAttempt(t *testing.T) {
 			deadCalls.Load(), out, err, liveCalls.Load())
 	}
 }
+
+// TestLeaseCrashedHolderIsTakenOverNotDeadLettered: a worker crashed
+// after its claim; its lease runs out after the TTL. The other deliveries
+// find the message in flight and are asked again once the lease can be
+// taken over, so that under a broker delivery limit (JetStream MaxDeliver
+// 5 here) the message is applied rather than dead-lettered. Asked again
+// after ConsumerConfig.Backoff alone, the five deliveries ran out long
+// before the TTL and the last dead-lettered the message.
+func TestLeaseCrashedHolderIsTakenOverNotDeadLettered(t *testing.T) {
+	t.Parallel()
+	drv := leaseDriver(t)
+	ctx := context.Background()
+	const ttl = 400 * time.Millisecond
+	msg := &idem.Message{ID: "mail-1", Payload: []byte("hello")}
+	// The crashed worker's claim.
+	if r, err := drv.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "mailer", MessageID: msg.ID, PayloadHash: msg.PayloadHash(), Owner: "crashed", TTL: ttl}); err != nil || !r.Claimed {
+		t.Fatalf("claim: %+v, %v", r, err)
+	}
+	p, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: ttl, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int32
+	h := &idem.LeaseHandler{Name: "mailer", Call: func(context.Context, *idem.Lease, *idem.Message) error {
+		calls.Add(1)
+		return nil
+	}}
+	c, err := idem.NewLeaseConsumer(p, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t),
+		Backoff: idem.Backoff{Base: 10 * time.Millisecond, Max: 20 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const maxDeliver = 5
+	var v idem.Verdict
+	start := time.Now()
+	for attempt := 1; attempt <= maxDeliver; attempt++ {
+		v = c.HandleDelivery(ctx, &idem.Delivery{Msg: msg, Attempt: attempt, LastAttempt: attempt == maxDeliver})
+		if v.Ack {
+			break
+		}
+		if v.RetryAfter > ttl {
+			t.Fatalf("delivery %d: asked again after %s, beyond the lease's %s", attempt, v.RetryAfter, ttl)
+		}
+		time.Sleep(v.RetryAfter) // the broker honours the verdict
+	}
+	if !v.Ack || v.DeadLettered || v.Outcome != idem.Applied || calls.Load() != 1 {
+		t.Fatalf("after %s (lease TTL %s): verdict %+v, %d calls; want the expired lease taken over and applied, not a dead letter",
+			time.Since(start).Round(time.Millisecond), ttl, v, calls.Load())
+	}
+}
