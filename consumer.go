@@ -196,6 +196,11 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		return c.deadLetter(ctx, d, DeadLetterConflict, err, out)
 	case c.classify(err) == PermanentClass:
 		return c.deadLetter(ctx, d, DeadLetterPermanent, err, out)
+	case d.replay && ctx.Err() != nil:
+		// A replay stopped with its consumer: not the message's failure.
+		// Its dead letter stays as it was, replay requested, for the
+		// next run.
+		return Verdict{Outcome: out, Err: err}
 	case d.LastAttempt || (c.cfg.MaxAttempts > 0 && d.Attempt >= c.cfg.MaxAttempts):
 		return c.deadLetter(ctx, d, DeadLetterExhausted, err, out)
 	}
@@ -225,7 +230,8 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 // Deciding them alone keeps each aggregate's order: once a delivery is to
 // be retried, the later deliveries of its AggregateID (normalized as the
 // ordering guard does, if it does) in the batch are not processed but
-// returned for a retry too, so that none is applied before it (an adapter
+// returned for a retry too (a delivery without an AggregateID is decided
+// on its own), so that none is applied before it (an adapter
 // retries them in order: Kafka). A delivery on its LastAttempt is decided
 // all the same, since the broker would drop it.
 func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
@@ -261,6 +267,11 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 		for _, i := range idx {
 			m := ds[i].Msg
 			agg := c.aggregateKey(m.AggregateID) // the aggregate as the guard sees it
+			if m.AggregateID == "" {
+				// No aggregate: no order to keep with any other message.
+				one(i)
+				continue
+			}
 			if first, ok := held[agg]; ok && !ds[i].LastAttempt {
 				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("%w: message %s waits for %s to be retried first", ErrWaitsForAggregate, m.ID, ds[first].Msg.ID)}
 				c.report(ctx, ds[i], vs[i])
@@ -409,8 +420,10 @@ func (c *deliveries) aggregateKey(aggregateID string) string {
 // Replay runs this handler's dead letters in state replay_requested through
 // the same path as a delivery (dedup, ordering guard): an already-applied
 // message is a Duplicate, never a second effect. A success marks the dead
-// letter replayed; a failure parks it again with the new error. Call it on
-// an interval (see Run) or after RequestReplay.
+// letter replayed; a failure parks it again with the new error. A replay
+// stopped by ctx is no failure: its dead letter stays requested, and
+// Replay returns ctx's error. Call it on an interval (see Run) or after
+// RequestReplay.
 //
 // Each dead letter's state is read again just before it runs, so one
 // that another consumer replayed, or an operator discarded, since this
@@ -472,9 +485,16 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 		// A failure parks it again through deadLetter, whose write logs
 		// the replay's attempt.
 		v := c.handle(ctx, &Delivery{Msg: msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true, replay: true})
-		if !v.Ack || v.DeadLettered {
-			// Not even stored: leave it requested for the next run.
-			res.Parked++
+		if v.DeadLettered {
+			res.Parked++ // failed again: parked with the new error
+			continue
+		}
+		if !v.Ack {
+			// Stopped, or its new failure could not even be stored: it
+			// stays requested for the next run.
+			if err := ctx.Err(); err != nil {
+				return res, err
+			}
 			continue
 		}
 		n, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},

@@ -233,7 +233,7 @@ func (p *Processor[TTx]) guardApplyCommit(ctx context.Context, tx TTx, h *Handle
 			return out, nil
 		}
 	}
-	if err := callApply(ctx, h, tx, msg); err != nil {
+	if err := p.callOwned(ctx, tx, func() error { return callApply(ctx, h, tx, msg) }); err != nil {
 		p.rollback(ctx, tx)
 		return OutcomeNone, err
 	}
@@ -241,6 +241,23 @@ func (p *Processor[TTx]) guardApplyCommit(ctx context.Context, tx TTx, h *Handle
 		return OutcomeNone, fmt.Errorf("idem: commit: %w", err)
 	}
 	return Applied, nil
+}
+
+// callOwned runs the handler call f in tx, a transaction the processor
+// owns. Should the goroutine exit inside it (runtime.Goexit: t.FailNow
+// in a test's handler), tx is rolled back on the way out, rather than left
+// open holding its connection (SQLite's only one) for good. Panics are
+// recovered inside f.
+func (p *Processor[TTx]) callOwned(ctx context.Context, tx TTx, f func() error) error {
+	returned := false
+	defer func() {
+		if !returned {
+			p.rollback(context.WithoutCancel(ctx), tx)
+		}
+	}()
+	err := f()
+	returned = true
+	return err
 }
 
 // processVersionOnly dedupes by the ordering guard alone: no marker.
@@ -754,7 +771,12 @@ func (p *Processor[TTx]) applyBatchCommit(ctx context.Context, tx TTx, owned boo
 		for k, i := range fresh {
 			batch[k] = msgs[i]
 		}
-		if err := callApplyBatch(ctx, h, tx, batch); err != nil {
+		apply := func() error { return callApplyBatch(ctx, h, tx, batch) }
+		if !owned {
+			inner := apply
+			apply = func() error { return p.callOwned(ctx, tx, inner) }
+		}
+		if err := apply(); err != nil {
 			if !owned {
 				p.rollback(ctx, tx)
 			}
