@@ -168,6 +168,10 @@ type PrunableStats struct {
 	// Oldest is the oldest marker's processing time; zero when there is
 	// none.
 	Oldest time.Time
+	// Outbox counts the published outbox rows a Prune would delete too
+	// (when the driver has an outbox and counts them:
+	// driver.OutboxPrunableCounter).
+	Outbox int64
 }
 
 // Prunable counts, per handler, the markers a Prune now would delete, and
@@ -181,7 +185,15 @@ func (p *Pruner) Prunable(ctx context.Context) (PrunableStats, error) {
 	if err != nil {
 		return PrunableStats{}, fmt.Errorf("idem: count prunable markers: %w", err)
 	}
-	return PrunableStats{Cutoff: cut, Markers: counts, Oldest: oldest}, nil
+	est := PrunableStats{Cutoff: cut, Markers: counts, Oldest: oldest}
+	if oc, ok := p.drv.(driver.OutboxPrunableCounter); ok {
+		if _, outbox := p.drv.(driver.OutboxRelayStore); outbox {
+			if est.Outbox, err = oc.OutboxCountPrunable(ctx, cut); err != nil {
+				return PrunableStats{}, fmt.Errorf("idem: count prunable outbox rows: %w", err)
+			}
+		}
+	}
+	return est, nil
 }
 
 // Prune deletes every marker older than the retention, batch by batch. It

@@ -85,6 +85,13 @@ type OutboxRelayStore interface {
 	OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (deleted int, last int64, err error)
 }
 
+// OutboxPrunableCounter is implemented by outbox stores that count what
+// OutboxPrune would delete: the rows published before before. It serves
+// a retention dry run.
+type OutboxPrunableCounter interface {
+	OutboxCountPrunable(ctx context.Context, before time.Time) (int64, error)
+}
+
 // OutboxStats describes the outbox.
 type OutboxStats struct {
 	// Pending rows await the relay; Published rows await cleanup.

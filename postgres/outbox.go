@@ -401,3 +401,14 @@ func (d *Driver) OutboxListen(ctx context.Context) (<-chan struct{}, error) {
 	}()
 	return ch, nil
 }
+
+var _ driver.OutboxPrunableCounter = (*Driver)(nil)
+
+// OutboxCountPrunable implements driver.OutboxPrunableCounter.
+func (d *Driver) OutboxCountPrunable(ctx context.Context, before time.Time) (int64, error) {
+	var n int64
+	if err := d.pool.QueryRow(ctx, `SELECT count(*) FROM `+d.t.outbox+` WHERE published_at < $1`, before).Scan(&n); err != nil {
+		return 0, fmt.Errorf("postgres: count prunable outbox rows: %w", err)
+	}
+	return n, nil
+}

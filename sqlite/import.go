@@ -33,6 +33,10 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
+	// Qualified: SQLite reads a double-quoted name that is no column as a
+	// string literal, and a mistyped column would import its own name
+	// once per row. "table"."col" is an error instead.
+	col = table + "." + col
 	// Pages are ordered by the value, then by its text: values that
 	// compare equal but read differently (5 and 5.0 in a column without a
 	// type, B and b under NOCASE) are distinct IDs, and a page boundary

@@ -225,3 +225,14 @@ WHERE id > ? AND published_at < ? ORDER BY id LIMIT ?) RETURNING id`, after, bef
 	}
 	return n, last, nil
 }
+
+var _ driver.OutboxPrunableCounter = (*Driver)(nil)
+
+// OutboxCountPrunable implements driver.OutboxPrunableCounter.
+func (d *Driver) OutboxCountPrunable(ctx context.Context, before time.Time) (int64, error) {
+	var n int64
+	if err := d.db.QueryRowContext(ctx, `SELECT count(*) FROM `+d.tables.outbox+` WHERE published_at < ?`, before.UnixMicro()).Scan(&n); err != nil {
+		return 0, fmt.Errorf("sqlite: count prunable outbox rows: %w", err)
+	}
+	return n, nil
+}

@@ -93,7 +93,8 @@ func (s *store) idemDriver() any {
 	return s.pgDrv
 }
 
-// cleanupReport is what cleanup prints with --json.
+// cleanupReport is what cleanup prints with --json. With dry_run, deleted
+// and outbox_deleted count what a cleanup now would delete.
 type cleanupReport struct {
 	DryRun         bool             `json:"dry_run"`
 	Cutoff         time.Time        `json:"cutoff"`
@@ -132,6 +133,7 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 		for _, n := range est.Markers {
 			rep.Deleted += int(n)
 		}
+		rep.OutboxDeleted = int(est.Outbox)
 	} else {
 		st, err := pr.Prune(ctx)
 		rep.Cutoff = st.Cutoff.UTC().Truncate(time.Second)
@@ -170,6 +172,9 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 	fmt.Fprintf(tw, "total\t%d\n", rep.Deleted)
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if rep.OutboxDeleted > 0 {
+		fmt.Fprintf(e.stdout, "\nAnd %s published before then.\n", plural(rep.OutboxDeleted, "outbox row"))
 	}
 	if rep.OldestMarker != nil {
 		fmt.Fprintf(e.stdout, "\nOldest marker: %s\n", rep.OldestMarker.Format(time.RFC3339))

@@ -326,9 +326,21 @@ func toJSON(d driver.DeadLetter, full bool) dlqJSON {
 }
 
 func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, asJSON bool) error {
+	// One more than the limit, to say whether the list was cut short.
+	limit := f.Limit
+	if limit > 0 {
+		g := *f
+		g.Limit = limit + 1
+		f = &g
+	}
 	dls, err := dl.DeadLetterList(ctx, f)
 	if err != nil {
 		return err
+	}
+	more := limit > 0 && len(dls) > limit
+	if more {
+		dls = dls[:limit]
+		fmt.Fprintf(e.stderr, "idem dlq list: showing the first %d; more match (--limit 0 lists all).\n", limit)
 	}
 	if asJSON {
 		out := make([]dlqJSON, len(dls))
@@ -354,7 +366,11 @@ func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 	for _, d := range dls {
 		groups[d.Fingerprint]++
 	}
-	fmt.Fprintf(e.stdout, "\n%s in %s (select one with --group '<fingerprint>'; --json shows the fingerprints).\n", plural(len(dls), "dead letter"), plural(len(groups), "group"))
+	shown := plural(len(dls), "dead letter")
+	if more {
+		shown = "The first " + shown + " (more match; --limit 0 lists all)"
+	}
+	fmt.Fprintf(e.stdout, "\n%s in %s (select one with --group '<fingerprint>'; --json shows the fingerprints).\n", shown, plural(len(groups), "group"))
 	return nil
 }
 

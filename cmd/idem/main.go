@@ -191,7 +191,7 @@ func runCommand(ctx context.Context, e *env, c *command, args []string) int {
 	}
 	var ue *usageError
 	if errors.As(err, &ue) {
-		fmt.Fprintf(e.stderr, "idem %s: %v\nRun 'idem %s --help' for usage.\n", c.name, err, c.name)
+		fmt.Fprintf(e.stderr, "idem %s: %s\nRun 'idem %s --help' for usage.\n", c.name, errorText(c.name, err), c.name)
 		return exitUsage
 	}
 	if ctx.Err() != nil {

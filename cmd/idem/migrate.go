@@ -61,11 +61,7 @@ func runMigrate(ctx context.Context, e *env, s *store) error {
 		return err
 	}
 
-	where := s.String()
-	if s.opts.Schema != "" {
-		where += fmt.Sprintf(", schema %q", s.opts.Schema)
-	}
-	fmt.Fprintf(e.stdout, "database: %s (table prefix %q)\n", where, s.opts.Prefix)
+	fmt.Fprintf(e.stdout, "database: %s (table prefix %q)\n", s, s.opts.Prefix)
 	if applied := after - before; applied > 0 {
 		fmt.Fprintf(e.stdout, "applied %s; schema is at version %d\n", plural(applied, "migration"), version)
 	} else {

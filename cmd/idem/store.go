@@ -334,6 +334,19 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 		if err != nil {
 			return nil, usagef("bad PostgreSQL DSN: %w", err)
 		}
+		for _, h := range append([]string{cfg.ConnConfig.Host}, fallbackHosts(cfg)...) {
+			if strings.Contains(h, "@") {
+				// A raw '@' in the password: the URL's host is then the
+				// password's tail, and would be printed.
+				return nil, usagef("bad PostgreSQL DSN %s: percent-encode '@' in the user name or password as %%40", redactDSN(t.dsn))
+			}
+		}
+		// A command waiting on a lock (a table another session locked, a
+		// migration behind busy transactions) fails after this, naming
+		// the lock, rather than hanging without a word.
+		if _, ok := cfg.ConnConfig.RuntimeParams["lock_timeout"]; !ok {
+			cfg.ConnConfig.RuntimeParams["lock_timeout"] = cliLockTimeout
+		}
 		if s.pgPool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 			return nil, fmt.Errorf("connect to %s: %w", s, err)
 		}
@@ -467,4 +480,17 @@ func plural(n int, word string) string {
 		return "1 " + word
 	}
 	return strconv.Itoa(n) + " " + word + "s"
+}
+
+// cliLockTimeout is the PostgreSQL lock_timeout of the command line's
+// connections, unless the DSN sets one.
+const cliLockTimeout = "10s"
+
+// fallbackHosts returns the hosts of cfg's fallbacks.
+func fallbackHosts(cfg *pgxpool.Config) []string {
+	var hs []string
+	for _, f := range cfg.ConnConfig.Fallbacks {
+		hs = append(hs, f.Host)
+	}
+	return hs
 }
