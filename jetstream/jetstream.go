@@ -67,8 +67,9 @@ type Config struct {
 	// Batch, above 1, fetches up to that many messages at a time and hands
 	// them to the Handler's HandleDeliveries; the Handler must be an
 	// idem.BatchDeliveryHandler (idem.Consumer is, a LeaseConsumer is
-	// not), else New refuses it. Their effects commit in one transaction. Each message is still settled on its own
-	// verdict. Default 1: one message at a time.
+	// not), else New refuses it. Their effects commit in one transaction.
+	// Each message is still settled on its own verdict. Default 1: one
+	// message at a time.
 	Batch int
 	// BatchWait bounds how long a fetch waits to fill a batch: the extra
 	// latency a batch may add when messages trickle in. It must be below
