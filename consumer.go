@@ -230,8 +230,9 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 // Deciding them alone keeps each aggregate's order: once a delivery is to
 // be retried, the later deliveries of its AggregateID (normalized as the
 // ordering guard does, if it does) in the batch are not processed but
-// returned for a retry too (a delivery without an AggregateID is decided
-// on its own), so that none is applied before it (an adapter
+// returned for a retry too (deliveries without an AggregateID count as one
+// aggregate: a Kafka batch is one partition's records, whose order a
+// retry holds), so that none is applied before it (an adapter
 // retries them in order: Kafka). A delivery on its LastAttempt is decided
 // all the same, since the broker would drop it.
 func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []Verdict {
@@ -267,11 +268,6 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 		for _, i := range idx {
 			m := ds[i].Msg
 			agg := c.aggregateKey(m.AggregateID) // the aggregate as the guard sees it
-			if m.AggregateID == "" {
-				// No aggregate: no order to keep with any other message.
-				one(i)
-				continue
-			}
 			if first, ok := held[agg]; ok && !ds[i].LastAttempt {
 				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("%w: message %s waits for %s to be retried first", ErrWaitsForAggregate, m.ID, ds[first].Msg.ID)}
 				c.report(ctx, ds[i], vs[i])

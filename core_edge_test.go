@@ -39,40 +39,6 @@ func TestGoexitInHandlerRollsBack(t *testing.T) {
 	}
 }
 
-// TestBatchRetryHoldsNoMessageWithoutAggregate: when a batch cannot
-// commit, HandleDeliveries holds the later deliveries of an aggregate
-// behind one to be retried; messages without an AggregateID have no
-// aggregate and are decided on their own. They were keyed by "" and all
-// held behind the first of them that failed, each redelivered unprocessed.
-func TestBatchRetryHoldsNoMessageWithoutAggregate(t *testing.T) {
-	t.Parallel()
-	l := newLedger(t)
-	h := &idem.Handler[*sql.Tx]{Name: "noagg", Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
-		if m.ID == "m-1" {
-			return errors.New("transient")
-		}
-		return nil
-	}}
-	c, err := idem.NewConsumer(l.proc, h, l.dl, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ds := []*idem.Delivery{
-		{Msg: &idem.Message{ID: "m-1"}, Attempt: 1},
-		{Msg: &idem.Message{ID: "m-2"}, Attempt: 1},
-		{Msg: &idem.Message{ID: "m-3"}, Attempt: 1},
-	}
-	vs := c.HandleDeliveries(context.Background(), ds)
-	if vs[0].Ack {
-		t.Fatalf("m-1: %+v, want a retry", vs[0])
-	}
-	for i := 1; i < 3; i++ {
-		if !vs[i].Ack || vs[i].Outcome != idem.Applied {
-			t.Errorf("%s (no aggregate, unrelated to m-1): %+v, want applied; err %v", ds[i].Msg.ID, vs[i], vs[i].Err)
-		}
-	}
-}
-
 // TestStoppedReplayStaysRequested: stopping a replay (the context of
 // Consumer.Run or Replay ends while a replayed message runs) is not a
 // failure of that message: its dead letter stays replay_requested, with
