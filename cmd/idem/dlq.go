@@ -111,8 +111,12 @@ func unmatchedIDs(f *driver.DeadLetterFilter, changed int) error {
 	if len(f.IDs) == 0 || changed >= len(f.IDs) {
 		return nil
 	}
-	return fmt.Errorf("%d of the %s named were not changed: missing, not parked, or outside the filters ('idem dlq show ID' tells which)",
-		len(f.IDs)-changed, plural(len(f.IDs), "dead letter"))
+	verb := "were"
+	if len(f.IDs)-changed == 1 {
+		verb = "was"
+	}
+	return fmt.Errorf("%d of the %s named %s not changed: missing, not parked, or outside the filters ('idem dlq show ID' tells which)",
+		len(f.IDs)-changed, plural(len(f.IDs), "dead letter"), verb)
 }
 
 // parseInterspersed parses fs's flags from args wherever they stand, before

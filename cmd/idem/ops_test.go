@@ -91,7 +91,7 @@ func TestOperatorCommandsGolden(t *testing.T) {
 	// A replay or discard of named dead letters that changes none of them
 	// fails: the operator asked for something that did not happen.
 	for _, args := range [][]string{{"dlq", "replay", "999"}, {"dlq", "discard", "999"}} {
-		if code, _, errOut := runCLIEnv(t, map[string]string{dsnEnv: db}, args...); code != exitFailed || !strings.Contains(errOut, "1 of the 1 dead letter named were not changed") {
+		if code, _, errOut := runCLIEnv(t, map[string]string{dsnEnv: db}, args...); code != exitFailed || !strings.Contains(errOut, "1 of the 1 dead letter named was not changed") {
 			t.Errorf("idem %s: exit %d, stderr %q; want %d naming the unchanged one", strings.Join(args, " "), code, errOut, exitFailed)
 		}
 	}

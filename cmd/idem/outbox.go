@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	"github.com/idemhq/idem/driver"
@@ -67,6 +68,7 @@ part of the schema, for every process. See docs/outbox.md.
 				if err := noArgs(fs.Args()); err != nil {
 					return err
 				}
+				sf.command = "outbox " + sub
 				s, err := sf.open(ctx, e)
 				if err != nil {
 					return err
@@ -135,7 +137,8 @@ func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now
 	}
 	fmt.Fprintf(w, "failing         %d\n", rep.Failing)
 	if rep.LastError != "" {
-		fmt.Fprintf(w, "last error      %s\n", rep.LastError)
+		// A multi-line error keeps its column.
+		fmt.Fprintf(w, "last error      %s\n", strings.ReplaceAll(strings.TrimRight(rep.LastError, "\n"), "\n", "\n                "))
 	}
 	fmt.Fprintf(w, "published       %d (kept until 'idem cleanup' prunes them)\n", rep.Published)
 	if rep.Notify != nil {

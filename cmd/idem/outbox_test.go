@@ -4,11 +4,13 @@ import (
 	"context"
 	"database/sql"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/sqlite"
 )
@@ -76,5 +78,21 @@ func addToOutbox(t *testing.T, db *sql.DB, drv *sqlite.Driver, ids ...string) {
 	}
 	if err := tx.Commit(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestOutboxStatsMultiLineError: a last error of several lines keeps its
+// column in the table; its second line started at the margin.
+func TestOutboxStatsMultiLineError(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "outbox.db")
+	db, drv := testenv.SQLite(t, path, nil)
+	addToOutbox(t, db, drv, "a")
+	if err := drv.OutboxFailed(ctx, "relay-1", 1, "publish failed:\nbroker said no", time.Second); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := runCLIEnv(t, map[string]string{dsnEnv: path}, "outbox", "stats")
+	if code != exitOK || !strings.Contains(out, "last error      publish failed:\n                broker said no\n") {
+		t.Fatalf("exit %d:\n%s%s", code, out, errOut)
 	}
 }
