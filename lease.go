@@ -680,7 +680,10 @@ func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Mes
 // the message in flight.
 func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error, called bool, due *time.Duration) (Outcome, error) {
 	permanent := IsPermanent(herr)
-	shutdown := ctx.Err() != nil
+	// A worker stopping (its context cancelled) hands the message on at
+	// once; a caller's deadline that ran out is the attempt's failure,
+	// backed off like any other.
+	shutdown := errors.Is(ctx.Err(), context.Canceled)
 	exhausted := !permanent && !shutdown && p.cfg.MaxAttempts > 0 && l.Attempt >= p.cfg.MaxAttempts
 	var retryIn time.Duration
 	if !shutdown {

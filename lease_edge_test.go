@@ -237,3 +237,29 @@ func TestLeaseCrashedHolderIsTakenOverNotDeadLettered(t *testing.T) {
 			time.Since(start).Round(time.Millisecond), ttl, v, calls.Load())
 	}
 }
+
+// TestLeaseCallerDeadlineIsAFailure: a call that runs out the caller's
+// deadline (a per-message timeout) is a failed attempt, retried after the
+// lease backoff; it was taken for a shutdown and handed on at once.
+func TestLeaseCallerDeadlineIsAFailure(t *testing.T) {
+	t.Parallel()
+	drv := leaseDriver(t)
+	p, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{BackoffBase: time.Minute, BackoffMax: time.Minute, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, _ *idem.Lease, _ *idem.Message) error {
+		<-ctx.Done() // the SMTP server never answers
+		return ctx.Err()
+	}}
+	msg := &idem.Message{ID: "mail-1", Payload: []byte("hello")}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if _, err := p.Process(ctx, h, msg); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Process: %v, want the deadline", err)
+	}
+	row, err := drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: msg.ID})
+	if err != nil || row == nil || row.Status != driver.LeaseFailed || row.Attempts != 1 || row.NextAttemptAt.Sub(row.Now) <= 0 {
+		t.Fatalf("row after the deadline: %+v, %v; want failed, one attempt, a retry time ahead (the backoff)", row, err)
+	}
+}
