@@ -504,12 +504,12 @@ func testLastDeliveryDeadLetterRetried[TTx any](t *testing.T, s *Store[TTx], dl 
 	}
 }
 
-// testReplay: a dead letter replayed after the cause is fixed applies once;
-// replaying a message that was already applied is a Duplicate.
-func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
-	ctx := context.Background()
+// frozenCreditHandler is CreditHandler failing for good ("account
+// frozen") until broken is set to false: the cause an operator fixes
+// before replaying.
+func frozenCreditHandler[TTx any](s *Store[TTx]) (*idem.Handler[TTx], *atomic.Bool) {
 	h := CreditHandler(s, "balances", nil)
-	var broken atomic.Bool
+	broken := new(atomic.Bool)
 	broken.Store(true)
 	apply := h.Apply
 	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
@@ -518,6 +518,14 @@ func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 		}
 		return apply(ctx, tx, m)
 	}
+	return h, broken
+}
+
+// testReplay: a dead letter replayed after the cause is fixed applies once;
+// replaying a message that was already applied is a Duplicate.
+func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	h, broken := frozenCreditHandler(s)
 	c := newConsumer(t, s, h, dl, nil)
 	ev := Events(3)
 	for _, e := range ev {
@@ -589,16 +597,7 @@ func (f verdictFunc) OnVerdict(ctx context.Context, ev *idem.VerdictEvent) { f(c
 // marked replayed, its history saying so.
 func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
 	ctx := context.Background()
-	h := CreditHandler(s, "balances", nil)
-	var broken atomic.Bool
-	broken.Store(true)
-	apply := h.Apply
-	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
-		if broken.Load() {
-			return idem.Permanent(errors.New("account frozen"))
-		}
-		return apply(ctx, tx, m)
-	}
+	h, broken := frozenCreditHandler(s)
 	ev := Events(2)
 	ids := map[string]int64{}
 	// discard moves a requested dead letter back to parked, as another
