@@ -163,6 +163,28 @@ func (c *deliveries) outageChanged(ch outage.Change) {
 	}
 }
 
+// storeDown reports whether err, a processing failure, came from the
+// store being down (a probe confirms it): the delivery then runs again
+// once the store answers. An error that looks like an outage while the
+// store answers the probe runs again once more after a short pause, if
+// *again: a server going down can still answer on a pooled connection
+// for a moment, and its first failures would otherwise count against
+// their messages.
+func (c *deliveries) storeDown(ctx context.Context, stop <-chan struct{}, err error, again *bool) bool {
+	if err == nil || IsPermanent(err) || !c.watch.Suspect(err) {
+		return false
+	}
+	if c.watch.Check(ctx, err) {
+		return true
+	}
+	if !*again || ctx.Err() != nil || closed(stop) {
+		return false
+	}
+	*again = false
+	c.watch.Pause(ctx, stop)
+	return true
+}
+
 // held is the verdict of a delivery that waited for its store, and whose
 // wait ended before the store answered (the adapter stopped): no attempt
 // of the message, which the broker delivers again.
@@ -261,13 +283,13 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		notBefore time.Duration
 		err       error
 	)
-	for {
+	for again := true; ; {
 		// Held while the store is down: neither processed nor counted.
 		if werr := c.watch.Wait(ctx, d.Stopping); werr != nil {
 			return c.held(d, werr, err)
 		}
 		out, notBefore, err = c.process(ctx, d.Msg)
-		if !c.watch.Check(ctx, err) {
+		if !c.storeDown(ctx, d.Stopping, err, &again) {
 			break
 		}
 	}
@@ -351,7 +373,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 		outs []Outcome
 		err  error
 	)
-	for {
+	for again := true; ; {
 		// Held while the store is down, as one delivery is.
 		if werr := c.watch.Wait(ctx, ds[idx[0]].Stopping); werr != nil {
 			for _, i := range idx {
@@ -361,7 +383,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 			return vs
 		}
 		outs, err = c.proc.processBatchCall(ctx, c.h, msgs, true)
-		if !c.watch.Check(ctx, err) {
+		if !c.storeDown(ctx, ds[idx[0]].Stopping, err, &again) {
 			break
 		}
 	}

@@ -260,6 +260,22 @@ func (w *Watch) delay(n int) time.Duration {
 	return d/2 + time.Duration(rand.Int64N(int64(d/2)+1))
 }
 
+// Pause waits Base, or less if ctx ends or stop closes: the pause before
+// trying again an error that looked like an outage while the store
+// answered the probe.
+func (w *Watch) Pause(ctx context.Context, stop <-chan struct{}) {
+	if w == nil {
+		return
+	}
+	t := time.NewTimer(w.cfg.Base)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	case <-stop:
+	}
+}
+
 // Do runs fn until it succeeds, fails for another reason than the store
 // being down (per Check), or the wait for the store ends (ctx or stop);
 // it returns fn's last error, or the wait's joined with it.
