@@ -60,7 +60,7 @@ const (
 
 // store is what the test needs of the store under test.
 type store struct {
-	drv  any // driver.Driver, LeaseDriver, DeadLetterStore, OutboxRelayStore
+	drv  any          // driver.Driver, LeaseDriver, DeadLetterStore, OutboxRelayStore
 	logs *logRecorder // every component logs here
 	dl   driver.DeadLetterStore
 	down func() // starts the outage
