@@ -6,11 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/lograte"
+	"github.com/idemhq/idem/internal/outage"
 )
 
 // Class is how a failed delivery is treated.
@@ -57,13 +60,25 @@ type ConsumerConfig struct {
 	// (JetStream MaxDeliver) still ends in a dead letter: see
 	// Delivery.LastAttempt.
 	MaxAttempts int
-	// Logger receives a line per retry and per dead letter. Default
+	// ProbeBackoff spaces the probes of a store found down: Base
+	// doubling up to Max, jittered. Defaults 100 ms and 1 s, so work
+	// resumes within about a second of the store answering. Its Retries
+	// and Multiplier are not used.
+	ProbeBackoff Backoff
+	// Logger receives retries and dead letters (repeats of one kind of
+	// failure are summarized: one line per kind every 10 s, with the
+	// count of those not written), and an outage's start and end. Default
 	// slog.Default().
 	Logger *slog.Logger
-	// Hooks receive every verdict; each must implement HookVerdict (the
-	// metrics package's hook does).
+	// Hooks receive every verdict (HookVerdict) and the outages of the
+	// store (HookOutage); each must implement one of them (the metrics
+	// package's hook implements both).
 	Hooks []Hook
 }
+
+// logEvery is how often a Consumer writes a line of one kind of failure
+// that repeats: once per kind and interval, with the count left out.
+const logEvery = 10 * time.Second
 
 // Consumer decides the fate of broker deliveries for one handler: it
 // processes each through a Processor, asks for a retry with a backoff when
@@ -78,6 +93,11 @@ type Consumer[TTx any] struct {
 }
 
 // deliveries is the decision logic Consumer and LeaseConsumer share.
+//
+// When the store is down, a delivery is not the message's failure: it is
+// held (the adapter's worker waits in HandleDelivery, so it pulls nothing
+// new and, on JetStream, keeps the message in progress) until a probe
+// finds the store back, and then processed again, no attempt counted.
 type deliveries struct {
 	name string
 	// process runs msg; for InFlight it may say how long a retry would
@@ -90,12 +110,16 @@ type deliveries struct {
 	dl        driver.DeadLetterStore
 	cfg       ConsumerConfig
 	onVerdict []HookVerdict
+	onOutage  []HookOutage
+	watch     *outage.Watch    // nil: the store cannot be probed
+	logs      *lograte.Limiter // summarizes repeated failure lines
 }
 
 // newDeliveries checks cfg and returns the shared logic for the handler
-// named name.
-func newDeliveries(name string, process func(context.Context, *Message) (Outcome, time.Duration, error), dl driver.DeadLetterStore, cfg *ConsumerConfig) (*deliveries, error) {
-	c := &deliveries{name: name, process: process, dl: dl}
+// named name, whose store is drv: when it is a driver.Prober, an outage of
+// it pauses the consumer.
+func newDeliveries(name string, process func(context.Context, *Message) (Outcome, time.Duration, error), dl driver.DeadLetterStore, drv any, cfg *ConsumerConfig) (*deliveries, error) {
+	c := &deliveries{name: name, process: process, dl: dl, logs: lograte.New(logEvery)}
 	if cfg != nil {
 		c.cfg = *cfg
 	}
@@ -105,14 +129,92 @@ func newDeliveries(name string, process func(context.Context, *Message) (Outcome
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
 	}
+	if b := c.cfg.ProbeBackoff; b.Base < 0 || b.Max < 0 {
+		return nil, fmt.Errorf("%w: ProbeBackoff %s..%s is negative", ErrInvalidConfig, b.Base, b.Max)
+	}
 	for i, hk := range c.cfg.Hooks {
-		v, ok := hk.(HookVerdict)
-		if !ok {
-			return nil, fmt.Errorf("%w: consumer hook %d (%T) does not implement HookVerdict", ErrInvalidConfig, i, hk)
+		v, isVerdict := hk.(HookVerdict)
+		o, isOutage := hk.(HookOutage)
+		if !isVerdict && !isOutage {
+			return nil, fmt.Errorf("%w: consumer hook %d (%T) implements neither HookVerdict nor HookOutage", ErrInvalidConfig, i, hk)
 		}
-		c.onVerdict = append(c.onVerdict, v)
+		if isVerdict {
+			c.onVerdict = append(c.onVerdict, v)
+		}
+		if isOutage {
+			c.onOutage = append(c.onOutage, o)
+		}
+	}
+	if p, ok := drv.(driver.Prober); ok {
+		c.watch = outage.New(p, outage.Config{
+			Component: "consumer " + strconv.Quote(name), Logger: c.cfg.Logger,
+			Base: c.cfg.ProbeBackoff.Base, Max: c.cfg.ProbeBackoff.Max,
+			OnChange: c.outageChanged,
+		})
 	}
 	return c, nil
+}
+
+// outageChanged tells the HookOutage hooks.
+func (c *deliveries) outageChanged(ch outage.Change) {
+	ev := &OutageEvent{Handler: c.name, Down: ch.Down, Cause: ch.Cause, Duration: ch.Duration}
+	for _, hk := range c.onOutage {
+		hk.OnOutage(context.Background(), ev)
+	}
+}
+
+// storeDown reports whether err, a processing failure, came from the
+// store being down (a probe confirms it): the delivery then runs again
+// once the store answers. An error that looks like an outage while the
+// store answers the probe runs again once more after a short pause, if
+// *again: a server going down can still answer on a pooled connection
+// for a moment, and its first failures would otherwise count against
+// their messages.
+func (c *deliveries) storeDown(ctx context.Context, stop <-chan struct{}, err error, again *bool) bool {
+	if err == nil || IsPermanent(err) || !c.watch.Suspect(err) {
+		return false
+	}
+	if c.watch.Check(ctx, err) {
+		return true
+	}
+	if !*again || ctx.Err() != nil || closed(stop) {
+		return false
+	}
+	*again = false
+	c.watch.Pause(ctx, stop)
+	return true
+}
+
+// held is the verdict of a delivery that waited for its store, and whose
+// wait ended before the store answered (the adapter stopped): no attempt
+// of the message, which the broker delivers again.
+func (c *deliveries) held(d *Delivery, waitErr, last error) Verdict {
+	err := fmt.Errorf("%w: %w", ErrStoreUnavailable, waitErr)
+	if last != nil {
+		err = fmt.Errorf("%w: %w (last failure: %w)", ErrStoreUnavailable, waitErr, last)
+	}
+	if d != nil && d.LastAttempt && !d.replay {
+		c.cfg.Logger.Error("idem: stopped while the store was down, on the broker's last delivery: the broker may not deliver the message again",
+			slog.String("handler", c.name), slog.String("source", d.Source), slog.Any("error", err))
+	}
+	attempt := 0
+	if d != nil {
+		attempt = d.Attempt
+	}
+	return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(attempt-1, 0)), Err: err}
+}
+
+// logFailure writes a failure line, or counts it when a line of its kind
+// was written less than logEvery ago.
+func (c *deliveries) logFailure(level slog.Level, msg, kind string, attrs ...slog.Attr) {
+	ok, n := c.logs.Allow(msg + "\x00" + kind)
+	if !ok {
+		return
+	}
+	if n > 0 {
+		attrs = append(attrs, slog.Int("similar_not_logged", n))
+	}
+	c.cfg.Logger.LogAttrs(context.Background(), level, msg, attrs...)
 }
 
 // NewConsumer returns a Consumer applying h through p, with dead letters in
@@ -127,7 +229,7 @@ func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLett
 	d, err := newDeliveries(h.Name, func(ctx context.Context, msg *Message) (Outcome, time.Duration, error) {
 		out, err := p.Process(ctx, h, msg)
 		return out, 0, err
-	}, dl, cfg)
+	}, dl, p.drv, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -176,7 +278,21 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		}
 		return c.deadLetter(ctx, d, DeadLetterDecode, err, OutcomeNone)
 	}
-	out, notBefore, err := c.process(ctx, d.Msg)
+	var (
+		out       Outcome
+		notBefore time.Duration
+		err       error
+	)
+	for again := true; ; {
+		// Held while the store is down: neither processed nor counted.
+		if werr := c.watch.Wait(ctx, d.Stopping); werr != nil {
+			return c.held(d, werr, err)
+		}
+		out, notBefore, err = c.process(ctx, d.Msg)
+		if !c.storeDown(ctx, d.Stopping, err, &again) {
+			break
+		}
+	}
 	switch {
 	case err == nil && out != InFlight:
 		return Verdict{Ack: true, Outcome: out}
@@ -214,7 +330,7 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		// it; the host's may be ahead or behind).
 		delay = min(delay, max(ge.Remaining, 0))
 	}
-	c.cfg.Logger.Warn("idem: delivery failed; will retry", slog.String("handler", c.name),
+	c.logFailure(slog.LevelWarn, "idem: delivery failed; will retry", Fingerprint(err), slog.String("handler", c.name),
 		slog.String("message_id", d.Msg.ID), slog.Int("attempt", d.Attempt), slog.Duration("retry_after", delay), slog.Any("error", err))
 	return Verdict{RetryAfter: delay, Outcome: out, Err: err}
 }
@@ -253,7 +369,24 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 	if len(msgs) == 0 {
 		return vs
 	}
-	outs, err := c.proc.processBatchCall(ctx, c.h, msgs, true)
+	var (
+		outs []Outcome
+		err  error
+	)
+	for again := true; ; {
+		// Held while the store is down, as one delivery is.
+		if werr := c.watch.Wait(ctx, ds[idx[0]].Stopping); werr != nil {
+			for _, i := range idx {
+				vs[i] = c.held(ds[i], werr, err)
+				c.report(ctx, ds[i], vs[i])
+			}
+			return vs
+		}
+		outs, err = c.proc.processBatchCall(ctx, c.h, msgs, true)
+		if !c.storeDown(ctx, ds[idx[0]].Stopping, err, &again) {
+			break
+		}
+	}
 	if err != nil {
 		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.name), slog.Int("size", len(msgs)), slog.Any("error", err))
 		held := map[string]int{} // aggregate → index of its delivery to be retried
@@ -327,7 +460,12 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 			}
 		}
 	}
-	id, err := c.putDeadLetter(ctx, dl)
+	var id int64
+	// A store that is down holds the dead letter as it holds a delivery.
+	err := c.watch.Do(ctx, d.Stopping, func() (err error) {
+		id, err = c.putDeadLetter(ctx, dl)
+		return err
+	})
 	// On the broker's last delivery a retry verdict would lose the
 	// message: the broker does not deliver it again. Keep writing while
 	// the delivery lasts (the adapter keeps the message in progress).
@@ -356,7 +494,7 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 		}
 		return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), Outcome: out, Err: err}
 	}
-	c.cfg.Logger.Warn("idem: dead-lettered", slog.String("handler", c.name), slog.String("message_id", dl.MessageID),
+	c.logFailure(slog.LevelWarn, "idem: dead-lettered", class+"\x00"+dl.Fingerprint, slog.String("handler", c.name), slog.String("message_id", dl.MessageID),
 		slog.Int64("dead_letter", id), slog.String("class", class), slog.String("fingerprint", dl.Fingerprint), slog.Any("error", cause))
 	return Verdict{Ack: true, DeadLettered: true, DeadLetterClass: class, Outcome: out, Err: cause}
 }

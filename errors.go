@@ -24,6 +24,12 @@ var (
 	// must not overtake it. Such a retry is no attempt of its own:
 	// adapters that count attempts themselves (Kafka) do not count it.
 	ErrWaitsForAggregate = errors.New("idem: waits for an earlier message of its aggregate")
+	// ErrStoreUnavailable matches the Err of a retry verdict for a
+	// delivery held while its store was down, when the adapter stopped
+	// before the store answered again. The delivery did not fail: it is
+	// no attempt, and adapters that count attempts themselves (Kafka) do
+	// not count it.
+	ErrStoreUnavailable = errors.New("idem: store unavailable")
 )
 
 // ValidationError describes why an envelope or a handler name was refused.

@@ -63,6 +63,27 @@ type VerdictEvent struct {
 	Message *Message
 }
 
+// HookOutage is told when a Consumer or LeaseConsumer finds its store
+// down and when the store answers again (see ErrStoreUnavailable).
+// Install it in ConsumerConfig.Hooks; the metrics package's hook keeps a
+// store-availability gauge and an outages counter with it. It runs on the
+// goroutine that saw the change: keep it fast and never block.
+type HookOutage interface {
+	OnOutage(ctx context.Context, ev *OutageEvent)
+}
+
+// OutageEvent is the start or the end of an outage of a consumer's store.
+type OutageEvent struct {
+	// Handler is the consumer's handler name.
+	Handler string
+	// Down is true when the outage starts, false when it ends.
+	Down bool
+	// Cause is the error that revealed the outage.
+	Cause error
+	// Duration is how long the outage lasted, when it ends.
+	Duration time.Duration
+}
+
 // HookCall is called around every call of Process, ProcessTx,
 // ProcessBatch, ProcessBatchTx and LeaseProcessor.Process. OnCallStart runs
 // first, before the store is touched; the context it returns is the one the

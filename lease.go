@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	crand "crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -16,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/lograte"
 )
 
 // Defaults of LeaseConfig.
@@ -190,6 +192,10 @@ type LeaseConfig struct {
 	// Owner names this worker in the store, for diagnostics: the fencing
 	// token, not the owner, decides who may write. 1–255 bytes of UTF-8
 	// without NUL. Default "hostname:pid". Environment: IDEM_LEASE_OWNER.
+	// Each claim stores it with a suffix of its own, "worker-1/3f9a0c12e4b7"
+	// (Owner cut to fit 255 bytes): a claim whose answer the store lost
+	// is then known for this worker's by its next claim of the message,
+	// which takes it up instead of waiting for its lease to run out.
 	Owner string
 	// BackoffBase and BackoffMax shape the delay after a failed attempt
 	// before the message may be claimed again: exponential with full
@@ -355,12 +361,80 @@ type LeaseLostEvent struct {
 //
 // It is safe for concurrent use.
 type LeaseProcessor struct {
-	drv       driver.LeaseDriver
-	seq       driver.LeaseSequencer // nil if the driver has no ordering guard
-	cfg       LeaseConfig
-	onOutcome []HookOutcome
-	onLost    []HookLeaseLost
-	onCall    callHooks
+	drv        driver.LeaseDriver
+	seq        driver.LeaseSequencer // nil if the driver has no ordering guard
+	cfg        LeaseConfig
+	onOutcome  []HookOutcome
+	onLost     []HookLeaseLost
+	onCall     callHooks
+	logs       *lograte.Limiter // summarizes repeated failure lines
+	unanswered lostClaims       // claims whose answer may have been lost
+}
+
+// lostClaims remembers, per handler and message, the owner name of a
+// claim that failed with an error: the store may have written it and
+// lost only its answer (a connection cut, a server crash). That row is
+// then running under an owner name no other claim ever used, so the next
+// claim of the message by this processor, seeing it, knows it for its
+// own and takes it up, instead of waiting out a lease no one holds.
+type lostClaims struct {
+	mu     sync.Mutex
+	owners map[string]lostClaim
+}
+
+type lostClaim struct {
+	owner string
+	until time.Time // when its lease would have run out anyway
+}
+
+// maxLostClaims bounds what lostClaims remembers; past it the expired
+// entries go, then the oldest.
+const maxLostClaims = 10000
+
+// take removes and returns the owner name of key's lost claim, if any.
+func (lc *lostClaims) take(key string, now time.Time) (string, bool) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	c, ok := lc.owners[key]
+	delete(lc.owners, key)
+	return c.owner, ok && now.Before(c.until)
+}
+
+// put remembers owner as key's lost claim until until.
+func (lc *lostClaims) put(key, owner string, until time.Time) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	if lc.owners == nil {
+		lc.owners = map[string]lostClaim{}
+	}
+	if len(lc.owners) >= maxLostClaims {
+		now, oldest, at := time.Now(), "", time.Time{}
+		for k, c := range lc.owners {
+			if !now.Before(c.until) {
+				delete(lc.owners, k)
+			} else if oldest == "" || c.until.Before(at) {
+				oldest, at = k, c.until
+			}
+		}
+		if len(lc.owners) >= maxLostClaims {
+			delete(lc.owners, oldest)
+		}
+	}
+	lc.owners[key] = lostClaim{owner: owner, until: until}
+}
+
+// claimOwner is the owner name of a new claim: Owner and a random suffix
+// that no other claim shares, cut to the 255 bytes a name may take.
+func (p *LeaseProcessor) claimOwner() string {
+	var b [6]byte
+	_, _ = crand.Read(b[:])
+	suffix := "/" + hex.EncodeToString(b[:])
+	owner := p.cfg.Owner
+	for len(owner)+len(suffix) > MaxIDLen {
+		_, size := utf8.DecodeLastRuneInString(owner)
+		owner = owner[:len(owner)-size]
+	}
+	return owner + suffix
 }
 
 // name is h's name, or "" for a nil handler.
@@ -385,7 +459,7 @@ func NewLeaseProcessor(drv driver.LeaseDriver, cfg *LeaseConfig) (*LeaseProcesso
 	if err != nil {
 		return nil, err
 	}
-	p := &LeaseProcessor{drv: drv, cfg: rc}
+	p := &LeaseProcessor{drv: drv, cfg: rc, logs: lograte.New(logEvery)}
 	p.seq, _ = drv.(driver.LeaseSequencer)
 	for i, h := range rc.Hooks {
 		o, isOutcome := h.(HookOutcome)
@@ -472,11 +546,27 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	}
 	hash := msg.PayloadHash()
 	sent := time.Now()
+	key := h.Name + "\x00" + msg.ID
+	owner, retry := p.unanswered.take(key, sent)
+	if !retry {
+		owner = p.claimOwner()
+	}
 	res, err := p.drv.LeaseClaim(ctx, &driver.LeaseClaimParams{
-		Handler: h.Name, MessageID: msg.ID, PayloadHash: hash, Owner: p.cfg.Owner, TTL: p.cfg.TTL,
+		Handler: h.Name, MessageID: msg.ID, PayloadHash: hash, Owner: owner, TTL: p.cfg.TTL,
 	})
 	if err != nil {
+		p.unanswered.put(key, owner, sent.Add(p.cfg.TTL))
 		return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: claim lease: %w", h.Name, msg.ID, err)
+	}
+	if row := res.Existing; !res.Claimed && retry && row != nil && row.Status == driver.LeaseRunning && row.Owner == owner && row.LeaseUntil.After(row.Now) {
+		// This processor's own claim, whose answer was lost: no call
+		// ran under it, and no other claim took the row since (it would
+		// have changed the owner). Take it up, lease and token.
+		left := row.LeaseUntil.Sub(row.Now)
+		res = driver.LeaseClaimResult{Claimed: true, Token: row.Token, Attempt: row.Attempts, LeaseUntil: row.LeaseUntil}
+		sent = time.Now().Add(left - p.cfg.TTL)
+		p.cfg.Logger.Info("idem: took up a lease claimed before the store failed to answer", slog.String("handler", h.Name),
+			slog.String("message_id", msg.ID), slog.Duration("lease_left", left))
 	}
 	if !res.Claimed {
 		return p.notClaimed(h, msg.ID, hash, res.Existing, due)
@@ -668,8 +758,15 @@ func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Mes
 		if !time.Now().Add(pause).Before(until) {
 			return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done (%d tries, until the lease ran out): %w", h.Name, msg.ID, try+1, err)
 		}
-		p.cfg.Logger.Warn("idem: marking a lease done failed; trying again while the lease lasts", slog.String("handler", h.Name),
-			slog.String("message_id", msg.ID), slog.Duration("retry_after", pause), slog.Any("error", err))
+		// Every worker's mark fails while the store is down, in ways
+		// that change as it stops and starts: one line every 10 s says so.
+		if ok, n := p.logs.Allow("done"); ok {
+			attrs := []any{slog.String("handler", h.Name), slog.String("message_id", msg.ID), slog.Duration("retry_after", pause), slog.Any("error", err)}
+			if n > 0 {
+				attrs = append(attrs, slog.Int("similar_not_logged", n))
+			}
+			p.cfg.Logger.Warn("idem: marking a lease done failed; trying again while the lease lasts", attrs...)
+		}
 		time.Sleep(pause)
 	}
 }
@@ -851,8 +948,12 @@ func (k *keeper) run() {
 		cancel()
 		switch {
 		case err != nil:
-			k.p.cfg.Logger.Warn("idem: lease heartbeat failed; retrying at the next interval",
-				slog.String("handler", k.handler), slog.String("message_id", k.id), slog.Any("error", err))
+			// Every worker's heartbeat fails while the store is down:
+			// one line every 10 s says so.
+			if ok, n := k.p.logs.Allow("heartbeat"); ok {
+				k.p.cfg.Logger.Warn("idem: lease heartbeat failed; retrying at the next interval",
+					slog.String("handler", k.handler), slog.String("message_id", k.id), slog.Any("error", err), slog.Int("similar_not_logged", n))
+			}
 		case !res.OK:
 			fe := fencedError("heartbeat", k.handler, k.id, k.lease.Token, res.Current)
 			k.cancel(fe)

@@ -49,7 +49,7 @@ func NewLeaseConsumer(p *LeaseProcessor, h *LeaseHandler, dl driver.DeadLetterSt
 		var due time.Duration
 		out, err := p.run(ctx, h, msg, &due)
 		return out, due, err
-	}, dl, cfg)
+	}, dl, p.drv, cfg)
 	if err != nil {
 		return nil, err
 	}

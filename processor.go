@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/lograte"
 )
 
 // ConflictPolicy says what to do when a message ID arrives again with a
@@ -88,6 +89,7 @@ type Processor[TTx any] struct {
 	seqBatch    driver.SequenceBatchStore[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	logger      *slog.Logger
+	logs        *lograte.Limiter // summarizes repeated failure lines
 	onOutcome   []HookOutcome
 	onCall      callHooks
 }
@@ -101,7 +103,7 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	if cfg == nil {
 		cfg = &Config{}
 	}
-	p := &Processor[TTx]{drv: drv, logger: cfg.Logger}
+	p := &Processor[TTx]{drv: drv, logger: cfg.Logger, logs: lograte.New(logEvery)}
 	if p.logger == nil {
 		p.logger = slog.Default()
 	}
@@ -855,7 +857,11 @@ func recoverPanic(err *error) {
 
 func (p *Processor[TTx]) rollback(ctx context.Context, tx TTx) {
 	if err := p.drv.Rollback(context.WithoutCancel(ctx), tx); err != nil {
-		p.logger.Warn("idem: rollback failed", slog.Any("error", err))
+		// A rollback fails when the connection broke, which the failed
+		// call reports already: one line per kind every 10 s.
+		if ok, n := p.logs.Allow(Fingerprint(err)); ok {
+			p.logger.Warn("idem: rollback failed", slog.Any("error", err), slog.Int("similar_not_logged", n))
+		}
 	}
 }
 

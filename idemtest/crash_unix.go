@@ -107,7 +107,7 @@ func runCrashCase(t *testing.T, h *LeaseCrashHarness, point string, dedupe bool)
 	if finished {
 		wantStatus = driver.LeaseDone
 	}
-	if row == nil || row.Status != wantStatus || row.Token != 1 || row.Owner != crashChildOwner {
+	if row == nil || row.Status != wantStatus || row.Token != 1 || !claimedBy(row.Owner, crashChildOwner) {
 		t.Fatalf("after the crash the row is %+v, want %s with token 1 owned by %s", row, wantStatus, crashChildOwner)
 	}
 	liveFor := row.LeaseUntil.Sub(row.Now)

@@ -30,6 +30,10 @@
 //	idem_leases_lost_total{handler, op}        lease mode: leases this worker
 //	                                           lost (heartbeat, done, failed,
 //	                                           expired)
+//	idem_consumer_store_up{handler}            1 while a Consumer's store
+//	                                           answers, 0 while it waits out
+//	                                           an outage
+//	idem_store_outages_total{handler}          outages a Consumer paused for
 //
 // A Consumer's batch that does not commit is decided again message by
 // message, and so are a committed batch's conflicts and gaps: each such
@@ -95,9 +99,13 @@ type Metrics struct {
 	deliveries *prometheus.CounterVec
 	deadLetter *prometheus.CounterVec
 	leasesLost *prometheus.CounterVec
+	storeUp    *prometheus.GaugeVec
+	outages    *prometheus.CounterVec
 
-	counters  sync.Map // outcomeKey → prometheus.Counter
-	observers sync.Map // handler → prometheus.Observer
+	upMu      sync.Mutex // orders the store-up gauge's first set with OnOutage
+	up        sync.Map   // handler → struct{}: its store-up gauge is set
+	counters  sync.Map   // outcomeKey → prometheus.Counter
+	observers sync.Map   // handler → prometheus.Observer
 }
 
 type outcomeKey struct {
@@ -148,8 +156,16 @@ func New(reg prometheus.Registerer, cfg *Config) (*Metrics, error) {
 			Namespace: ns, Name: "leases_lost_total", ConstLabels: cfg.ConstLabels,
 			Help: "Lease mode: leases this worker lost, by handler and the operation that found out (heartbeat, done, failed, expired).",
 		}, []string{"handler", "op"}),
+		storeUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "consumer_store_up", ConstLabels: cfg.ConstLabels,
+			Help: "1 while a Consumer's store answers, 0 while it is down and the Consumer is paused, by handler.",
+		}, []string{"handler"}),
+		outages: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "store_outages_total", ConstLabels: cfg.ConstLabels,
+			Help: "Outages of its store a Consumer paused for, by handler.",
+		}, []string{"handler"}),
 	}
-	cs := []prometheus.Collector{m.messages, m.errors, m.seconds, m.deliveries, m.deadLetter, m.leasesLost}
+	cs := []prometheus.Collector{m.messages, m.errors, m.seconds, m.deliveries, m.deadLetter, m.leasesLost, m.storeUp, m.outages}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] { // all or nothing
@@ -200,6 +216,28 @@ func (m *Metrics) OnVerdict(_ context.Context, ev *idem.VerdictEvent) {
 		verdict = VerdictInFlight
 	}
 	m.deliveries.WithLabelValues(handlerLabel(ev.Handler), verdict).Inc()
+	if _, seen := m.up.Load(ev.Handler); !seen {
+		// The first verdict says the store was reached, unless OnOutage
+		// set the gauge first: it exists from then on.
+		m.upMu.Lock()
+		if _, seen := m.up.LoadOrStore(ev.Handler, struct{}{}); !seen {
+			m.storeUp.WithLabelValues(handlerLabel(ev.Handler)).Set(1)
+		}
+		m.upMu.Unlock()
+	}
+}
+
+// OnOutage implements idem.HookOutage.
+func (m *Metrics) OnOutage(_ context.Context, ev *idem.OutageEvent) {
+	m.upMu.Lock()
+	defer m.upMu.Unlock()
+	m.up.Store(ev.Handler, struct{}{})
+	if ev.Down {
+		m.storeUp.WithLabelValues(handlerLabel(ev.Handler)).Set(0)
+		m.outages.WithLabelValues(handlerLabel(ev.Handler)).Inc()
+		return
+	}
+	m.storeUp.WithLabelValues(handlerLabel(ev.Handler)).Set(1)
 }
 
 // OnLeaseLost implements idem.HookLeaseLost.

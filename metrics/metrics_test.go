@@ -482,3 +482,49 @@ idem_messages_total{handler="invalid",outcome="error"} 1
 		t.Fatal(err)
 	}
 }
+
+func TestStoreOutagesCounted(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	m.OnVerdict(ctx, &idem.VerdictEvent{Handler: "balances", Verdict: idem.Verdict{Ack: true, Outcome: idem.Applied}})
+	gauge := func() float64 {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "idem_consumer_store_up" {
+				return mf.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+		return -1
+	}
+	if g := gauge(); g != 1 {
+		t.Fatalf("store up %v after a verdict, want 1", g)
+	}
+	m.OnOutage(ctx, &idem.OutageEvent{Handler: "balances", Down: true, Cause: errors.New("connection refused")})
+	if g := gauge(); g != 0 {
+		t.Fatalf("store up %v during an outage, want 0", g)
+	}
+	m.OnVerdict(ctx, &idem.VerdictEvent{Handler: "balances", Verdict: idem.Verdict{Ack: true, Outcome: idem.Applied}})
+	if g := gauge(); g != 0 {
+		t.Fatalf("store up %v: a verdict during the outage set it back", g)
+	}
+	m.OnOutage(ctx, &idem.OutageEvent{Handler: "balances", Duration: 5 * time.Second})
+	want := `
+# HELP idem_consumer_store_up 1 while a Consumer's store answers, 0 while it is down and the Consumer is paused, by handler.
+# TYPE idem_consumer_store_up gauge
+idem_consumer_store_up{handler="balances"} 1
+# HELP idem_store_outages_total Outages of its store a Consumer paused for, by handler.
+# TYPE idem_store_outages_total counter
+idem_store_outages_total{handler="balances"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "idem_consumer_store_up", "idem_store_outages_total"); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -10,12 +10,15 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/lograte"
+	"github.com/idemhq/idem/internal/outage"
 )
 
 // Publisher sends messages to a broker. The kafka and jetstream packages
@@ -92,8 +95,10 @@ type Relay struct {
 	notifier driver.OutboxNotifier
 	pub      Publisher
 	cfg      RelayConfig
-	mu       sync.Mutex // one cycle at a time
-	holdMu   sync.Mutex // guards retries
+	watch    *outage.Watch    // nil: the store cannot be probed
+	logs     *lograte.Limiter // summarizes repeated failure lines
+	mu       sync.Mutex       // one cycle at a time
+	holdMu   sync.Mutex       // guards retries
 	// retries are when the keys this relay held after a failed publish
 	// become claimable again (with a margin): Run's wait ends at the
 	// first rather than after PollInterval, since no commit would wake it
@@ -159,6 +164,10 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	r.logs = lograte.New(10 * time.Second)
+	if p, ok := drv.(driver.Prober); ok {
+		r.watch = outage.New(p, outage.Config{Component: "outbox relay " + strconv.Quote(c.Owner), Logger: c.Logger})
 	}
 	return r, nil
 }
@@ -394,12 +403,22 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		var wait time.Duration
 		switch {
+		case err != nil && storeFailed && r.watch.Check(ctx, err):
+			// The store is down: no cycle until a probe finds it back
+			// (one line marks the outage, one its end). Rows published
+			// but not marked go out again: consumers take them as
+			// duplicates.
+			if werr := r.watch.Wait(ctx, nil); werr != nil {
+				return ctx.Err()
+			}
+			failures = 0
+			continue
 		case err != nil && storeFailed:
 			// The store failed a write (a claim, a mark, a hold, the
 			// release): back off the whole relay.
 			wait = r.cfg.Backoff.Delay(failures)
 			failures++
-			r.cfg.Logger.Warn("outbox: relay cycle failed; retrying", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
+			r.logFailure("outbox: relay cycle failed; retrying", err, slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Duration("retry_after", wait), slog.Any("error", err))
 		case err != nil:
 			// Keys failed to publish and wait out their own backoff, held
@@ -409,7 +428,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			// the broker refuses (and if the broker refuses everything,
 			// each key backs off on its own).
 			failures = 0
-			r.cfg.Logger.Warn("outbox: some keys failed; they are retried after their backoff", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
+			r.logFailure("outbox: some keys failed; they are retried after their backoff", err, slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Any("error", err))
 			// More may be waiting, and keys left unheld (their turn came
 			// too late in the claim) are pending already: go on at once
@@ -454,6 +473,20 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 		}
 	}
+}
+
+// logFailure writes a WARN line, or counts it when a line of its kind
+// (msg and err's fingerprint) was written less than 10 s ago: a broker
+// refusing every publish fails every cycle alike.
+func (r *Relay) logFailure(msg string, err error, attrs ...any) {
+	ok, n := r.logs.Allow(msg + "\x00" + idem.Fingerprint(err))
+	if !ok {
+		return
+	}
+	if n > 0 {
+		attrs = append(attrs, slog.Int("similar_not_logged", n))
+	}
+	r.cfg.Logger.Warn(msg, attrs...)
 }
 
 // Stats reports the outbox: pending and published rows, the oldest pending

@@ -1,0 +1,752 @@
+package outage_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	natsjs "github.com/nats-io/nats.go/jetstream"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/jetstream"
+	"github.com/idemhq/idem/kafka"
+	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// The outage tests stop a store for outageFor while a JetStream consumer,
+// a Kafka consumer, a LeaseConsumer and an outbox relay run over it, each
+// allowed 3 deliveries or attempts of a message, and check what the
+// operations guide promises ("When the store is down"):
+//
+//   - deliveries begun during the outage are at most those in flight when
+//     it began plus one per lane (a lane that finished its message takes
+//     the next and holds it unprocessed): maxNewPerLane;
+//   - no delivery is refused (no retry verdict) and none dead-lettered;
+//   - each resumes within resumeWithin of the store answering;
+//   - at most maxWarnLines WARN lines in all;
+//   - the final state equals the unique intended events'.
+const (
+	outageFor     = 5 * time.Second
+	resumeWithin  = 2 * time.Second
+	maxWarnLines  = 10
+	maxNewPerLane = 1
+	lanes         = 4
+	events        = 1500 // per source
+	outboxRows    = 600
+	// leaseTTL outlasts the outage, so a mark of done that fails meanwhile
+	// is written once it ends and no effect repeats; and it is short, so
+	// a claim whose answer the outage cut off (the row is held, by whom
+	// the worker cannot know) is claimed again soon.
+	leaseTTL = 20 * time.Second
+)
+
+// store is what the test needs of the store under test.
+type store struct {
+	drv  any          // driver.Driver, LeaseDriver, DeadLetterStore, OutboxRelayStore
+	logs *logRecorder // every component logs here
+	dl   driver.DeadLetterStore
+	down func() // starts the outage
+	up   func() // ends it, returning once the store answers
+	// process and lease build the consumers' handlers.
+	consumer      func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler
+	leaseConsumer func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler
+	// balances reads handler's balances; markers counts its markers.
+	balances func(ctx context.Context, handler string) (map[string]int64, error)
+	markers  func(ctx context.Context, handler string) (int, error)
+	// addOutbox adds msgs to the outbox in one transaction.
+	addOutbox func(ctx context.Context, msgs []*idem.Message) error
+}
+
+// TestOutagePostgres stops a private PostgreSQL server for five seconds
+// (pg_ctl stop -m immediate, then start) mid-stream.
+func TestOutagePostgres(t *testing.T) {
+	t.Parallel()
+	c := testenv.NewPostgresCluster(t)
+	ctx := context.Background()
+	logs := &logRecorder{}
+	logger := slog.New(logs)
+	cfg, err := pgxpool.ParseConfig(c.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 24
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: "app"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE app.balances (handler text, account text, amount bigint NOT NULL, PRIMARY KEY (handler, account))`); err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "outage-test", Logger: logger, TTL: leaseTTL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &store{
+		drv: drv, dl: drv, down: c.Crash, up: c.Start, logs: logs,
+		consumer: func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
+			h := &idem.Handler[postgres.Tx]{Name: name, Apply: func(ctx context.Context, tx postgres.Tx, m *idem.Message) error {
+				acct, amt, err := idemtest.DecodeCredit(m.Payload)
+				if err != nil {
+					return idem.Permanent(err)
+				}
+				_, err = tx.Exec(ctx, `INSERT INTO app.balances VALUES ($1, $2, $3) ON CONFLICT (handler, account) DO UPDATE SET amount = balances.amount + excluded.amount`, name, acct, amt)
+				return err
+			}}
+			cons, err := idem.NewConsumer(proc, h, drv, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cons
+		},
+		leaseConsumer: func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
+			cons, err := idem.NewLeaseConsumer(lp, &idem.LeaseHandler{Name: name, Call: call}, drv, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cons
+		},
+		balances: func(ctx context.Context, handler string) (map[string]int64, error) {
+			rows, err := pool.Query(ctx, `SELECT account, amount FROM app.balances WHERE handler = $1`, handler)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			m := map[string]int64{}
+			for rows.Next() {
+				var (
+					a string
+					n int64
+				)
+				if err := rows.Scan(&a, &n); err != nil {
+					return nil, err
+				}
+				m[a] = n
+			}
+			return m, rows.Err()
+		},
+		markers: func(ctx context.Context, handler string) (n int, err error) {
+			err = pool.QueryRow(ctx, `SELECT count(*) FROM app.idem_processed WHERE handler = $1`, handler).Scan(&n)
+			return n, err
+		},
+		addOutbox: func(ctx context.Context, msgs []*idem.Message) error {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+			if err := ob.Add(ctx, tx, msgs...); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		},
+	}
+	runOutage(t, s, true)
+}
+
+// TestOutageSQLite makes a SQLite store unwritable for five seconds:
+// another connection holds its write lock (BEGIN EXCLUSIVE) far past the
+// busy timeout. A file made read-only would do as well, but not for root,
+// whom CI runs as.
+func TestOutageSQLite(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	logs := &logRecorder{}
+	logger := slog.New(logs)
+	path := filepath.Join(t.TempDir(), "idem.db")
+	db, err := sqlite.Open(path, &sqlite.OpenOptions{BusyTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE balances (handler TEXT, account TEXT, amount INTEGER NOT NULL, PRIMARY KEY (handler, account))`); err != nil {
+		t.Fatal(err)
+	}
+	locker, err := sqlite.Open(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { locker.Close() })
+	var lock *sql.Conn
+	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "outage-test", Logger: logger, TTL: leaseTTL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &store{
+		drv: drv, dl: drv, logs: logs,
+		down: func() {
+			var err error
+			if lock, err = locker.Conn(ctx); err != nil {
+				t.Error(err)
+				return
+			}
+			// Wait out the busy timeout of a writer that holds the lock
+			// now: the exclusive lock is then ours.
+			for {
+				if _, err = lock.ExecContext(ctx, "BEGIN EXCLUSIVE"); err == nil {
+					return
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		},
+		up: func() {
+			if _, err := lock.ExecContext(ctx, "ROLLBACK"); err != nil {
+				t.Error(err)
+			}
+			lock.Close()
+		},
+		consumer: func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
+			h := &idem.Handler[*sql.Tx]{Name: name, Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+				acct, amt, err := idemtest.DecodeCredit(m.Payload)
+				if err != nil {
+					return idem.Permanent(err)
+				}
+				_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?, ?) ON CONFLICT (handler, account) DO UPDATE SET amount = amount + excluded.amount`, name, acct, amt)
+				return err
+			}}
+			cons, err := idem.NewConsumer(proc, h, drv, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cons
+		},
+		leaseConsumer: func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
+			cons, err := idem.NewLeaseConsumer(lp, &idem.LeaseHandler{Name: name, Call: call}, drv, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cons
+		},
+		balances: func(ctx context.Context, handler string) (map[string]int64, error) {
+			rows, err := db.QueryContext(ctx, `SELECT account, amount FROM balances WHERE handler = ?`, handler)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			m := map[string]int64{}
+			for rows.Next() {
+				var (
+					a string
+					n int64
+				)
+				if err := rows.Scan(&a, &n); err != nil {
+					return nil, err
+				}
+				m[a] = n
+			}
+			return m, rows.Err()
+		},
+		markers: func(ctx context.Context, handler string) (n int, err error) {
+			err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_processed WHERE handler = ?`, handler).Scan(&n)
+			return n, err
+		},
+		addOutbox: func(ctx context.Context, msgs []*idem.Message) error {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback()
+			if err := ob.Add(ctx, tx, msgs...); err != nil {
+				return err
+			}
+			return tx.Commit()
+		},
+	}
+	runOutage(t, s, false)
+}
+
+// runOutage runs the components over s, stops s mid-stream for outageFor,
+// and checks the promises. withKafka adds the Kafka consumer.
+func runOutage(t *testing.T, s *store, withKafka bool) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	logs := s.logs
+	logger := slog.New(logs)
+	evs := idemtest.Events(events)
+
+	// JetStream: one stream, two durables (atomic and lease), every
+	// seventh event published twice (no Nats-Msg-Id: both copies stay).
+	nc, err := nats.Connect(testenv.EmbeddedNATS(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := natsjs.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, subj := range map[string]string{"CREDITS": "credits.>", "ORDERS": "orders"} {
+		if _, err := js.CreateStream(ctx, natsjs.StreamConfig{Name: name, Subjects: []string{subj}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var comps []*component
+	var wg sync.WaitGroup
+	run := func(c *component, fn func(context.Context) error) {
+		comps = append(comps, c)
+		wg.Go(func() {
+			if err := fn(ctx); err != nil && ctx.Err() == nil {
+				t.Errorf("%s: Run: %v", c.name, err)
+			}
+		})
+	}
+	consumerCfg := func(c *component) *idem.ConsumerConfig {
+		return &idem.ConsumerConfig{MaxAttempts: 3, Logger: logger, Hooks: []idem.Hook{c}}
+	}
+
+	jsAtomic := &component{name: "jetstream"}
+	jsAtomic.next = s.consumer(t, "js-balances", consumerCfg(jsAtomic))
+	jsc, err := jetstream.New(js, &jetstream.Config{Stream: "CREDITS", Durable: "balances", Handler: jsAtomic, MaxDeliver: 3, Concurrency: lanes, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(jsAtomic, jsc.Run)
+
+	var effects sync.Map // idempotency key → *atomic.Int64
+	lease := &component{name: "lease"}
+	lease.next = s.leaseConsumer(t, "notify", func(_ context.Context, l *idem.Lease, _ *idem.Message) error {
+		n, _ := effects.LoadOrStore(l.IdempotencyKey, new(atomic.Int64))
+		n.(*atomic.Int64).Add(1)
+		return nil
+	}, consumerCfg(lease))
+	jsl, err := jetstream.New(js, &jetstream.Config{Stream: "CREDITS", Durable: "notify", Handler: lease, MaxDeliver: 3, Concurrency: lanes, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(lease, jsl.Run)
+
+	var produce []func()
+	produce = append(produce, func() {
+		for i, e := range evs {
+			m := e.Message()
+			msg := &nats.Msg{Subject: "credits." + e.Account, Data: m.Payload, Header: nats.Header{jetstream.HeaderID: {e.ID}, jetstream.HeaderAggregate: {e.Account}}}
+			for range 1 + btoi(i%7 == 0) {
+				if _, err := js.PublishMsg(ctx, msg); err != nil {
+					t.Errorf("publish %s: %v", e.ID, err)
+					return
+				}
+			}
+			pace(ctx, i)
+		}
+	})
+
+	if withKafka {
+		kc, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(lanes, "credits"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(kc.Close)
+		kafkaC := &component{name: "kafka"}
+		kafkaC.next = s.consumer(t, "kafka-balances", consumerCfg(kafkaC))
+		kcons, err := kafka.New(&kafka.Config{Brokers: kc.ListenAddrs(), Group: "balances", Topics: []string{"credits"}, Handler: kafkaC, Concurrency: lanes, Logger: logger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		run(kafkaC, kcons.Run)
+		cl, err := kgo.NewClient(kgo.SeedBrokers(kc.ListenAddrs()...), kgo.DefaultProduceTopic("credits"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(cl.Close)
+		produce = append(produce, func() {
+			for i, e := range evs {
+				rec := &kgo.Record{Key: []byte(e.Account), Value: e.Message().Payload, Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(e.ID)}}}
+				for range 1 + btoi(i%7 == 0) {
+					if err := cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
+						t.Errorf("produce %s: %v", e.ID, err)
+						return
+					}
+				}
+				pace(ctx, i)
+			}
+		})
+	}
+
+	// The outbox: a producer adds rows (retrying its own transactions
+	// through the outage, as an application would) and a relay publishes
+	// them to the ORDERS stream.
+	pub, err := jetstream.NewPublisher(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayC := &component{name: "relay", relay: true}
+	relay, err := outbox.NewRelay(s.drv, relayC.publisher(pub), &outbox.RelayConfig{Logger: logger, PollInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(relayC, relay.Run)
+	produce = append(produce, func() {
+		for lo := 0; lo < outboxRows; lo += 10 {
+			var msgs []*idem.Message
+			for i := lo; i < lo+10; i++ {
+				agg := fmt.Sprintf("order-%02d", i%20)
+				seq := int64(i/20 + 1)
+				msgs = append(msgs, &idem.Message{ID: outbox.MessageID("orders", agg, seq), Stream: "orders", AggregateID: agg, Seq: seq, Payload: []byte("placed")})
+			}
+			for s.addOutbox(ctx, msgs) != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			pace(ctx, 24) // 10 rows every 50 ms
+			pace(ctx, 24)
+		}
+	})
+	for _, p := range produce {
+		wg.Go(p)
+	}
+
+	// Mid-stream: every consumer has applied a third of its messages.
+	waitFor(t, "a third of the stream", 60*time.Second, func() bool {
+		for _, c := range comps {
+			if c.acks() < events/3 && !c.relay || c.relay && c.acks() < outboxRows/3 {
+				return false
+			}
+		}
+		return true
+	})
+	s.down()
+	downAt := time.Now()
+	time.Sleep(outageFor)
+	s.up()
+	upAt := time.Now()
+	t.Logf("store down for %s", upAt.Sub(downAt).Round(time.Millisecond))
+
+	// Everything reaches its end state.
+	waitFor(t, "every message applied", 90*time.Second, func() bool {
+		if n, err := s.markers(ctx, "js-balances"); err != nil || n < events {
+			return false
+		}
+		if n := countEffects(&effects); n < events {
+			return false
+		}
+		if withKafka {
+			if n, err := s.markers(ctx, "kafka-balances"); err != nil || n < events {
+				return false
+			}
+		}
+		return relayC.acks() >= outboxRows
+	})
+	cancel()
+	wg.Wait()
+
+	for _, c := range comps {
+		st := c.stats(downAt, upAt)
+		t.Logf("%-9s in flight at the outage %d, deliveries begun during it %d, refused during it %d, outages seen %d, resumed %s after the store answered",
+			c.name, st.inFlight, st.begunDuring, st.refusedDuring, c.outages.Load(), st.resumedAfter.Round(time.Millisecond))
+		if !c.relay && st.begunDuring > st.inFlight+maxNewPerLane*lanes {
+			t.Errorf("%s: %d deliveries begun during the outage, want at most %d in flight + %d", c.name, st.begunDuring, st.inFlight, maxNewPerLane*lanes)
+		}
+		if st.refusedDuring > 0 {
+			t.Errorf("%s: %d deliveries refused (to be retried) during the outage, want 0", c.name, st.refusedDuring)
+		}
+		if st.resumedAfter < 0 || st.resumedAfter > resumeWithin {
+			t.Errorf("%s: resumed %s after the store answered, want within %s", c.name, st.resumedAfter, resumeWithin)
+		}
+		if !c.relay && c.outages.Load() == 0 && st.inFlight == 0 {
+			// A lease worker marking done waits the outage out in its
+			// own loop: it holds its delivery, and its consumer sees no
+			// outage. Either way it must have been busy.
+			t.Errorf("%s: saw no outage and had nothing in flight: the outage was not exercised", c.name)
+		}
+		if st.maxAttempt >= 3 {
+			t.Errorf("%s: a delivery reached attempt %d: the outage spent the broker's attempts", c.name, st.maxAttempt)
+		}
+	}
+	warns := logs.warnings()
+	t.Logf("WARN lines: %d\n%s", len(warns), strings.Join(warns, "\n"))
+	if len(warns) > maxWarnLines {
+		t.Errorf("%d WARN lines, want at most %d:\n%s", len(warns), maxWarnLines, strings.Join(warns, "\n"))
+	}
+	if !slices.ContainsFunc(warns, func(l string) bool { return strings.Contains(l, "outbox relay") }) {
+		t.Errorf("the relay did not report the outage:\n%s", strings.Join(warns, "\n"))
+	}
+
+	// The end state, from the unique intended events.
+	check := context.Background()
+	dls, err := s.dl.DeadLetterList(check, &driver.DeadLetterFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dls) > 0 {
+		t.Errorf("%d dead letters, want none; the first: %s %s: %s", len(dls), dls[0].Handler, dls[0].Class, dls[0].Error)
+	}
+	want := idemtest.Expected(evs)
+	handlers := []string{"js-balances"}
+	if withKafka {
+		handlers = append(handlers, "kafka-balances")
+	}
+	for _, h := range handlers {
+		got, err := s.balances(check, h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for acct, w := range want {
+			if got[acct] != w {
+				t.Errorf("%s: %s = %d, want %d", h, acct, got[acct], w)
+			}
+		}
+		if n, _ := s.markers(check, h); n != events {
+			t.Errorf("%s: %d markers, want %d", h, n, events)
+		}
+	}
+	for _, e := range evs {
+		n, ok := effects.Load(idem.IdempotencyKey("notify", e.ID))
+		if !ok || n.(*atomic.Int64).Load() != 1 {
+			got := int64(0)
+			if ok {
+				got = n.(*atomic.Int64).Load()
+			}
+			t.Errorf("notify: %s called %d times, want once", e.ID, got)
+		}
+	}
+	published := map[string]bool{}
+	cons, err := js.OrderedConsumer(check, "ORDERS", natsjs.OrderedConsumerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		batch, err := cons.FetchNoWait(500)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for m := range batch.Messages() {
+			published[m.Headers().Get(jetstream.HeaderMsgID)] = true
+			n++
+		}
+		if n == 0 {
+			break
+		}
+	}
+	if len(published) != outboxRows {
+		t.Errorf("%d distinct outbox messages on the stream, want %d", len(published), outboxRows)
+	}
+}
+
+// countEffects counts the keys called at least once.
+func countEffects(effects *sync.Map) int {
+	n := 0
+	effects.Range(func(any, any) bool { n++; return true })
+	return n
+}
+
+// pace spreads a producer's messages over a few seconds, so that the
+// outage falls mid-stream.
+func pace(ctx context.Context, i int) {
+	if i%25 == 24 {
+		select {
+		case <-ctx.Done():
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// component wraps a consumer's DeliveryHandler (or a relay's Publisher)
+// and records when each delivery began and ended, and how.
+type component struct {
+	name    string
+	relay   bool
+	next    idem.DeliveryHandler
+	outages atomic.Int64
+
+	mu   sync.Mutex
+	recs []rec
+}
+
+type rec struct {
+	in, out time.Time
+	ack     bool
+	attempt int
+}
+
+// HandleDelivery implements idem.DeliveryHandler.
+func (c *component) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
+	in := time.Now()
+	v := c.next.HandleDelivery(ctx, d)
+	c.mu.Lock()
+	c.recs = append(c.recs, rec{in: in, out: time.Now(), ack: v.Ack || errors.Is(v.Err, idem.ErrStoreUnavailable), attempt: d.Attempt})
+	c.mu.Unlock()
+	return v
+}
+
+// AggregateKey passes the lanes' key on.
+func (c *component) AggregateKey(id string) string {
+	if k, ok := c.next.(idem.AggregateKeyer); ok {
+		return k.AggregateKey(id)
+	}
+	return id
+}
+
+// OnOutage implements idem.HookOutage.
+func (c *component) OnOutage(_ context.Context, ev *idem.OutageEvent) {
+	if ev.Down {
+		c.outages.Add(1)
+	}
+}
+
+// publisher records a relay's publishes as deliveries.
+func (c *component) publisher(next outbox.Publisher) outbox.Publisher {
+	return publishFunc(func(ctx context.Context, msgs []*idem.Message) error {
+		in := time.Now()
+		err := next.Publish(ctx, msgs)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for range msgs {
+			c.recs = append(c.recs, rec{in: in, out: time.Now(), ack: err == nil})
+		}
+		return err
+	})
+}
+
+// publishFunc adapts a function to outbox.Publisher.
+type publishFunc func(ctx context.Context, msgs []*idem.Message) error
+
+func (f publishFunc) Publish(ctx context.Context, msgs []*idem.Message) error { return f(ctx, msgs) }
+
+// acks counts the acknowledged deliveries.
+func (c *component) acks() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for _, r := range c.recs {
+		if r.ack {
+			n++
+		}
+	}
+	return n
+}
+
+type stats struct {
+	inFlight, begunDuring, refusedDuring, maxAttempt int
+	resumedAfter                                     time.Duration
+}
+
+// stats measures the outage from down to up.
+func (c *component) stats(down, up time.Time) stats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var st stats
+	first := time.Time{}
+	for _, r := range c.recs {
+		st.maxAttempt = max(st.maxAttempt, r.attempt)
+		if r.in.Before(down) && r.out.After(down) {
+			st.inFlight++
+		}
+		if !r.in.Before(down) && r.in.Before(up) {
+			st.begunDuring++
+		}
+		if !r.ack && !r.out.Before(down) && r.out.Before(up) {
+			st.refusedDuring++
+		}
+		if r.ack && !r.out.Before(up) && (first.IsZero() || r.out.Before(first)) {
+			first = r.out
+		}
+	}
+	st.resumedAfter = -1
+	if !first.IsZero() {
+		st.resumedAfter = first.Sub(up)
+	}
+	return st
+}
+
+// logRecorder keeps every log line.
+type logRecorder struct {
+	mu    sync.Mutex
+	lines []string
+	warns []string
+}
+
+func (l *logRecorder) Enabled(context.Context, slog.Level) bool { return true }
+
+func (l *logRecorder) Handle(_ context.Context, r slog.Record) error {
+	var b strings.Builder
+	b.WriteString(r.Level.String() + " " + r.Message)
+	r.Attrs(func(a slog.Attr) bool {
+		b.WriteString(" " + a.String())
+		return true
+	})
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, b.String())
+	if r.Level >= slog.LevelWarn {
+		l.warns = append(l.warns, b.String())
+	}
+	return nil
+}
+
+func (l *logRecorder) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *logRecorder) WithGroup(string) slog.Handler      { return l }
+
+func (l *logRecorder) warnings() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.warns)
+}
+
+func waitFor(t *testing.T, what string, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
