@@ -226,14 +226,19 @@ type LeaseConfig struct {
 // set and not empty: IDEM_LEASE_TTL and IDEM_LEASE_HEARTBEAT as Go durations
 // ("15m", "30s"), IDEM_LEASE_OWNER as a string. Call it after setting the
 // fields in code to let operators override them. A value that does not
-// parse, or a duration that is not positive, gives an error matching
-// ErrInvalidConfig that names the variable; the other rules are checked by
-// NewLeaseProcessor.
+// parse, a duration that is not positive, or an owner that is not 1–255
+// bytes of UTF-8 without NUL gives an error matching ErrInvalidConfig that
+// names the variable; the other rules are checked by NewLeaseProcessor.
+//
+// FromEnv reads and checks every variable before it sets any field. An
+// error leaves c as it was, so a caller that logs the error and carries on
+// does not run with half of the operator's settings.
 func (c *LeaseConfig) FromEnv() error {
+	ttl, heartbeat, owner := c.TTL, c.Heartbeat, c.Owner
 	for _, v := range []struct {
 		name string
 		dst  *time.Duration
-	}{{EnvLeaseTTL, &c.TTL}, {EnvLeaseHeartbeat, &c.Heartbeat}} {
+	}{{EnvLeaseTTL, &ttl}, {EnvLeaseHeartbeat, &heartbeat}} {
 		s := os.Getenv(v.name)
 		if s == "" {
 			continue
@@ -248,8 +253,12 @@ func (c *LeaseConfig) FromEnv() error {
 		*v.dst = d
 	}
 	if s := os.Getenv(EnvLeaseOwner); s != "" {
-		c.Owner = s
+		if reason := checkText(s, MaxIDLen); reason != "" {
+			return fmt.Errorf("%w: %s %s", ErrInvalidConfig, EnvLeaseOwner, reason)
+		}
+		owner = s
 	}
+	c.TTL, c.Heartbeat, c.Owner = ttl, heartbeat, owner
 	return nil
 }
 

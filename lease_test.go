@@ -135,6 +135,37 @@ func TestLeaseConfigFromEnv(t *testing.T) {
 	}
 }
 
+// TestLeaseConfigFromEnvAllOrNothing checks that a bad variable leaves
+// every field as it was, even the ones whose variables were good. It sets
+// process environment variables, so it cannot run in parallel.
+func TestLeaseConfigFromEnvAllOrNothing(t *testing.T) {
+	for _, tc := range []struct {
+		name                  string
+		ttl, heartbeat, owner string
+		wantVar               string
+	}{
+		{"bad heartbeat after a good TTL", "2m", "soon", "orders-7f9c", idem.EnvLeaseHeartbeat},
+		{"negative heartbeat after a good TTL", "2m", "-5s", "", idem.EnvLeaseHeartbeat},
+		{"owner too long after good durations", "2m", "20s", strings.Repeat("o", idem.MaxIDLen+1), idem.EnvLeaseOwner},
+		{"owner not UTF-8", "", "", "orders-\xff", idem.EnvLeaseOwner},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv(idem.EnvLeaseTTL, tc.ttl)
+			t.Setenv(idem.EnvLeaseHeartbeat, tc.heartbeat)
+			t.Setenv(idem.EnvLeaseOwner, tc.owner)
+			want := idem.LeaseConfig{TTL: time.Hour, Heartbeat: time.Minute, Owner: "from-code", MaxAttempts: 4}
+			cfg := want
+			err := cfg.FromEnv()
+			if !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), tc.wantVar) {
+				t.Fatalf("got %v, want ErrInvalidConfig naming %s", err, tc.wantVar)
+			}
+			if cfg.TTL != want.TTL || cfg.Heartbeat != want.Heartbeat || cfg.Owner != want.Owner || cfg.MaxAttempts != want.MaxAttempts {
+				t.Fatalf("FromEnv failed but changed the config: got %+v, want %+v", cfg, want)
+			}
+		})
+	}
+}
+
 func TestIdempotencyKey(t *testing.T) {
 	t.Parallel()
 	// printf 'payments.charge\0order-42' | sha256sum

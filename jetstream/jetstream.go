@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -43,7 +44,9 @@ type Config struct {
 	Handler idem.DeliveryHandler
 	// Map turns a JetStream message into an idem message; an error makes
 	// the delivery a decode failure (dead-lettered with the reason, never
-	// dropped). Default: DefaultMap.
+	// dropped). Default: DefaultMap. When the ID it returns differs from
+	// the message's Nats-Msg-Id or idem-id header only by white space,
+	// which NATS trims from header values, the consumer logs a warning.
 	Map func(m jetstream.Msg) (*idem.Message, error)
 	// MaxDeliver is the consumer's delivery limit. 0 or -1, the default,
 	// sets none: a message is redelivered until it is decided, and
@@ -96,7 +99,8 @@ type Config struct {
 	// safe for concurrent use (idem.Consumer is). Default 1: one message
 	// or batch at a time.
 	Concurrency int
-	// Logger receives failures to ack. Default slog.Default().
+	// Logger receives failures to ack and IDs that NATS may have trimmed.
+	// Default slog.Default().
 	Logger *slog.Logger
 }
 
@@ -666,8 +670,43 @@ func (c *Consumer) delivery(ctx context.Context, m jetstream.Msg) *idem.Delivery
 	d.Msg, d.DecodeErr = c.cfg.Map(m)
 	if d.DecodeErr != nil {
 		d.Msg = nil
+		return d
 	}
+	c.warnTrimmedID(m, d)
 	return d
+}
+
+// warnTrimmedID logs a warning when the ID that Map gave d differs from
+// m's Nats-Msg-Id or idem-id header only by white space. NATS trims white
+// space around header values and turns CR and LF inside them into spaces.
+// So such an ID reached the stream under another one, and the stream's
+// duplicate window, like any consumer that reads the header, took it for
+// every ID that differs from it only so: one of them may have been
+// dropped. The header alone cannot show this, since it arrives trimmed;
+// only an ID carried elsewhere (the payload, read by a custom Map) can.
+func (c *Consumer) warnTrimmedID(m jetstream.Msg, d *idem.Delivery) {
+	h := m.Headers()
+	for _, name := range []string{HeaderMsgID, HeaderID} {
+		v := h.Get(name)
+		if v == "" || v == d.Msg.ID || headerForm(v) != headerForm(d.Msg.ID) {
+			continue
+		}
+		c.cfg.Logger.Warn("jetstream: the message's ID differs from its "+name+" header only by white space, which NATS trims from header values; "+
+			"the stream's duplicate window takes IDs that differ only so for one, and may have dropped a message; give IDs no surrounding white space or line breaks",
+			slog.String("source", d.Source), slog.String("id", d.Msg.ID), slog.String("header", name), slog.String("header_value", v))
+		return
+	}
+}
+
+// headerForm returns s as a NATS header value arrives: CR and LF turned
+// into spaces, surrounding white space trimmed.
+func headerForm(s string) string {
+	return strings.TrimSpace(strings.Map(func(r rune) rune {
+		if r == '\r' || r == '\n' {
+			return ' '
+		}
+		return r
+	}, s))
 }
 
 // settle acknowledges, terminates or naks m by its verdict.

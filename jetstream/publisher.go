@@ -19,6 +19,9 @@ import (
 // (see idem's outbox package). The subject is the message's Stream; the ID
 // travels as Nats-Msg-Id, so the stream's duplicate window drops a
 // republished copy inside it, and the consumer's markers catch the rest.
+// NATS trims white space around header values and turns line breaks inside
+// them into spaces, so IDs that differ only so arrive, and are deduplicated,
+// as one.
 // The aggregate, sequence, type and time go in the headers DefaultMap
 // reads, with the message's own Headers.
 type Publisher struct {

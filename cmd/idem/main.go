@@ -14,7 +14,7 @@
 //	          letters, conflicts, oldest marker
 //	dlq       list, show, replay or discard dead letters
 //	outbox    outbox state: pending rows, the oldest pending row's age,
-//	          failing rows
+//	          failing rows; sequences behind issued IDs
 //	cleanup   delete markers older than the retention, in small batches
 //	import    import the IDs of a hand-rolled processed-events table as
 //	          markers

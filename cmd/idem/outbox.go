@@ -14,12 +14,12 @@ import (
 )
 
 // outboxCommand returns the "outbox" subcommand: the state of the
-// transactional outbox.
+// transactional outbox, and the check of its sequences.
 func outboxCommand() *command {
 	return &command{
 		name:     "outbox",
-		synopsis: "stats|notify on|notify off --dsn DSN [--schema S] [--prefix P] [--json]",
-		summary:  "outbox state: pending rows, the oldest pending row's age, failing rows",
+		synopsis: "stats|notify on|notify off|check --dsn DSN [--schema S] [--prefix P] [--json] [--consumer DSN]... [--fix]",
+		summary:  "outbox state: pending rows, the oldest pending row's age, failing rows; sequences behind issued IDs",
 		help: `Outbox stats prints the state of the transactional outbox (see
 docs/outbox.md):
 
@@ -38,10 +38,32 @@ flushed, so concurrent writers of outbox rows commit one at a time: leave
 it off unless the outbox has few writers and milliseconds matter. It is
 part of the schema, for every process. See docs/outbox.md.
 
+Outbox check finds sequences that are behind message IDs already issued.
+A restore from a backup leaves them so. The outbox would then issue those
+IDs again with other payloads, and consumers would dead-letter them as
+conflicts. The check compares each row of the sequences table (idem_versions
+with the default prefix) with the highest sequence in the IDs that
+outbox.AddNext made ("<n>:<stream>-<aggregate>-<seq>"). It looks for them
+in the outbox table, and in the markers and dead letters of this store and
+of every --consumer store (PostgreSQL, SQLite or Redis). --consumer-schema
+and --consumer-prefix apply to all consumer stores. It also lists outbox
+rows whose ID a consumer holds with another payload. It exits 1 when a
+sequence is behind. With --fix it advances those sequences past the issued
+IDs instead; it never lowers one. It sees only the markers retention has
+kept: name the consumers whose markers are older than the backup.
+
 ` + dsnHelp,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			sf := addStoreFlags(fs, "outbox stats", false)
 			asJSON := fs.Bool("json", false, "print JSON")
+			fix := fs.Bool("fix", false, "check: advance the sequences that are behind")
+			var consumers []string
+			fs.Func("consumer", "check: `DSN` of a consumer's store whose markers and dead letters to read (repeatable)", func(v string) error {
+				consumers = append(consumers, v)
+				return nil
+			})
+			consumerSchema := fs.String("consumer-schema", "", "check: PostgreSQL `schema` of idem's tables in the --consumer stores")
+			consumerPrefix := fs.String("consumer-prefix", "", "check: `prefix` of idem's tables (Redis: keys) in the --consumer stores")
 			return func(ctx context.Context, e *env, args []string) error {
 				if len(args) == 0 {
 					return usagef("missing subcommand: stats or notify")
@@ -49,14 +71,14 @@ part of the schema, for every process. See docs/outbox.md.
 				sub, rest := args[0], args[1:]
 				var notifyOn bool
 				switch sub {
-				case "stats":
+				case "stats", "check":
 				case "notify":
 					if len(rest) == 0 || (rest[0] != "on" && rest[0] != "off") {
 						return usagef("notify takes on or off")
 					}
 					notifyOn, rest = rest[0] == "on", rest[1:]
 				default:
-					return usagef("unknown subcommand %q: want stats or notify", sub)
+					return usagef("unknown subcommand %q: want stats, notify or check", sub)
 				}
 				// Flags may follow the subcommand too.
 				if err := fs.Parse(rest); err != nil {
@@ -68,14 +90,36 @@ part of the schema, for every process. See docs/outbox.md.
 				if err := noArgs(fs.Args()); err != nil {
 					return err
 				}
+				if sub != "check" && (*fix || len(consumers) > 0 || *consumerSchema != "" || *consumerPrefix != "") {
+					return usagef("--fix, --consumer, --consumer-schema and --consumer-prefix belong to outbox check")
+				}
+				if sub == "check" && *asJSON {
+					return usagef("outbox check prints text only")
+				}
 				sf.command = "outbox " + sub
 				s, err := sf.open(ctx, e)
 				if err != nil {
 					return err
 				}
 				defer s.Close()
-				if sub == "notify" {
+				switch sub {
+				case "notify":
 					return runOutboxNotify(ctx, e.stdout, s, notifyOn)
+				case "check":
+					var cs []*store
+					defer func() {
+						for _, c := range cs {
+							c.Close()
+						}
+					}()
+					for _, dsn := range consumers {
+						c, err := openStore(ctx, dsn, storeOptions{Schema: *consumerSchema, Prefix: *consumerPrefix})
+						if err != nil {
+							return fmt.Errorf("consumer store: %w", err)
+						}
+						cs = append(cs, c)
+					}
+					return runOutboxCheck(ctx, e.stdout, s, cs, *fix)
 				}
 				return runOutboxStats(ctx, e.stdout, s, *asJSON, time.Now())
 			}

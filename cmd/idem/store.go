@@ -36,7 +36,7 @@ const dsnHelp = `DSN forms:
   postgres://user:pass@host:5432/db?sslmode=disable   PostgreSQL (also postgresql://)
   sqlite:PATH or file:PATH                            SQLite file (migrate creates it if missing)
   PATH ending in .db, .sqlite or .sqlite3             SQLite file
-  redis://[:pass@]host:6379/0 (also rediss://)        Redis (redisstore; dlq, migrate and bench only)`
+  redis://[:pass@]host:6379/0 (also rediss://)        Redis (redisstore; dlq, migrate, bench, outbox check --consumer)`
 
 // storeKind says which driver a DSN selects.
 type storeKind int

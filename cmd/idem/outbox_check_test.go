@@ -1,0 +1,251 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
+	"github.com/idemhq/idem/redisstore"
+	"github.com/idemhq/idem/sqlite"
+)
+
+func TestParseOutboxID(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		stream, agg string
+		seq         int64
+	}{{"orders", "o-1", 7}, {"orders-eu", "7", 1}, {"a.b", "", 12}, {"x:y-z", "q-r-s", 9223372036854775807}} {
+		k, seq, ok := parseOutboxID(outbox.MessageID(tc.stream, tc.agg, tc.seq))
+		if !ok || k != (aggKey{tc.stream, tc.agg}) || seq != tc.seq {
+			t.Errorf("%q/%q/%d: got %+v %d %v", tc.stream, tc.agg, tc.seq, k, seq, ok)
+		}
+	}
+	for _, id := range []string{"order-1", "6:orders-o-1-", "6:orders-o-1-0", "6:orders-o-1-01", "9:orders-o-1-2", "x:orders-o-1-2", "6:orders", "-1:a-b-1"} {
+		if k, seq, ok := parseOutboxID(id); ok {
+			t.Errorf("%q parsed as %+v %d", id, k, seq)
+		}
+	}
+}
+
+// addNext adds one event per payload to aggregate agg of stream "orders"
+// through the outbox, in one transaction per event, and returns them.
+func addNext[TTx any](t *testing.T, ob *outbox.Outbox[TTx], begin func() TTx, commit func(TTx), agg string, payloads ...string) []*idem.Message {
+	t.Helper()
+	var msgs []*idem.Message
+	for _, p := range payloads {
+		tx := begin()
+		m, err := ob.AddNext(context.Background(), tx, "orders", agg, "OrderPlaced", []byte(p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		commit(tx)
+		msgs = append(msgs, m)
+	}
+	return msgs
+}
+
+// deliver hands msgs to a consumer on drv, as a relay and broker would,
+// and returns the outcomes.
+func deliver[TTx any](t *testing.T, drv interface {
+	driver.Driver[TTx]
+	driver.DeadLetterStore
+}, msgs ...*idem.Message) []idem.Outcome {
+	t.Helper()
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := idem.NewConsumer(p, &idem.Handler[TTx]{Name: "billing", Apply: func(context.Context, TTx, *idem.Message) error { return nil }}, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var outs []idem.Outcome
+	for _, m := range msgs {
+		outs = append(outs, c.HandleDelivery(context.Background(), &idem.Delivery{Msg: m, Attempt: 1}).Outcome)
+	}
+	return outs
+}
+
+// TestOutboxCheckAfterRestoreSQLite: a producer's database restored from a
+// backup re-issues message IDs the consumer has already applied, and the
+// consumer dead-letters the re-issued one as a conflict. outbox check
+// finds the sequence behind and the re-issued ID; --fix advances the
+// sequence, and the next event gets a fresh ID the consumer applies.
+func TestOutboxCheckAfterRestoreSQLite(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dir := t.TempDir()
+	live, backup, consumerPath := filepath.Join(dir, "live.db"), filepath.Join(dir, "backup.db"), filepath.Join(dir, "consumer.db")
+	db, drv := testenv.SQLite(t, live, nil)
+	_, cdrv := testenv.SQLite(t, consumerPath, nil)
+	sqliteOutbox := func(db *sql.DB, drv *sqlite.Driver) func(agg string, payloads ...string) []*idem.Message {
+		ob, err := outbox.New(drv)
+		if err != nil {
+			t.Fatal(err)
+		}
+		begin := func() *sql.Tx {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return tx
+		}
+		commit := func(tx *sql.Tx) {
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return func(agg string, payloads ...string) []*idem.Message {
+			return addNext(t, ob, begin, commit, agg, payloads...)
+		}
+	}
+	add := sqliteOutbox(db, drv)
+	published := add("o-1", "first")
+	published = append(published, add("o-2", "other")...)
+	if _, err := db.ExecContext(ctx, `VACUUM INTO ?`, backup); err != nil {
+		t.Fatal(err)
+	}
+	published = append(published, add("o-1", "second", "third")...)
+	deliver(t, cdrv, published...)
+
+	// The restore: the producer runs on the backup from now on.
+	rdb, rdrv := testenv.SQLite(t, backup, nil)
+	check := func(args ...string) (int, string) {
+		t.Helper()
+		code, out, errOut := runCLI(t, append([]string{"outbox", "check", "--dsn", backup, "--consumer", consumerPath}, args...)...)
+		return code, out + errOut
+	}
+	code, out := check()
+	if code != exitFailed || !strings.Contains(out, "orders  o-1        1         3             markers of SQLite "+consumerPath) ||
+		strings.Contains(out, "o-2") || !strings.Contains(out, "found 1 sequence behind") {
+		t.Fatalf("check after restore: exit %d\n%s", code, out)
+	}
+
+	// Without the fix, the next event re-issues an applied ID with another
+	// payload: a conflict.
+	radd := sqliteOutbox(rdb, rdrv)
+	reissued := radd("o-1", "fourth")
+	if reissued[0].ID != published[2].ID {
+		t.Fatalf("restored outbox issued %s, want the re-issued %s", reissued[0].ID, published[2].ID)
+	}
+	if outs := deliver(t, cdrv, reissued...); outs[0] != idem.Conflict {
+		t.Fatalf("re-issued ID: %v, want conflict", outs)
+	}
+	code, out = check()
+	id := published[2].ID
+	if code != exitFailed || !strings.Contains(out, "orders  o-1        2         3") ||
+		!strings.Contains(out, "1 message ID in the outbox issued before with another payload") ||
+		!strings.Contains(out, "  "+id+"  (dead letters of SQLite "+consumerPath+"; markers of SQLite "+consumerPath+")") {
+		t.Fatalf("check after a re-issued ID: exit %d\n%s", code, out)
+	}
+
+	code, out = check("--fix")
+	if code != exitOK || !strings.Contains(out, "advanced 1 sequence past the message IDs already issued") {
+		t.Fatalf("check --fix: exit %d\n%s", code, out)
+	}
+	if code, out = check(); code != exitOK || !strings.Contains(out, "no sequence is behind") {
+		t.Fatalf("check after --fix: exit %d\n%s", code, out)
+	}
+	next := radd("o-1", "fifth")
+	if next[0].Seq != 4 {
+		t.Fatalf("after --fix the outbox issued seq %d, want 4", next[0].Seq)
+	}
+	if outs := deliver(t, cdrv, next...); outs[0] != idem.Applied {
+		t.Fatalf("after --fix: %v, want applied", outs)
+	}
+}
+
+// TestOutboxCheckAfterRestorePostgres: the same on PostgreSQL, with the
+// consumer's markers in another schema. The restore is done by hand: the
+// sequence row and the outbox rows go back to an earlier state.
+func TestOutboxCheckAfterRestorePostgres(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema, drv := migratedSchema(t)
+	cschema, cdrv := migratedSchema(t)
+	pool := testenv.PostgresPool(t, 2)
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	begin := func() postgres.Tx {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tx
+	}
+	commit := func(tx postgres.Tx) {
+		if err := tx.(interface{ Commit(context.Context) error }).Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	msgs := addNext(t, ob, begin, commit, "o-1", "first", "second", "third")
+	deliver(t, cdrv, msgs...)
+	if _, err := pool.Exec(ctx, `UPDATE `+schema+`.idem_versions SET version = 1; DELETE FROM `+schema+`.idem_outbox WHERE seq > 1`); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"outbox", "check", "--dsn", testenv.PostgresDSN(), "--schema", schema, "--consumer", testenv.PostgresDSN(), "--consumer-schema", cschema}
+	code, out, errOut := runCLI(t, args...)
+	if code != exitFailed || !strings.Contains(out, "orders  o-1        1         3             markers of PostgreSQL") {
+		t.Fatalf("check after restore: exit %d\n%s%s", code, out, errOut)
+	}
+	if code, out, errOut = runCLI(t, append(args, "--fix")...); code != exitOK {
+		t.Fatalf("check --fix: exit %d\n%s%s", code, out, errOut)
+	}
+	if next := addNext(t, ob, begin, commit, "o-1", "fourth"); next[0].Seq != 4 {
+		t.Fatalf("after --fix the outbox issued seq %d, want 4", next[0].Seq)
+	}
+}
+
+// TestOutboxCheckRedisConsumer: the issued IDs are found in a consumer's
+// Redis markers too.
+func TestOutboxCheckRedisConsumer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	client, prefix := testenv.Redis(t)
+	cdrv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "producer.db")
+	db, drv := testenv.SQLite(t, path, nil)
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	begin := func() *sql.Tx {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tx
+	}
+	commit := func(tx *sql.Tx) {
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deliver(t, cdrv, addNext(t, ob, begin, commit, "o-1", "first", "second")...)
+	if _, err := db.ExecContext(ctx, `UPDATE idem_versions SET version = 1; DELETE FROM idem_outbox WHERE seq > 1`); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"outbox", "check", "--dsn", path, "--consumer", testenv.RedisURL(), "--consumer-prefix", prefix}
+	code, out, errOut := runCLI(t, args...)
+	if code != exitFailed || !strings.Contains(out, "orders  o-1        1         2             markers of Redis") {
+		t.Fatalf("check: exit %d\n%s%s", code, out, errOut)
+	}
+	if code, out, errOut = runCLI(t, append(args, "--fix")...); code != exitOK {
+		t.Fatalf("check --fix: exit %d\n%s%s", code, out, errOut)
+	}
+	if next := addNext(t, ob, begin, commit, "o-1", "third"); next[0].Seq != 3 {
+		t.Fatalf("after --fix the outbox issued seq %d, want 3", next[0].Seq)
+	}
+}
