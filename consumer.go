@@ -171,7 +171,8 @@ func (c *deliveries) outageChanged(ch outage.Change) {
 // for a moment, and its first failures would otherwise count against
 // their messages.
 func (c *deliveries) storeDown(ctx context.Context, stop <-chan struct{}, err error, again *bool) bool {
-	if err == nil || IsPermanent(err) || !c.watch.Suspect(err) {
+	var recorded *recordedFailure
+	if err == nil || IsPermanent(err) || errors.As(err, &recorded) || !c.watch.Suspect(err) {
 		return false
 	}
 	if c.watch.Check(ctx, err) {
