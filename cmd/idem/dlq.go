@@ -147,7 +147,7 @@ func defineDLQFlags(fs *flag.FlagSet) *dlqFlags {
 	f := &dlqFlags{store: addStoreFlags(fs, "dlq", true)}
 	fs.StringVar(&f.handler, "handler", "", "only dead letters of this `handler`")
 	fs.StringVar(&f.group, "group", "", "only dead letters with this `fingerprint`")
-	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replayed, discarded or all (list only)")
+	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replaying, replayed, discarded or all (list only)")
 	fs.StringVar(&f.since, "since", "", "only dead letters that last failed at or after `T`")
 	fs.StringVar(&f.until, "until", "", "only dead letters that last failed before `T`")
 	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all); replay or discard the oldest N (only when given)")
@@ -240,9 +240,9 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 		}
 		if f.state != "all" {
 			switch f.state {
-			case driver.DeadLetterParked, driver.DeadLetterReplayRequested, driver.DeadLetterReplayed, driver.DeadLetterDiscarded:
+			case driver.DeadLetterParked, driver.DeadLetterReplayRequested, driver.DeadLetterReplaying, driver.DeadLetterReplayed, driver.DeadLetterDiscarded:
 			default:
-				return nil, usagef("--state %q: want parked, replay_requested, replayed, discarded or all", f.state)
+				return nil, usagef("--state %q: want parked, replay_requested, replaying, replayed, discarded or all", f.state)
 			}
 			flt.State = f.state
 		}
@@ -330,13 +330,16 @@ func toJSON(d driver.DeadLetter, full bool) dlqJSON {
 }
 
 func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, asJSON bool) error {
-	// One more than the limit, to say whether the list was cut short.
+	// One more than the limit, to say whether the list was cut short;
+	// summaries only: a list shows no bodies, and their size is not
+	// bounded.
 	limit := f.Limit
+	g := *f
+	g.Summary = true
 	if limit > 0 {
-		g := *f
 		g.Limit = limit + 1
-		f = &g
 	}
+	f = &g
 	dls, err := dl.DeadLetterList(ctx, f)
 	if err != nil {
 		return err

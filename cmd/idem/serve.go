@@ -265,7 +265,7 @@ func servePage(w http.ResponseWriter, r *http.Request, s *store, timeout time.Du
 	d.Handlers, d.Outbox = rd.handlers, rd.outbox
 	err := rd.err
 	if dl, ok := s.idemDriver().(driver.DeadLetterStore); ok && err == nil {
-		d.DeadLetters, err = dl.DeadLetterList(ctx, &driver.DeadLetterFilter{State: driver.DeadLetterParked, Limit: servePageDeadLetters})
+		d.DeadLetters, err = dl.DeadLetterList(ctx, &driver.DeadLetterFilter{State: driver.DeadLetterParked, Limit: servePageDeadLetters, Summary: true})
 	}
 	if err != nil {
 		d.Err = err.Error()
