@@ -283,6 +283,7 @@ func servePage(w http.ResponseWriter, r *http.Request, s *store, timeout time.Du
 
 var pageTemplate = template.Must(template.New("page").Funcs(template.FuncMap{
 	"clip": clip,
+	"term": termText,
 	"when": func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
 }).Parse(`<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>idem · {{.Store}}</title>
@@ -299,18 +300,18 @@ th:first-child,td:first-child,td.text{text-align:left}
 <h2>Handlers</h2>
 {{if .Handlers}}<table>
 <tr><th>handler</th><th>applied</th><th>duplicates</th><th>stale</th><th>in flight</th><th>failed</th><th>dead letters (parked / all)</th><th>conflicts</th><th>oldest marker</th></tr>
-{{range .Handlers}}<tr><td>{{.Handler}}</td><td>{{.Applied}}</td><td>{{.Duplicates}}</td><td>{{.Stale}}</td><td>{{.InFlight}}</td><td>{{.Failed}}</td><td>{{.DeadParked}} / {{.DeadTotal}}</td><td>{{.Conflicts}}</td><td>{{if .OldestMarker}}{{when .OldestMarker.UTC}}{{else}}-{{end}}</td></tr>
+{{range .Handlers}}<tr><td>{{term .Handler}}</td><td>{{.Applied}}</td><td>{{.Duplicates}}</td><td>{{.Stale}}</td><td>{{.InFlight}}</td><td>{{.Failed}}</td><td>{{.DeadParked}} / {{.DeadTotal}}</td><td>{{.Conflicts}}</td><td>{{if .OldestMarker}}{{when .OldestMarker.UTC}}{{else}}-{{end}}</td></tr>
 {{end}}</table>{{else}}<p class="muted">No markers or dead letters stored yet.</p>{{end}}
 {{with .Outbox}}<h2>Outbox</h2>
 <table>
 <tr><th>pending</th><th>oldest pending</th><th>failing</th><th>published, awaiting cleanup</th></tr>
 <tr><td>{{.Pending}}</td><td>{{if .OldestPending}}{{when .OldestPending.UTC}} ({{.AgeSeconds}} s ago){{else}}-{{end}}</td><td>{{.Failing}}</td><td>{{.Published}}</td></tr>
-</table>{{if .LastError}}<p class="err">last publish error: {{.LastError}}</p>{{end}}{{end}}
+</table>{{if .LastError}}<p class="err">last publish error: {{term .LastError}}</p>{{end}}{{end}}
 <h2>Parked dead letters</h2>
 {{if .DeadLetters}}<p class="muted">The oldest {{len .DeadLetters}} (at most {{.Limit}}). Replay or discard them with <code>idem dlq</code>.</p>
 <table>
 <tr><th>id</th><th>handler</th><th>message ID</th><th>class</th><th>attempts</th><th>last failed</th><th>error</th></tr>
-{{range .DeadLetters}}<tr><td>{{.ID}}</td><td class="text">{{.Handler}}</td><td class="text">{{if .MessageID}}{{.MessageID}}{{else}}-{{end}}</td><td class="text">{{.Class}}</td><td>{{.Attempts}}</td><td>{{when .LastFailed}}</td><td class="text">{{clip .Error 160}}</td></tr>
+{{range .DeadLetters}}<tr><td>{{.ID}}</td><td class="text">{{term .Handler}}</td><td class="text">{{if .MessageID}}{{term .MessageID}}{{else}}-{{end}}</td><td class="text">{{term .Class}}</td><td>{{.Attempts}}</td><td>{{when .LastFailed}}</td><td class="text">{{term (clip .Error 160)}}</td></tr>
 {{end}}</table>{{else}}<p class="muted">None parked.</p>{{end}}
 </body></html>
 `))

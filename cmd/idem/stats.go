@@ -81,7 +81,7 @@ func runStats(ctx context.Context, e *env, s *store, asJSON bool) error {
 		if st.OldestMarker != nil {
 			old = st.OldestMarker.Format(time.RFC3339)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", st.Handler, st.Applied, st.Duplicates, st.Stale, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", termText(st.Handler), st.Applied, st.Duplicates, st.Stale, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
 	}
 	return tw.Flush()
 }
