@@ -115,7 +115,7 @@ func newServeMux(ctx context.Context, s *store, refresh, timeout time.Duration) 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newStoreCollector(ctx, s, refresh, timeout), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), serveHealthTimeout)
 		defer cancel()
@@ -207,28 +207,30 @@ func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 	r := c.reading()
 	if r.err != nil {
-		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
+		ch <- constMetric(c.up, prometheus.GaugeValue, 0)
 		return
 	}
-	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 1)
-	for _, st := range r.handlers {
-		ch <- prometheus.MustNewConstMetric(c.markers, prometheus.GaugeValue, float64(st.Applied), st.Handler)
-		ch <- prometheus.MustNewConstMetric(c.duplicates, prometheus.CounterValue, float64(st.Duplicates), st.Handler)
-		ch <- prometheus.MustNewConstMetric(c.stale, prometheus.CounterValue, float64(st.Stale), st.Handler)
-		ch <- prometheus.MustNewConstMetric(c.leases, prometheus.GaugeValue, float64(st.InFlight), st.Handler, "in_flight")
-		ch <- prometheus.MustNewConstMetric(c.leases, prometheus.GaugeValue, float64(st.Failed), st.Handler, "failed")
-		ch <- prometheus.MustNewConstMetric(c.deadLetters, prometheus.GaugeValue, float64(st.DeadParked), st.Handler, "parked")
-		ch <- prometheus.MustNewConstMetric(c.deadLetters, prometheus.GaugeValue, float64(st.DeadTotal), st.Handler, "all")
-		ch <- prometheus.MustNewConstMetric(c.conflicts, prometheus.GaugeValue, float64(st.Conflicts), st.Handler)
+	ch <- constMetric(c.up, prometheus.GaugeValue, 1)
+	labels := handlerLabels(r.handlers)
+	for i, st := range r.handlers {
+		h := labels[i]
+		ch <- constMetric(c.markers, prometheus.GaugeValue, float64(st.Applied), h)
+		ch <- constMetric(c.duplicates, prometheus.CounterValue, float64(st.Duplicates), h)
+		ch <- constMetric(c.stale, prometheus.CounterValue, float64(st.Stale), h)
+		ch <- constMetric(c.leases, prometheus.GaugeValue, float64(st.InFlight), h, "in_flight")
+		ch <- constMetric(c.leases, prometheus.GaugeValue, float64(st.Failed), h, "failed")
+		ch <- constMetric(c.deadLetters, prometheus.GaugeValue, float64(st.DeadParked), h, "parked")
+		ch <- constMetric(c.deadLetters, prometheus.GaugeValue, float64(st.DeadTotal), h, "all")
+		ch <- constMetric(c.conflicts, prometheus.GaugeValue, float64(st.Conflicts), h)
 		if st.OldestMarker != nil {
-			ch <- prometheus.MustNewConstMetric(c.oldestMarker, prometheus.GaugeValue, float64(st.OldestMarker.UnixMicro())/1e6, st.Handler)
+			ch <- constMetric(c.oldestMarker, prometheus.GaugeValue, float64(st.OldestMarker.UnixMicro())/1e6, h)
 		}
 	}
 	if ob := r.outbox; ob != nil {
-		ch <- prometheus.MustNewConstMetric(c.outboxPending, prometheus.GaugeValue, float64(ob.Pending))
-		ch <- prometheus.MustNewConstMetric(c.outboxFailing, prometheus.GaugeValue, float64(ob.Failing))
-		ch <- prometheus.MustNewConstMetric(c.outboxPublished, prometheus.GaugeValue, float64(ob.Published))
-		ch <- prometheus.MustNewConstMetric(c.outboxAge, prometheus.GaugeValue, float64(ob.AgeSeconds))
+		ch <- constMetric(c.outboxPending, prometheus.GaugeValue, float64(ob.Pending))
+		ch <- constMetric(c.outboxFailing, prometheus.GaugeValue, float64(ob.Failing))
+		ch <- constMetric(c.outboxPublished, prometheus.GaugeValue, float64(ob.Published))
+		ch <- constMetric(c.outboxAge, prometheus.GaugeValue, float64(ob.AgeSeconds))
 	}
 }
 
