@@ -196,7 +196,7 @@ func TestServeMetricsRefresh(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	c := newStoreCollector(context.Background(), s, time.Hour, 5*time.Second)
+	c := newStoreCollector(newReadingCache(context.Background(), s, time.Hour, 5*time.Second))
 	scrape := func() string {
 		t.Helper()
 		reg := prometheus.NewPedanticRegistry()
@@ -220,7 +220,7 @@ func TestServeMetricsRefresh(t *testing.T) {
 	if again := scrape(); again != first || strings.Contains(again, `"late"`) {
 		t.Fatal("a scrape within the refresh interval read the store again")
 	}
-	c.refresh = 0
+	c.cache.ttl = 0
 	if !strings.Contains(scrape(), `value:"late"`) {
 		t.Fatal("a scrape after the refresh interval did not read the store")
 	}
