@@ -240,6 +240,7 @@ type pageData struct {
 	Now         time.Time
 	Read        time.Time     // when the counts were read
 	Refresh     time.Duration // how old they may be
+	Estimate    *int64        // the planner's estimate of all markers, if known
 	Err         string
 	Handlers    []*handlerStats
 	Outbox      *outboxReport
@@ -253,6 +254,9 @@ func servePage(w http.ResponseWriter, r *http.Request, s *store, cache *readingC
 	d := pageData{Store: s.String(), Now: time.Now().UTC().Truncate(time.Second), Limit: servePageDeadLetters, Refresh: cache.ttl}
 	rd, read := cache.get(ctx)
 	d.Read = read.UTC().Truncate(time.Second)
+	if n, ok, err := s.markerEstimate(ctx); err == nil && ok {
+		d.Estimate = &n // read on each view: a catalog lookup, not a count
+	}
 	d.Handlers, d.Outbox = rd.handlers, rd.outbox
 	err := rd.err
 	if dl, ok := s.idemDriver().(driver.DeadLetterStore); ok && err == nil {
@@ -288,7 +292,7 @@ th:first-child,td:first-child,td.text{text-align:left}
 <p class="muted">{{.Store}} · {{when .Now}} · <a href="/metrics">metrics</a></p>
 {{if .Err}}<p class="err">The store could not be read: {{.Err}}</p>{{end}}
 <h2>Handlers</h2>
-<p class="muted">Counts as of {{when .Read}}: the store is read at most once every {{.Refresh}}, for this page and /metrics alike, so they may be that old.</p>
+<p class="muted">Counts as of {{when .Read}}: the store is read at most once every {{.Refresh}}, for this page and /metrics alike, so they may be that old.{{with .Estimate}} Markers now: about {{.}} in all (PostgreSQL's estimate, as of its last analysis of the table; not an exact count).{{end}}</p>
 {{if .Handlers}}<table>
 <tr><th>handler</th><th>applied</th><th>duplicates</th><th>stale</th><th>in flight</th><th>failed</th><th>dead letters (parked / all)</th><th>conflicts</th><th>oldest marker</th></tr>
 {{range .Handlers}}<tr><td>{{term .Handler}}</td><td>{{.Applied}}</td><td>{{.Duplicates}}</td><td>{{.Stale}}</td><td>{{.InFlight}}</td><td>{{.Failed}}</td><td>{{.DeadParked}} / {{.DeadTotal}}</td><td>{{.Conflicts}}</td><td>{{if .OldestMarker}}{{when .OldestMarker.UTC}}{{else}}-{{end}}</td></tr>
