@@ -363,8 +363,8 @@ func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tHANDLER\tMESSAGE\tCLASS\tATTEMPTS\tLAST FAILED\tSTATE\tERROR")
 	for _, d := range dls {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.Handler, orDash(d.MessageID), d.Class, d.Attempts,
-			d.LastFailed.UTC().Format(time.RFC3339), d.State, clip(d.Error, 60))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, termText(d.Handler), termText(orDash(d.MessageID)), termText(d.Class), d.Attempts,
+			d.LastFailed.UTC().Format(time.RFC3339), termText(d.State), termText(clip(d.Error, 60)))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -409,7 +409,7 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		{"Source", orDash(d.Source)}, {"Group", d.Fingerprint}, {"Error", d.Error},
 		{"Envelope", orDash(string(d.Envelope))}, {"Raw", strconv.Quote(clip(string(d.Raw), 400))},
 	} {
-		fmt.Fprintf(tw, "%s:\t%s\n", kv[0], kv[1])
+		fmt.Fprintf(tw, "%s:\t%s\n", kv[0], termText(kv[1]))
 	}
 	for i, h := range hist {
 		label := ""
@@ -420,7 +420,7 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		if h.Outcome != "" {
 			line += ": " + h.Outcome
 		}
-		fmt.Fprintf(tw, "%s\t%s\n", label, line)
+		fmt.Fprintf(tw, "%s\t%s\n", label, termText(line))
 	}
 	return tw.Flush()
 }
