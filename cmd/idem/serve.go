@@ -163,6 +163,9 @@ type storeReading struct {
 	handlers []*handlerStats
 	outbox   *outboxReport // nil for a schema from before the outbox
 	err      error
+	// downSince is when the reads began to fail, for an outage in
+	// progress; zero when this one succeeded.
+	downSince time.Time
 }
 
 // readStore reads the per-handler counts and the outbox.
@@ -242,6 +245,8 @@ type pageData struct {
 	Refresh     time.Duration // how old they may be
 	Estimate    *int64        // the planner's estimate of all markers, if known
 	Err         string
+	DownSince   time.Time     // when the store stopped answering, during an outage
+	DownFor     time.Duration // how long it has not answered
 	Handlers    []*handlerStats
 	Outbox      *outboxReport
 	DeadLetters []driver.DeadLetter
@@ -258,6 +263,9 @@ func servePage(w http.ResponseWriter, r *http.Request, s *store, cache *readingC
 		d.Estimate = &n // read on each view: a catalog lookup, not a count
 	}
 	d.Handlers, d.Outbox = rd.handlers, rd.outbox
+	if !rd.downSince.IsZero() {
+		d.DownSince, d.DownFor = rd.downSince.UTC().Truncate(time.Second), time.Since(rd.downSince).Round(time.Second)
+	}
 	err := rd.err
 	if dl, ok := s.idemDriver().(driver.DeadLetterStore); ok && err == nil {
 		d.DeadLetters, err = dl.DeadLetterList(ctx, &driver.DeadLetterFilter{State: driver.DeadLetterParked, Limit: servePageDeadLetters, Summary: true})
@@ -290,7 +298,7 @@ th:first-child,td:first-child,td.text{text-align:left}
 </style></head><body>
 <h1>idem</h1>
 <p class="muted">{{.Store}} · {{when .Now}} · <a href="/metrics">metrics</a></p>
-{{if .Err}}<p class="err">The store could not be read: {{.Err}}</p>{{end}}
+{{if .Err}}<p class="err">{{if not .DownSince.IsZero}}<strong>Outage in progress:</strong> the store has not answered since {{when .DownSince}} ({{.DownFor}}); consumers pause while it is down and resume by themselves. {{end}}The store could not be read: {{term .Err}}</p>{{end}}
 <h2>Handlers</h2>
 <p class="muted">Counts as of {{when .Read}}: the store is read at most once every {{.Refresh}}, for this page and /metrics alike, so they may be that old.{{with .Estimate}} Markers now: about {{.}} in all (PostgreSQL's estimate, as of its last analysis of the table; not an exact count).{{end}}</p>
 {{if .Handlers}}<table>

@@ -172,6 +172,7 @@ type readingCache struct {
 	mu     sync.Mutex
 	at     time.Time // when last was read; zero before the first read
 	last   storeReading
+	down   time.Time // when the reads began to fail; zero while they succeed
 	flight *readFlight // the read under way, if any
 }
 
@@ -221,6 +222,13 @@ func (c *readingCache) run(f *readFlight) {
 	defer cancel()
 	r := c.read(ctx)
 	c.mu.Lock()
+	switch {
+	case r.err == nil:
+		c.down = time.Time{}
+	case c.down.IsZero():
+		c.down = time.Now()
+	}
+	r.downSince = c.down
 	c.last, c.at = r, time.Now()
 	f.r, f.at = r, c.at
 	c.flight = nil

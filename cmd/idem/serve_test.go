@@ -126,6 +126,9 @@ func TestServeEndpoints(t *testing.T) {
 	if code, body = get(t, srv.URL+"/"); code != http.StatusServiceUnavailable || !strings.Contains(body, "could not be read") {
 		t.Fatalf("/ with the store closed: %d", code)
 	}
+	if !strings.Contains(body, "Outage in progress") || !strings.Contains(body, "has not answered since") {
+		t.Fatalf("/ with the store closed does not show the outage:\n%s", body)
+	}
 }
 
 // TestServeHealthNeedsTables: a store that answers but holds no idem
