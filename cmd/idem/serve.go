@@ -272,6 +272,11 @@ func servePage(w http.ResponseWriter, r *http.Request, s *store, cache *readingC
 	}
 	if err != nil {
 		d.Err = err.Error()
+		if rd.err == nil && ctx.Err() == nil {
+			// The counts came from the cache; the store failed now.
+			since := cache.failed()
+			d.DownSince, d.DownFor = since.UTC().Truncate(time.Second), time.Since(since).Round(time.Second)
+		}
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	if d.Err != "" {
@@ -300,11 +305,11 @@ th:first-child,td:first-child,td.text{text-align:left}
 <p class="muted">{{.Store}} · {{when .Now}} · <a href="/metrics">metrics</a></p>
 {{if .Err}}<p class="err">{{if not .DownSince.IsZero}}<strong>Outage in progress:</strong> the store has not answered since {{when .DownSince}} ({{.DownFor}}); consumers pause while it is down and resume by themselves. {{end}}The store could not be read: {{term .Err}}</p>{{end}}
 <h2>Handlers</h2>
-<p class="muted">Counts as of {{when .Read}}: the store is read at most once every {{.Refresh}}, for this page and /metrics alike, so they may be that old.{{with .Estimate}} Markers now: about {{.}} in all (PostgreSQL's estimate, as of its last analysis of the table; not an exact count).{{end}}</p>
+{{if not .Err}}<p class="muted">Counts as of {{when .Read}}: the store is read at most once every {{.Refresh}}, for this page and /metrics alike, so they may be that old.{{with .Estimate}} Markers now: about {{.}} in all (PostgreSQL's estimate, as of its last analysis of the table; not an exact count).{{end}}</p>{{end}}
 {{if .Handlers}}<table>
 <tr><th>handler</th><th>applied</th><th>duplicates</th><th>stale</th><th>in flight</th><th>failed</th><th>dead letters (parked / all)</th><th>conflicts</th><th>oldest marker</th></tr>
 {{range .Handlers}}<tr><td>{{term .Handler}}</td><td>{{.Applied}}</td><td>{{.Duplicates}}</td><td>{{.Stale}}</td><td>{{.InFlight}}</td><td>{{.Failed}}</td><td>{{.DeadParked}} / {{.DeadTotal}}</td><td>{{.Conflicts}}</td><td>{{if .OldestMarker}}{{when .OldestMarker.UTC}}{{else}}-{{end}}</td></tr>
-{{end}}</table>{{else}}<p class="muted">No markers or dead letters stored yet.</p>{{end}}
+{{end}}</table>{{else if .Err}}<p class="muted">Unknown while the store does not answer.</p>{{else}}<p class="muted">No markers or dead letters stored yet.</p>{{end}}
 {{with .Outbox}}<h2>Outbox</h2>
 <table>
 <tr><th>pending</th><th>oldest pending</th><th>failing</th><th>published, awaiting cleanup</th></tr>
@@ -315,6 +320,6 @@ th:first-child,td:first-child,td.text{text-align:left}
 <table>
 <tr><th>id</th><th>handler</th><th>message ID</th><th>class</th><th>attempts</th><th>last failed</th><th>error</th></tr>
 {{range .DeadLetters}}<tr><td>{{.ID}}</td><td class="text">{{term .Handler}}</td><td class="text">{{if .MessageID}}{{term .MessageID}}{{else}}-{{end}}</td><td class="text">{{term .Class}}</td><td>{{.Attempts}}</td><td>{{when .LastFailed}}</td><td class="text">{{term (clip .Error 160)}}</td></tr>
-{{end}}</table>{{else}}<p class="muted">None parked.</p>{{end}}
+{{end}}</table>{{else if $.Err}}<p class="muted">Unknown while the store does not answer.</p>{{else}}<p class="muted">None parked.</p>{{end}}
 </body></html>
 `))

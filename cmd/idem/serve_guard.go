@@ -215,6 +215,19 @@ func (c *readingCache) get(ctx context.Context) (storeReading, time.Time) {
 	}
 }
 
+// failed records that a read of the store outside the cache (the page's
+// own) failed: an outage begins now unless one is under way, and the
+// cached reading is no longer served. It returns when the outage began.
+func (c *readingCache) failed() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.down.IsZero() {
+		c.down = time.Now()
+	}
+	c.at = time.Time{}
+	return c.down
+}
+
 // run performs the read f, in the cache's own context: the request that
 // started it may go away, the others still wait for it.
 func (c *readingCache) run(f *readFlight) {
