@@ -67,9 +67,9 @@ type store struct {
 	// events is how many intended events each source carries; the
 	// outbox gets events*2/5 rows.
 	events int
-	dl   driver.DeadLetterStore
-	down func() // starts the outage
-	up   func() // ends it, returning once the store answers
+	dl     driver.DeadLetterStore
+	down   func() // starts the outage
+	up     func() // ends it, returning once the store answers
 	// process and lease build the consumers' handlers.
 	consumer      func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler
 	leaseConsumer func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler
