@@ -172,7 +172,7 @@ type readingCache struct {
 	mu     sync.Mutex
 	at     time.Time // when last was read; zero before the first read
 	last   storeReading
-	down   time.Time // when the reads began to fail; zero while they succeed
+	down   time.Time   // when the reads began to fail; zero while they succeed
 	flight *readFlight // the read under way, if any
 }
 
