@@ -820,8 +820,17 @@ func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Mes
 	if due != nil && !permanent {
 		*due = retryIn
 	}
-	return OutcomeNone, herr
+	return OutcomeNone, &recordedFailure{herr}
 }
+
+// recordedFailure is a lease handler's error once the store recorded the
+// failed attempt: the store answered, so however much the error looks
+// like an outage (a refused connection to the handler's own service), it
+// is the message's failure.
+type recordedFailure struct{ error }
+
+// Unwrap returns the handler's error.
+func (e *recordedFailure) Unwrap() error { return e.error }
 
 // writeContext bounds a done or failed write. It survives the caller's
 // cancellation, so that a worker shutting down still records what its

@@ -167,7 +167,7 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "HANDLER\tWOULD DELETE")
 	for _, h := range handlers {
-		fmt.Fprintf(tw, "%s\t%d\n", h, rep.Prunable[h])
+		fmt.Fprintf(tw, "%s\t%d\n", termText(h), rep.Prunable[h])
 	}
 	fmt.Fprintf(tw, "total\t%d\n", rep.Deleted)
 	if err := tw.Flush(); err != nil {
