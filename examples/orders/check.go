@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
@@ -24,6 +25,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
 )
 
 // errUnavailable marks a service the check could not reach.
@@ -182,7 +184,38 @@ func selfCheck(ctx context.Context, base *config, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	return verifyOrders(ctx, pool, &cfg, orders, &rep, scraped, out, time.Since(start))
+	if err := verifyOrders(ctx, pool, &cfg, orders, &rep, scraped, out, time.Since(start)); err != nil {
+		return err
+	}
+	return verifyRetention(ctx, pool, &cfg, len(orders), out)
+}
+
+// verifyRetention runs the service's retention as it would run eight days
+// later: every marker, done e-mail row and published outbox row goes.
+func verifyRetention(ctx context.Context, pool *pgxpool.Pool, cfg *config, n int, out io.Writer) error {
+	drv, err := postgres.New(pool, &postgres.Config{Schema: cfg.schema})
+	if err != nil {
+		return err
+	}
+	p, err := idem.NewPruner(drv, &idem.RetentionConfig{Retention: 7 * 24 * time.Hour, RedeliveryHorizon: 72 * time.Hour,
+		Logger: slog.New(slog.DiscardHandler), Now: func() time.Time { return time.Now().Add(8 * 24 * time.Hour) }})
+	if err != nil {
+		return err
+	}
+	st, err := p.Prune(ctx)
+	if err != nil {
+		return err
+	}
+	var markers, outboxRows int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_processed), (SELECT count(*) FROM idem_outbox)`).Scan(&markers, &outboxRows); err != nil {
+		return err
+	}
+	if st.Deleted != 2*n || st.OutboxDeleted != n || markers != 0 || outboxRows != 0 {
+		return fmt.Errorf("retention eight days later deleted %d markers and %d outbox rows, leaving %d and %d; want %d and %d deleted, none left",
+			st.Deleted, st.OutboxDeleted, markers, outboxRows, 2*n, n)
+	}
+	fmt.Fprintf(out, "retention, run as eight days later: %d markers and %d published outbox rows deleted\n", st.Deleted, st.OutboxDeleted)
+	return nil
 }
 
 // progress says how far the orders have gone.
