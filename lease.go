@@ -159,7 +159,10 @@ type LeaseHandler struct {
 	// lost (context.Cause gives ErrLeaseExpired or a *FencedError) and
 	// when the caller's context is; stop and return then. Returning nil
 	// marks the message done; an error marks it failed and schedules a
-	// retry, unless it is Permanent. Required.
+	// retry, unless it is Permanent. Required. A handler that consumes
+	// several event types routes them with ByType(Routes[*Lease]{...}):
+	// a type without a route is then a permanent *UnknownTypeError,
+	// dead-lettered, instead of reaching another type's effect.
 	Call func(ctx context.Context, l *Lease, msg *Message) error
 	// OnConflict is the payload-conflict policy. Default OnConflictError.
 	OnConflict ConflictPolicy

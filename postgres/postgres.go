@@ -21,6 +21,8 @@
 // or SERIALIZABLE it would fail with a serialization error instead. In a
 // transaction of your own (ProcessTx) the level is yours, with that
 // consequence.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md#drivers
 package postgres
 
 import (

@@ -76,6 +76,8 @@
 // (version-only mode included), write-side versions, the dead-letter store
 // and the stats counters, so an idem.Consumer (and the Kafka and JetStream
 // adapters) can run on Redis alone. It has no lease mode or outbox.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/redis.md
 package redisstore
 
 import (

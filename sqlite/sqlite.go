@@ -17,6 +17,8 @@
 // so concurrent Process calls queue in Go rather than spin on SQLITE_BUSY;
 // a handler must therefore do all its work through the transaction it is
 // given, never through the *sql.DB (that would wait for itself).
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md#drivers
 package sqlite
 
 import (

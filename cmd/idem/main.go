@@ -28,6 +28,8 @@
 //
 // Every command parses its own flags (idem <command> --help lists them).
 // SIGINT and SIGTERM cancel the running command, which then exits with 1.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/operations.md
 package main
 
 import (
