@@ -1,0 +1,119 @@
+package watermill_test
+
+import (
+	"context"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/outbox"
+	idemwm "github.com/idemhq/idem/watermill"
+)
+
+// brokers are the real pub/subs every end-to-end test runs on.
+var brokers = []string{"amqp", "sql"}
+
+// Two routers, each with its own subscriber, share a topic on RabbitMQ (a
+// durable queue) and on watermill-sql (one consumer group) while every
+// tenth event is published twice: the balances come out exactly as the
+// unique events say, and the republished copies were seen as duplicates.
+func TestTwoRoutersAtOnce(t *testing.T) {
+	t.Parallel()
+	for _, name := range brokers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newPGEnv(t, nil)
+			b := brokerFor(t, name, e, unique("idem_wm_two_"), true)
+			for range 2 {
+				h, err := idemwm.New(e.consumer, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				runRouter(t, b.newSub(t), b.topic, h.Handle)
+			}
+			events := idemtest.Events(1000)
+			publishEvents(t, b.pub, b.topic, events, 10)
+			e.waitExact(events, dupCount(len(events), 10))
+		})
+	}
+}
+
+// The outbox relay publishes through Watermill (Publisher), and a router
+// consumes through idem. The first cycle stops after the pub/sub took the
+// rows and before they were marked, as a crashed relay would: the next
+// cycle publishes them all again, and the consumer takes the copies as
+// duplicates.
+func TestOutboxRelayThroughWatermill(t *testing.T) {
+	t.Parallel()
+	for _, name := range brokers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newPGEnv(t, nil)
+			b := brokerFor(t, name, e, unique("idem_wm_outbox_"), true)
+			h, err := idemwm.New(e.consumer, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			runRouter(t, b.newSub(t), b.topic, h.Handle)
+
+			ob, err := outbox.New(e.drv)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			events := idemtest.Events(300)
+			for i := 0; i < len(events); i += 50 {
+				tx, err := e.pool.Begin(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, ev := range events[i : i+50] {
+					m := ev.Message()
+					m.Stream = b.topic
+					if err := ob.Add(ctx, tx, m); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := tx.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			pub, err := idemwm.NewPublisher(b.pub)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var crash atomic.Bool
+			crash.Store(true)
+			relay, err := outbox.NewRelay(e.drv, pub, &outbox.RelayConfig{BatchSize: 1000, ClaimTTL: time.Second, Logger: testenv.Logger(t),
+				FaultHook: func(point string) {
+					if point == outbox.FaultAfterPublish && crash.CompareAndSwap(true, false) {
+						runtime.Goexit() // published, not marked
+					}
+				}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan struct{})
+			go func() { defer close(done); _, _ = relay.RunOnce(ctx) }()
+			<-done
+			waitFor(t, 10*time.Second, "claims of the crashed cycle expire", func() bool {
+				res, err := relay.RunOnce(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return res.Published == len(events)
+			})
+			st, err := relay.Stats(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.Pending != 0 {
+				t.Fatalf("outbox stats %+v, want nothing pending", st)
+			}
+			e.waitExact(events, int64(len(events)))
+		})
+	}
+}
