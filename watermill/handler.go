@@ -175,7 +175,7 @@ func (h *Handler) Handle(msg *message.Message) error {
 	d.Attempt = h.nextAttempt(key, msg)
 	msg.Metadata.Set(MetadataAttempt, strconv.Itoa(d.Attempt))
 
-	v := h.dh.HandleDelivery(ctx, d)
+	v := h.dh.HandleDelivery(withMessage(ctx, msg), d)
 	if v.Ack {
 		h.forget(key)
 		if v.DeadLettered {
