@@ -80,16 +80,29 @@ func (e *pgEnv) open(cfg *idem.ConsumerConfig) {
 	if cfg.Logger == nil {
 		cfg.Logger = testenv.Logger(t)
 	}
-	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(ctx context.Context, tx postgres.Tx, m *idem.Message) error {
+	if e.consumer, err = idem.NewConsumer(e.proc, e.handler(), e.drv, cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// handler credits each message's account.
+func (e *pgEnv) handler() *idem.Handler[postgres.Tx] {
+	return &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(ctx context.Context, tx postgres.Tx, m *idem.Message) error {
 		acct, amt, err := idemtest.DecodeCredit(m.Payload)
 		if err != nil {
 			return idem.Permanent(err)
 		}
 		return e.credit(ctx, tx, acct, amt)
 	}}
-	if e.consumer, err = idem.NewConsumer(e.proc, h, e.drv, cfg); err != nil {
-		t.Fatal(err)
+}
+
+// proc0 returns a processor on e's store without hooks.
+func (e *pgEnv) proc0() *idem.Processor[postgres.Tx] {
+	p, err := idem.NewProcessor(e.drv, nil)
+	if err != nil {
+		e.t.Fatal(err)
 	}
+	return p
 }
 
 // credit adds amt to acct's balance in tx: the handler's own write, the
