@@ -1,6 +1,7 @@
 package watermill
 
 import (
+	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -106,8 +107,14 @@ type Handler struct {
 	cfg Config
 
 	mu       sync.Mutex
-	attempts map[string]int // message ID → attempts seen, while it is retried
-	order    []string       // insertion order of attempts, for eviction
+	attempts map[string]*list.Element // message ID → its count in order
+	order    *list.List               // *tracked, oldest first, for eviction
+}
+
+// tracked is the attempt count of one message ID.
+type tracked struct {
+	id string
+	n  int
 }
 
 // New returns a Handler deciding through dh.
@@ -115,7 +122,7 @@ func New(dh idem.DeliveryHandler, cfg *Config) (*Handler, error) {
 	if dh == nil {
 		return nil, fmt.Errorf("%w: watermill: New needs a DeliveryHandler (an idem.Consumer or idem.LeaseConsumer)", idem.ErrInvalidConfig)
 	}
-	h := &Handler{dh: dh, attempts: map[string]int{}}
+	h := &Handler{dh: dh, attempts: map[string]*list.Element{}, order: list.New()}
 	if cfg != nil {
 		h.cfg = *cfg
 	}
@@ -248,48 +255,37 @@ func (h *Handler) nextAttempt(key string, msg *message.Message) int {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	n, ok := h.attempts[key]
-	n = max(n, seen) + 1
+	el, ok := h.attempts[key]
 	if !ok {
-		if len(h.order) >= maxTracked {
-			evict := h.order[0]
-			h.order = h.order[1:]
-			delete(h.attempts, evict)
+		if h.order.Len() >= maxTracked {
+			delete(h.attempts, h.order.Remove(h.order.Front()).(*tracked).id)
 		}
-		h.order = append(h.order, key)
+		el = h.order.PushBack(&tracked{id: key})
+		h.attempts[key] = el
 	}
-	h.attempts[key] = n
-	return n
+	t := el.Value.(*tracked)
+	t.n = max(t.n, seen) + 1
+	return t.n
 }
 
 // uncount takes back the attempt nextAttempt counted for key.
 func (h *Handler) uncount(key string) {
-	if key == "" {
-		return
-	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if n, ok := h.attempts[key]; ok && n > 0 {
-		h.attempts[key] = n - 1
+	if el, ok := h.attempts[key]; ok {
+		if t := el.Value.(*tracked); t.n > 0 {
+			t.n--
+		}
 	}
 }
 
 // forget drops the count of key, decided for good.
 func (h *Handler) forget(key string) {
-	if key == "" {
-		return
-	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if _, ok := h.attempts[key]; !ok {
-		return
-	}
-	delete(h.attempts, key)
-	for i, k := range h.order {
-		if k == key {
-			h.order = append(h.order[:i], h.order[i+1:]...)
-			break
-		}
+	if el, ok := h.attempts[key]; ok {
+		h.order.Remove(el)
+		delete(h.attempts, key)
 	}
 }
 
