@@ -106,9 +106,9 @@ func TestApplyRunsAWatermillHandlerInTheTransaction(t *testing.T) {
 }
 
 // Lease mode through Call: GoChannel hands every message to two routers
-// at once, and each message's effect (an email) is sent exactly once: the
-// router that finds the lease held retries after it and then sees a
-// Duplicate. The handler gets the lease, with its idempotency key, from
+// (four at a time each) at once, and each message's effect (an email) is
+// sent exactly once: the router that finds the lease held retries and
+// then sees a Duplicate. The handler gets the lease, with its idempotency key, from
 // the message's context.
 func TestLeaseModeEachEffectOnce(t *testing.T) {
 	t.Parallel()
@@ -142,13 +142,16 @@ func TestLeaseModeEachEffectOnce(t *testing.T) {
 	ch := gochannel.NewGoChannel(gochannel.Config{}, wmLogger(t))
 	t.Cleanup(func() { ch.Close() })
 	for range 2 {
-		h, err := idemwm.New(lc, nil)
+		// A copy finding the lease held is asked to retry once the lease
+		// can have run out (TTL 10 s): MaxWait Nacks it sooner, and the
+		// redelivery asks again.
+		h, err := idemwm.New(lc, &idemwm.Config{MaxWait: 50 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
-		runRouter(t, ch, "signups", h.Handle)
+		runRouter(t, ch, "signups", h.Handle, limit(4))
 	}
-	const n = 200
+	const n = 100
 	for i := range n {
 		m := &idem.Message{ID: fmt.Sprintf("signup-%03d", i), Payload: []byte("x")}
 		if err := ch.Publish("signups", idemwm.ToMessage(context.Background(), m)); err != nil {

@@ -42,8 +42,9 @@ type RetryMode uint8
 
 const (
 	// NackAfterDelay, the default, waits out the verdict's RetryAfter in
-	// the handler (cut short when the delivery stops) and then returns a
-	// *RetryError: the router Nacks and the pub/sub redelivers at once.
+	// the handler (up to Config.MaxWait; cut short when the delivery
+	// stops) and then returns a *RetryError: the router Nacks and the
+	// pub/sub redelivers at once.
 	// Use it without Watermill's Retry middleware.
 	NackAfterDelay RetryMode = iota
 	// ErrorAtOnce returns the *RetryError without waiting: Watermill's
@@ -61,6 +62,16 @@ type Config struct {
 	// Retry says how a retry verdict goes back to Watermill. Default
 	// NackAfterDelay.
 	Retry RetryMode
+	// MaxWait bounds how long NackAfterDelay waits in the handler before
+	// the Nack. A retry's backoff is short (ConsumerConfig.Backoff: up to
+	// 1 s by default), but in lease mode a copy of a message whose lease
+	// another worker holds is asked to retry once that lease can have
+	// run out, up to the lease's TTL (15 min by default): waiting that
+	// long would hold the subscription (RabbitMQ closes a channel whose
+	// delivery stays unacknowledged past its consumer timeout). Past
+	// MaxWait the handler Nacks, and the redelivery asks again. Default
+	// 5 s.
+	MaxWait time.Duration
 	// Attempt, when set, returns the pub/sub's own count of deliveries
 	// of msg (from 1; 0 when unknown), such as a RabbitMQ quorum queue's
 	// x-delivery-count plus one. The Handler counts the attempts it sees
@@ -91,8 +102,9 @@ const maxTracked = 8192
 //   - applied, duplicate or stale: nil, and the router acknowledges;
 //   - dead-lettered (committed to idem's dead-letter store): nil, and the
 //     router acknowledges;
-//   - retry: a *RetryError, after the verdict's delay under
-//     NackAfterDelay; the router Nacks and the pub/sub redelivers;
+//   - retry: a *RetryError, after the verdict's delay (at most
+//     Config.MaxWait) under NackAfterDelay; the router Nacks and the
+//     pub/sub redelivers;
 //   - store unreachable: the call waits until the store answers and is
 //     then decided as above; if the delivery stops first, a *RetryError
 //     matching idem.ErrStoreUnavailable. Never nil: never acknowledged.
@@ -129,6 +141,12 @@ func New(dh idem.DeliveryHandler, cfg *Config) (*Handler, error) {
 	if h.cfg.Retry > ErrorAtOnce {
 		return nil, fmt.Errorf("%w: watermill: unknown RetryMode %d", idem.ErrInvalidConfig, h.cfg.Retry)
 	}
+	if h.cfg.MaxWait < 0 {
+		return nil, fmt.Errorf("%w: watermill: MaxWait %s is negative", idem.ErrInvalidConfig, h.cfg.MaxWait)
+	}
+	if h.cfg.MaxWait == 0 {
+		h.cfg.MaxWait = 5 * time.Second
+	}
 	if h.cfg.Map == nil {
 		h.cfg.Map = DefaultMap
 	}
@@ -146,8 +164,8 @@ type RetryError struct {
 	MessageID string
 	// Attempt is the attempt the Handler counted for this delivery.
 	Attempt int
-	// RetryAfter is the delay idem asked for (already waited out under
-	// NackAfterDelay).
+	// RetryAfter is the delay idem asked for (already waited out, up to
+	// Config.MaxWait, under NackAfterDelay).
 	RetryAfter time.Duration
 	// Err is the verdict's error; nil for a lease held by another worker.
 	Err error
@@ -198,7 +216,7 @@ func (h *Handler) Handle(msg *message.Message) error {
 	}
 	rerr := &RetryError{MessageID: key, Attempt: d.Attempt, RetryAfter: v.RetryAfter, Err: v.Err}
 	if h.cfg.Retry == NackAfterDelay && v.RetryAfter > 0 && !errors.Is(v.Err, idem.ErrStoreUnavailable) {
-		t := time.NewTimer(v.RetryAfter)
+		t := time.NewTimer(min(v.RetryAfter, h.cfg.MaxWait))
 		defer t.Stop()
 		select {
 		case <-t.C:

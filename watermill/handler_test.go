@@ -355,3 +355,26 @@ func TestGoChannelTwoRoutersAtOnce(t *testing.T) {
 	// Every copy reaches both routers: 2×(600+60) deliveries, 600 applied.
 	e.waitExact(events, int64(len(events))+2*dupCount(len(events), 10))
 }
+
+// NackAfterDelay waits out a retry's delay, but no longer than MaxWait.
+func TestMaxWaitBoundsTheWait(t *testing.T) {
+	t.Parallel()
+	dh := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
+		return idem.Verdict{RetryAfter: time.Hour, Outcome: idem.InFlight}
+	})
+	if _, err := idemwm.New(dh, &idemwm.Config{MaxWait: -time.Second}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("New with a negative MaxWait: %v", err)
+	}
+	h, err := idemwm.New(dh, &idemwm.Config{MaxWait: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	var re *idemwm.RetryError
+	if err := h.Handle(message.NewMessage("m", nil)); !errors.As(err, &re) || re.RetryAfter != time.Hour {
+		t.Fatalf("Handle: %v, want a RetryError asking for an hour", err)
+	}
+	if took := time.Since(start); took < 50*time.Millisecond || took > 5*time.Second {
+		t.Fatalf("Handle waited %s, want MaxWait (50ms)", took)
+	}
+}
