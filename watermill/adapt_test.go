@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -173,5 +174,57 @@ func TestLeaseModeEachEffectOnce(t *testing.T) {
 	}
 	if len(keys) != n {
 		t.Fatalf("%d idempotency keys, want %d", len(keys), n)
+	}
+}
+
+// A dead letter of a handler adapted with Apply replays without a
+// Watermill message: the handler gets one built from the stored envelope,
+// with the transaction in its context.
+func TestApplyReplaysADeadLetter(t *testing.T) {
+	t.Parallel()
+	db, drv := testenv.SQLite(t, t.TempDir()+"/idem.db", nil)
+	if _, err := db.Exec(`CREATE TABLE seen (id TEXT PRIMARY KEY, aggregate TEXT)`); err != nil {
+		t.Fatal(err)
+	}
+	var frozen atomic.Bool
+	frozen.Store(true)
+	wmHandler := func(msg *message.Message) ([]*message.Message, error) {
+		if frozen.Load() {
+			return nil, idem.Permanent(errors.New("account frozen"))
+		}
+		tx, ok := idemwm.Tx[*sql.Tx](msg)
+		if !ok {
+			return nil, errors.New("no transaction in the message's context")
+		}
+		_, err := tx.ExecContext(msg.Context(), `INSERT INTO seen VALUES (?, ?)`, msg.UUID, msg.Metadata.Get(idemwm.MetadataAggregate))
+		return nil, err
+	}
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := idem.NewConsumer(p, &idem.Handler[*sql.Tx]{Name: "seen", Apply: idemwm.Apply[*sql.Tx](wmHandler)}, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := idemwm.New(c, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := h.Handle(idemwm.ToMessage(ctx, &idem.Message{ID: "m-1", AggregateID: "acct-1", Payload: []byte("x")})); err != nil {
+		t.Fatalf("Handle: %v, want nil (dead-lettered)", err)
+	}
+	frozen.Store(false)
+	if n, err := idem.RequestReplay(ctx, drv, nil, "test"); err != nil || n != 1 {
+		t.Fatalf("RequestReplay: %d, %v", n, err)
+	}
+	res, err := c.Replay(ctx)
+	if err != nil || res.Replayed != 1 {
+		t.Fatalf("Replay: %+v, %v; want one replayed", res, err)
+	}
+	var agg string
+	if err := db.QueryRow(`SELECT aggregate FROM seen WHERE id = 'm-1'`).Scan(&agg); err != nil || agg != "acct-1" {
+		t.Fatalf("replayed row: %q, %v; want acct-1 from the envelope's metadata", agg, err)
 	}
 }
