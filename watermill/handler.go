@@ -213,6 +213,11 @@ func (h *Handler) Handle(msg *message.Message) error {
 	if errors.Is(v.Err, idem.ErrStoreUnavailable) {
 		// Held while the store was down: no attempt of the message.
 		h.uncount(key)
+		if d.Attempt > 1 {
+			msg.Metadata.Set(MetadataAttempt, strconv.Itoa(d.Attempt-1))
+		} else {
+			delete(msg.Metadata, MetadataAttempt)
+		}
 	}
 	rerr := &RetryError{MessageID: key, Attempt: d.Attempt, RetryAfter: v.RetryAfter, Err: v.Err}
 	if h.cfg.Retry == NackAfterDelay && v.RetryAfter > 0 && !errors.Is(v.Err, idem.ErrStoreUnavailable) {

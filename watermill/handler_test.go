@@ -310,6 +310,9 @@ func TestStoreDownNeverAcknowledged(t *testing.T) {
 	if !idemwm.Poisonable(errors.New("x")) || idemwm.Poisonable(re) {
 		t.Fatal("a held delivery must never go to a poison queue")
 	}
+	if a := msg.Metadata.Get(idemwm.MetadataAttempt); a != "" {
+		t.Fatalf("the held delivery left %s=%q on the message, want none: Retry would call again with it counted", idemwm.MetadataAttempt, a)
+	}
 
 	// Held, then applied as attempt 1 once the lock goes.
 	msg = idemwm.ToMessage(context.Background(), &idem.Message{ID: "held", Payload: []byte("x")})
