@@ -11,6 +11,7 @@ import (
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/sqlite"
 	idemwm "github.com/idemhq/idem/watermill"
 )
 
@@ -138,4 +139,58 @@ func (p *countingPublisher) Publish(ctx context.Context, msgs []*idem.Message) e
 	}
 	p.n.Add(int64(len(msgs)))
 	return nil
+}
+
+// On RabbitMQ, a message met by a store outage is held in the handler; a
+// router closed meanwhile leaves it unacknowledged in the queue, with no
+// dead letter, and the next router applies it once the store answers.
+func TestStoreDownRouterClosedMessageKept(t *testing.T) {
+	t.Parallel()
+	e := newLiteEnv(t, idem.ConsumerConfig{MaxAttempts: 1}, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
+	b := newAMQPBroker(t, unique("idem_wm_outage_"), true)
+	locker, err := sqlite.Open(e.path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close()
+	lock, err := locker.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Close()
+	if _, err := lock.ExecContext(context.Background(), "BEGIN EXCLUSIVE"); err != nil {
+		t.Fatal(err)
+	}
+	rec := &attempts{next: e.c}
+	h, err := idemwm.New(rec, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runRouter(t, b.newSub(t), b.topic, h.Handle)
+	if err := b.pub.Publish(b.topic, idemwm.ToMessage(context.Background(), &idem.Message{ID: "kept", Payload: []byte("x")})); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the message reached the handler", func() bool { return rec.n.Load() > 0 })
+	time.Sleep(200 * time.Millisecond) // held: the store is locked
+	stop()
+	if _, err := lock.ExecContext(context.Background(), "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.seen(t); n != 0 {
+		t.Fatalf("%d rows applied while the store was down", n)
+	}
+	if dls := e.deadLetters(t); len(dls) != 0 {
+		t.Fatalf("dead letters %+v, want none: an outage is not the message's failure", dls)
+	}
+
+	// A new router gets the message again from the queue and applies it.
+	h2, err := idemwm.New(rec, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runRouter(t, b.newSub(t), b.topic, h2.Handle)
+	waitFor(t, 10*time.Second, "the kept message applied", func() bool { return e.seen(t) == 1 })
+	if got := rec.of("kept"); got[len(got)-1] != 1 {
+		t.Fatalf("attempts %v, want the last to be 1: the held deliveries counted none", got)
+	}
 }
