@@ -133,6 +133,35 @@ count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed"
 	if err != nil {
 		return nil, 0, fmt.Errorf("read markers: %w", err)
 	}
+	if s.kind == kindPostgres && version >= 10 {
+		// Atomic markers have a table of their own since migration 10,
+		// keyed by the handler's interned id.
+		err = s.queryRows(ctx, `SELECT h.name, c.n, (extract(epoch FROM c.oldest) * 1000000)::bigint
+FROM (SELECT handler_id, count(*) AS n, min(processed_at) AS oldest FROM `+s.table("markers")+` GROUP BY handler_id) c
+JOIN `+s.table("handlers")+` h ON h.id = c.handler_id`,
+			func(scan func(...any) error) error {
+				var (
+					h     string
+					n     int64
+					micro *int64
+				)
+				if err := scan(&h, &n, &micro); err != nil {
+					return err
+				}
+				st := get(h)
+				st.Applied += n
+				if micro != nil {
+					t := time.UnixMicro(*micro).UTC()
+					if st.OldestMarker == nil || t.Before(*st.OldestMarker) {
+						st.OldestMarker = &t
+					}
+				}
+				return nil
+			})
+		if err != nil {
+			return nil, 0, fmt.Errorf("read markers: %w", err)
+		}
+	}
 	err = s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE state = 'parked'), count(*), count(*) FILTER (WHERE class = 'conflict')
 FROM `+s.table("dead_letters")+` GROUP BY handler`,
 		func(scan func(...any) error) error {
