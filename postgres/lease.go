@@ -43,7 +43,7 @@ RETURNING t.token, t.attempts, t.lease_until`
 // LeaseClaim implements driver.LeaseDriver.
 func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (driver.LeaseClaimResult, error) {
 	var res driver.LeaseClaimResult
-	hid, err := d.handlerID(ctx, p.Handler)
+	hid, err := d.handlerID(ctx, d.pool, p.Handler)
 	if err != nil {
 		return driver.LeaseClaimResult{}, err
 	}
@@ -186,7 +186,7 @@ FROM `+d.t.processed+` WHERE handler = $1 AND message_id = $2`, p.Handler, p.Mes
 // atomicAsLease reads the atomic marker of (p.Handler, p.MessageID) as a
 // done lease row with token 0; nil when there is none.
 func (d *Driver) atomicAsLease(ctx context.Context, p *driver.LeaseGetParams) (*driver.LeaseRow, error) {
-	hid, err := d.handlerID(ctx, p.Handler)
+	hid, err := d.handlerID(ctx, d.pool, p.Handler)
 	if err != nil {
 		return nil, err
 	}

@@ -111,14 +111,31 @@ func storedHash(h []byte) []byte {
 	return h
 }
 
+// querier is what reads the handlers and the layout: the transaction at
+// hand, so that a caller's transaction holding the pool's last connection
+// does not wait for another, or the pool.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
 // handlerID returns the id handler is interned under, adding it to the
 // handlers table on first use. Ids are cached for the driver's life: a
-// handlers row is never deleted or changed. The insert runs on its own
-// pooled connection and commits at once, so a caller's transaction that
-// rolls back cannot take the id with it.
-func (d *Driver) handlerID(ctx context.Context, handler string) (int32, error) {
+// handlers row is never deleted or changed. A name already there is read
+// through q. A new name is inserted on a pooled connection of its own and
+// committed at once, so that a caller's transaction that rolls back cannot
+// take the id with it.
+func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int32, error) {
 	if id, ok := d.handlerIDs.Load(handler); ok {
 		return id.(int32), nil
+	}
+	var known int32
+	err := q.QueryRow(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = $1`, handler).Scan(&known)
+	switch {
+	case err == nil:
+		d.handlerIDs.Store(handler, known)
+		return known, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
 	}
 	// ON CONFLICT DO NOTHING returns no row when a concurrent call added
 	// the name after this statement's snapshot; the next attempt sees it.
@@ -142,7 +159,7 @@ SELECT id FROM ins UNION ALL SELECT id FROM `+d.t.handlers+` WHERE name = $1 LIM
 
 // legacyAtomic reports whether the old table may still hold atomic
 // markers, which the atomic path must then read too.
-func (d *Driver) legacyAtomic(ctx context.Context) (bool, error) {
+func (d *Driver) legacyAtomic(ctx context.Context, q querier) (bool, error) {
 	switch d.legacy.Load() {
 	case legacyGone:
 		return false, nil
@@ -152,7 +169,7 @@ func (d *Driver) legacyAtomic(ctx context.Context) (bool, error) {
 		}
 	}
 	var legacy bool
-	if err := d.pool.QueryRow(ctx, `SELECT bool_or(legacy_atomic) FROM `+d.t.markerLayout).Scan(&legacy); err != nil {
+	if err := q.QueryRow(ctx, `SELECT bool_or(legacy_atomic) FROM `+d.t.markerLayout).Scan(&legacy); err != nil {
 		return false, fmt.Errorf("postgres: read the marker layout: %w", notMigrated(err))
 	}
 	d.legacyAt.Store(time.Now().UnixNano())
@@ -222,9 +239,9 @@ type marker struct {
 	id      string
 }
 
-// newMarker looks up the handler's id and the layout for p.
-func (d *Driver) newMarker(ctx context.Context, p *driver.MarkerInsertParams) (*marker, error) {
-	sql, hid, err := d.markerSetup(ctx, p.Handler)
+// newMarker looks up the handler's id and the layout for p, through q.
+func (d *Driver) newMarker(ctx context.Context, q querier, p *driver.MarkerInsertParams) (*marker, error) {
+	sql, hid, err := d.markerSetup(ctx, q, p.Handler)
 	if err != nil {
 		return nil, err
 	}
@@ -232,13 +249,13 @@ func (d *Driver) newMarker(ctx context.Context, p *driver.MarkerInsertParams) (*
 }
 
 // markerSetup returns the statements of the layout in force and the
-// handler's id.
-func (d *Driver) markerSetup(ctx context.Context, handler string) (*markerSQL, int32, error) {
-	hid, err := d.handlerID(ctx, handler)
+// handler's id, read through q.
+func (d *Driver) markerSetup(ctx context.Context, q querier, handler string) (*markerSQL, int32, error) {
+	hid, err := d.handlerID(ctx, q, handler)
 	if err != nil {
 		return nil, 0, err
 	}
-	legacy, err := d.legacyAtomic(ctx)
+	legacy, err := d.legacyAtomic(ctx, q)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -274,9 +291,9 @@ type markerBatch struct {
 	ids     []string
 }
 
-// newMarkerBatch looks up the handler's id and the layout for p.
-func (d *Driver) newMarkerBatch(ctx context.Context, p *driver.MarkerInsertManyParams) (*markerBatch, error) {
-	sql, hid, err := d.markerSetup(ctx, p.Handler)
+// newMarkerBatch looks up the handler's id and the layout for p, through q.
+func (d *Driver) newMarkerBatch(ctx context.Context, q querier, p *driver.MarkerInsertManyParams) (*markerBatch, error) {
+	sql, hid, err := d.markerSetup(ctx, q, p.Handler)
 	if err != nil {
 		return nil, err
 	}

@@ -380,7 +380,7 @@ func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 
 // beginMarkerInsert is BeginMarkerInsert.
 func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertParams) (Tx, driver.MarkerInsertResult, error) {
-	m, err := d.newMarker(ctx, p)
+	m, err := d.newMarker(ctx, d.pool, p)
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
 	}
@@ -478,7 +478,7 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 
 // beginMarkerInsertMany is BeginMarkerInsertMany.
 func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInsertManyParams) (Tx, []driver.MarkerInsertResult, error) {
-	mb, err := d.newMarkerBatch(ctx, p)
+	mb, err := d.newMarkerBatch(ctx, d.pool, p)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -599,7 +599,7 @@ func (d *Driver) Rollback(ctx context.Context, tx Tx) error {
 
 // MarkerInsert implements driver.Driver.
 func (d *Driver) MarkerInsert(ctx context.Context, tx Tx, p *driver.MarkerInsertParams) (driver.MarkerInsertResult, error) {
-	m, err := d.newMarker(ctx, p)
+	m, err := d.newMarker(ctx, tx, p)
 	if err != nil {
 		return driver.MarkerInsertResult{}, err
 	}
@@ -626,7 +626,7 @@ func (d *Driver) MarkerDelete(ctx context.Context, tx Tx, p *driver.MarkerDelete
 	if len(p.MessageIDs) == 0 {
 		return nil
 	}
-	hid, err := d.handlerID(ctx, p.Handler)
+	hid, err := d.handlerID(ctx, tx, p.Handler)
 	if err != nil {
 		return err
 	}
@@ -643,7 +643,7 @@ func (d *Driver) MarkerDelete(ctx context.Context, tx Tx, p *driver.MarkerDelete
 // any size is one statement with three parameters), then reads the hashes of
 // the IDs that were already there.
 func (d *Driver) MarkerInsertMany(ctx context.Context, tx Tx, p *driver.MarkerInsertManyParams) ([]driver.MarkerInsertResult, error) {
-	mb, err := d.newMarkerBatch(ctx, p)
+	mb, err := d.newMarkerBatch(ctx, tx, p)
 	if err != nil {
 		return nil, err
 	}
@@ -760,7 +760,7 @@ FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attname = $2 AND a.att
 
 // InsertImportedMarkers implements driver.MarkerImporter with one INSERT.
 func (d *Driver) InsertImportedMarkers(ctx context.Context, handler string, ids []string) (int64, error) {
-	hid, err := d.handlerID(ctx, handler)
+	hid, err := d.handlerID(ctx, d.pool, handler)
 	if err != nil {
 		return 0, err
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -321,4 +322,45 @@ func TestRetention(t *testing.T) {
 
 func TestDeadLetters(t *testing.T) {
 	idemtest.RunDeadLetters(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
+}
+
+// TestProcessTxOnAPoolOfOne: a driver that has not seen a handler name
+// yet reads its id, and the marker layout, through the caller's
+// transaction, so ProcessTx works while that transaction holds the
+// pool's only connection (once the name exists in the database).
+func TestProcessTxOnAPoolOfOne(t *testing.T) {
+	pool := testenv.PostgresPool(t, 1)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(context.Context, postgres.Tx, *idem.Message) error { return nil }}
+	first, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := first.Process(ctx, h, &idem.Message{ID: "m-1"}); out != idem.Applied || err != nil {
+		t.Fatalf("first delivery: %v, %v", out, err)
+	}
+	fresh, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(fresh, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	for id, want := range map[string]idem.Outcome{"m-1": idem.Duplicate, "m-2": idem.Applied} {
+		if out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: id}); out != want || err != nil {
+			t.Fatalf("%s in the caller's transaction: %v, %v; want %v", id, out, err, want)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
 }
