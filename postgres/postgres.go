@@ -21,6 +21,12 @@
 // or SERIALIZABLE it would fail with a serialization error instead. In a
 // transaction of your own (ProcessTx) the level is yours, with that
 // consequence.
+//
+// Atomic markers live in <prefix>markers, keyed by an interned handler id
+// and the message ID packed losslessly (docs/performance.md). A handler
+// name's first use ever adds it to <prefix>handlers on a pooled
+// connection of its own, committed at once; after that the driver reads
+// the id through the transaction at hand and caches it.
 package postgres
 
 import (
