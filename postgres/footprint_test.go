@@ -131,7 +131,7 @@ func mustQuery(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) pgx.Ro
 	return rows
 }
 
-// TestMigrateOldMarkers upgrades a schema of migration 009 holding atomic
+// TestMigrateOldMarkers upgrades a schema of migration 010 holding atomic
 // markers in the old table to the narrow layout, while a writer keeps
 // using the old table: the migration holds no lock that blocks it (only
 // ACCESS SHARE on the old table) and takes a short time whatever the old
@@ -145,12 +145,12 @@ func TestMigrateOldMarkers(t *testing.T) {
 	storeIn(t, pool, schema)
 	ctx := context.Background()
 	q := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
-	// Back to migration 009.
+	// Back to the version before migration 011.
 	if _, err := pool.Exec(ctx, `DROP TABLE `+q("idem_markers")+`, `+q("idem_handlers")+`, `+q("idem_marker_layout")+`;
-DELETE FROM `+q("idem_migrations")+` WHERE version >= 10`); err != nil {
+DELETE FROM `+q("idem_migrations")+` WHERE version = 11`); err != nil {
 		t.Fatal(err)
 	}
-	// Old atomic markers as migration 009's driver wrote them; the first
+	// Old atomic markers as the driver before migration 011 wrote them; the first
 	// half older than the retention.
 	const handler = "billing.ledger-sync1"
 	if _, err := pool.Exec(ctx, `INSERT INTO `+q("idem_processed")+` (handler, message_id, payload_hash, processed_at)
@@ -171,7 +171,7 @@ FROM (SELECT i, gen_random_uuid()::text AS id FROM generate_series(1, $2) AS i) 
 	}
 
 	// The locks the migration takes, seen from inside its transaction.
-	sql010, err := os.ReadFile("migrations/010_narrow_markers.sql")
+	sql011, err := os.ReadFile("migrations/011_narrow_markers.sql")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +180,7 @@ FROM (SELECT i, gen_random_uuid()::text AS id FROM generate_series(1, $2) AS i) 
 		t.Fatal(err)
 	}
 	if _, err := tx.Exec(ctx, strings.NewReplacer("{{processed}}", q("idem_processed"), "{{markers}}", q("idem_markers"),
-		"{{handlers}}", q("idem_handlers"), "{{marker_layout}}", q("idem_marker_layout")).Replace(string(sql010))); err != nil {
+		"{{handlers}}", q("idem_handlers"), "{{marker_layout}}", q("idem_marker_layout")).Replace(string(sql011))); err != nil {
 		t.Fatal(err)
 	}
 	locks, err := pgx.CollectRows(mustQueryTx(t, tx, `SELECT c.relname || ' ' || l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
@@ -192,7 +192,7 @@ WHERE l.pid = pg_backend_pid() AND c.relname LIKE 'idem_processed%' ORDER BY 1`)
 	t.Logf("locks on the old table: %v", locks)
 	for _, l := range locks {
 		if !strings.HasSuffix(l, " AccessShareLock") {
-			t.Errorf("migration 010 takes %s; want ACCESS SHARE only", l)
+			t.Errorf("migration 011 takes %s; want ACCESS SHARE only", l)
 		}
 	}
 
@@ -236,7 +236,7 @@ VALUES ('mailer', $1, '\x00', 'done', 1, 1)`, fmt.Sprintf("mail-%d", i)); err !=
 	if wErr != nil {
 		t.Fatal(wErr)
 	}
-	t.Logf("migration 010 over %d old markers took %s; %d lease writes meanwhile, the slowest %s", n, took.Round(time.Millisecond), writes, maxWait.Round(time.Millisecond))
+	t.Logf("migration 011 over %d old markers took %s; %d lease writes meanwhile, the slowest %s", n, took.Round(time.Millisecond), writes, maxWait.Round(time.Millisecond))
 
 	// The old markers still count.
 	p, err := idem.NewProcessor(fresh, nil)

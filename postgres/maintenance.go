@@ -35,7 +35,7 @@ func (d *Driver) Now(ctx context.Context) (time.Time, error) {
 const prunableLease = `status = 'done'`
 
 // PruneMarkers implements driver.MarkerPruner. It walks the old table
-// first (leases, and atomic markers written before migration 010), by
+// first (leases, and atomic markers written before migration 011), by
 // key, then the markers table, by physical position (pruneMarkers); the
 // batch that finishes the old table goes on into the markers table, so
 // that batches stay full. Each statement runs in its own short
@@ -150,7 +150,7 @@ SELECT (SELECT count(*) FROM gone), (SELECT ctid FROM cut),
 
 // retireLegacy records that the old table holds no atomic marker any more
 // (when that is so), so that drivers stop reading it on the atomic path.
-// Nothing writes one there since migration 010.
+// Nothing writes one there since migration 011.
 func (d *Driver) retireLegacy(ctx context.Context) error {
 	if d.legacy.Load() == legacyGone {
 		return nil

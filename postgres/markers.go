@@ -13,11 +13,11 @@ import (
 	"github.com/idemhq/idem/driver"
 )
 
-// Atomic markers live in the markers table (migration 010): a handler id
+// Atomic markers live in the markers table (migration 011): a handler id
 // from the handlers table, the message ID as a key of bytes (messageKey),
 // the first 16 bytes of the payload's SHA-256 and the processing time.
 // The processed table keeps the leases, and the atomic markers written
-// before migration 010 until retention deletes them; while any is left
+// before migration 011 until retention deletes them; while any is left
 // (marker_layout.legacy_atomic), the atomic path reads both tables.
 
 // legacyRecheck is how long a driver trusts its last reading of

@@ -103,7 +103,7 @@ ON CONFLICT (aggregate) DO UPDATE SET value = `+states+`.value || excluded.value
 
 // markerCountSQL counts a handler's markers ($1) in both tables: the
 // atomic markers table and the old one (leases, and atomic markers from
-// before migration 010).
+// before migration 011).
 func markerCountSQL(schema string) string {
 	return `SELECT (SELECT count(*) FROM ` + pgx.Identifier{schema, "idem_markers"}.Sanitize() + ` m
   JOIN ` + pgx.Identifier{schema, "idem_handlers"}.Sanitize() + ` h ON h.id = m.handler_id WHERE h.name = $1)

@@ -112,7 +112,7 @@ FROM generate_series(1, $1) AS i`, old); err != nil {
 }
 
 // TestPruneDriverKeysetCursor checks the driver's cursor on the old table
-// (leases, and atomic markers from before migration 010): batches walk the
+// (leases, and atomic markers from before migration 011): batches walk the
 // key space without revisiting it, and the short batch that ends it goes
 // on into the markers table (empty here), which ends the walk.
 func TestPruneDriverKeysetCursor(t *testing.T) {

@@ -133,8 +133,8 @@ count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed"
 	if err != nil {
 		return nil, 0, fmt.Errorf("read markers: %w", err)
 	}
-	if s.kind == kindPostgres && version >= 10 {
-		// Atomic markers have a table of their own since migration 10,
+	if s.kind == kindPostgres && version >= 11 {
+		// Atomic markers have a table of their own since migration 11,
 		// keyed by the handler's interned id.
 		err = s.queryRows(ctx, `SELECT h.name, c.n, (extract(epoch FROM c.oldest) * 1000000)::bigint
 FROM (SELECT handler_id, count(*) AS n, min(processed_at) AS oldest FROM `+s.table("markers")+` GROUP BY handler_id) c
