@@ -2,14 +2,11 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"sort"
 	"text/tabwriter"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // statsCommand returns the "stats" subcommand: per-handler figures from
@@ -234,22 +231,23 @@ func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...an
 }
 
 // markerEstimate returns PostgreSQL's estimate of the rows in the marker
-// table (pg_class.reltuples, kept by autovacuum and ANALYZE): a catalog
-// read, free however many markers there are, where counting them scans the
-// table. ok is false on other stores, and before the table was first
-// analysed.
+// tables (pg_class.reltuples, kept by autovacuum and ANALYZE; atomic
+// markers have their own table since migration 11): a catalog read, free
+// however many markers there are, where counting them scans the tables.
+// ok is false on other stores, and before any of them was first analysed.
 func (s *store) markerEstimate(ctx context.Context) (n int64, ok bool, err error) {
 	if s.kind != kindPostgres {
 		return 0, false, nil
 	}
-	var est *float64
-	if err := s.pgPool.QueryRow(ctx, `SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)`, s.table("processed")).Scan(&est); err != nil {
-		if errors.Is(err, pgx.ErrNoRows) {
-			return 0, false, nil
-		}
+	var (
+		est      *float64
+		analysed int
+	)
+	if err := s.pgPool.QueryRow(ctx, `SELECT sum(reltuples) FILTER (WHERE reltuples >= 0), count(*) FILTER (WHERE reltuples >= 0)
+FROM pg_class WHERE oid IN (to_regclass($1), to_regclass($2))`, s.table("processed"), s.table("markers")).Scan(&est, &analysed); err != nil {
 		return 0, false, fmt.Errorf("read the marker estimate: %w", err)
 	}
-	if est == nil || *est < 0 {
+	if est == nil || analysed == 0 {
 		return 0, false, nil // never analysed
 	}
 	return int64(*est), true, nil
