@@ -103,7 +103,8 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM victims),
 // reads only those pages, and the DELETE goes by the same range rather
 // than by a list of ctids, which took twice as long. The range is sized
 // from the table's statistics to hold a quarter more rows than the limit,
-// so that a run of old markers makes full batches; when it holds more old
+// so that a run of old markers makes full batches (and to at most Limit/4
+// pages, should the statistics say the table is nearly empty); when it holds more old
 // markers than the limit, the Limit-th one ends the batch and the next
 // batch starts after it. Markers arrive in time order, so the old ones sit
 // together at the start; rows written into space that vacuum freed are
@@ -119,7 +120,8 @@ func (d *Driver) pruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 		nblocks, hi int64
 	)
 	err := d.pool.QueryRow(ctx, `WITH range AS (
-  SELECT $5::bigint + ceil($3 * 1.25 / CASE WHEN relpages > 0 AND reltuples > 0 THEN reltuples / relpages ELSE 100 END)::bigint + 1 AS hi
+  SELECT $5::bigint + least(ceil($3 * 1.25 / CASE WHEN relpages > 0 AND reltuples > 0 THEN reltuples / relpages ELSE 100 END),
+                            ceil($3 / 4.0))::bigint + 1 AS hi
   FROM pg_class WHERE oid = $4::text::regclass
 ), cut AS (
   SELECT ctid FROM `+d.t.markers+`
@@ -152,8 +154,9 @@ SELECT (SELECT count(*) FROM gone), (SELECT ctid FROM cut),
 // (when that is so), so that drivers stop reading it on the atomic path.
 // Nothing writes one there since migration 011.
 func (d *Driver) retireLegacy(ctx context.Context) error {
-	if d.legacy.Load() == legacyGone {
-		return nil
+	// The flag first: the check below scans the old table.
+	if legacy, err := d.legacyAtomic(ctx, d.pool); err != nil || !legacy {
+		return err
 	}
 	_, err := d.pool.Exec(ctx, `UPDATE `+d.t.markerLayout+` SET legacy_atomic = false
 WHERE legacy_atomic AND NOT EXISTS (SELECT 1 FROM `+d.t.processed+` WHERE token = 0)`)
