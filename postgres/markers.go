@@ -325,3 +325,8 @@ func (b *markerBatch) hashArgs(idx []int) []any {
 	}
 	return []any{b.hid, keys}
 }
+
+// MarkerMessageID returns the message ID a message_key of the markers
+// table stands for. Tools that read the table directly need it: a UUID is
+// stored as its 16 bytes.
+func MarkerMessageID(key []byte) string { return messageID(key) }
