@@ -219,6 +219,8 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{markers}}", d.t.markers,
 		"{{handlers}}", d.t.handlers,
 		"{{marker_layout}}", d.t.markerLayout,
+		"{{mirror_fn}}", sqlident.Qualified(d.schema, d.prefix+"processed_mirror"),
+		"{{mirror_trigger}}", sqlident.Quote(d.prefix+"processed_mirror"),
 		"{{processed_at_idx}}", sqlident.Quote(d.prefix+"processed_at_brin"),
 		"{{sequences}}", d.t.sequences,
 		"{{gaps}}", d.t.gaps,
