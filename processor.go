@@ -337,11 +337,26 @@ func (p *Processor[TTx]) existing(h *Handler[TTx], id string, received, stored [
 }
 
 // samePayload reports whether a stored marker's payload hash accepts a
-// delivery's: equal, or empty (an imported marker, whose payload is
-// unknown; see ImportMarkers).
+// delivery's: equal, a prefix of it of at least MinStoredHash bytes (a
+// store that keeps a shortened hash), or empty (an imported marker, whose
+// payload is unknown; see ImportMarkers).
 func samePayload(received, stored []byte) bool {
-	return len(stored) == 0 || bytes.Equal(received, stored)
+	switch {
+	case len(stored) == 0:
+		return true
+	case len(stored) < len(received):
+		return len(stored) >= MinStoredHash && bytes.Equal(received[:len(stored)], stored)
+	}
+	return bytes.Equal(received, stored)
 }
+
+// MinStoredHash is the shortest prefix of a payload's SHA-256 that a store
+// may keep in place of the whole hash (driver.MarkerInsertResult's
+// ExistingHash). Sixteen bytes keep conflict detection sound: two payloads
+// of one message ID share a 128-bit prefix by accident with probability
+// 2^-128, and a producer crafting a colliding pair needs about 2^64 hashes,
+// only to have its own second message taken for a duplicate of its first.
+const MinStoredHash = 16
 
 // payloadConflict applies policy to a message whose payload hash differs
 // from the stored one: Conflict with a *ConflictError, or under

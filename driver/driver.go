@@ -109,6 +109,8 @@ type MarkerInsertResult struct {
 	// Inserted is true when this transaction now holds the marker.
 	Inserted bool
 	// ExistingHash is the payload hash of the committed marker that
-	// prevented the insert. It is nil when Inserted is true.
+	// prevented the insert. It is nil when Inserted is true. A store may
+	// keep only a prefix of the SHA-256, of at least idem.MinStoredHash
+	// (16) bytes; the core compares that prefix.
 	ExistingHash []byte
 }

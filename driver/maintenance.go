@@ -15,8 +15,9 @@ type Clock interface {
 
 // MarkerPruner is implemented by drivers whose markers can be deleted by
 // age. idem.Pruner drives it: one bounded batch per call, each in its own
-// short transaction, walking the primary key with a cursor so that no batch
-// re-reads rows an earlier one deleted. Rows of running leases, and of
+// short transaction, walking the table with a cursor (the primary key, or
+// a driver's own position) so that no batch re-reads rows an earlier one
+// deleted. Rows of running leases, and of
 // failed leases still to be retried, are never deleted, whatever their
 // age: their fencing token must go on growing. A lease row's processing
 // time is that of its last decision (done, or failed). A failed lease
@@ -24,7 +25,7 @@ type Clock interface {
 // retention) is deleted like a done one.
 type MarkerPruner interface {
 	// PruneMarkers deletes up to p.Limit markers processed before
-	// p.Before whose key sorts after p.After, in key order.
+	// p.Before that come after p.After, in the driver's walking order.
 	PruneMarkers(ctx context.Context, p *PruneParams) (PruneResult, error)
 	// CountPrunable counts, per handler, the markers PruneMarkers would
 	// delete for the cutoff before, and returns the oldest marker's time
@@ -36,20 +37,25 @@ type MarkerPruner interface {
 	TryMaintenanceLock(ctx context.Context) (unlock func(), ok bool, err error)
 }
 
-// MarkerKey is a marker's primary key: the pruning cursor.
+// MarkerKey is the pruning cursor: a marker's primary key, or a position
+// in the store's own order.
 type MarkerKey struct {
 	// Handler and MessageID are the primary key's columns.
 	Handler   string
 	MessageID string
+	// Position is a driver's own cursor, for a table it walks in another
+	// order than the key (Postgres: physical position). Zero where
+	// unused; the core hands it back unchanged.
+	Position int64
 }
 
 // PruneParams are the parameters of MarkerPruner.PruneMarkers.
 type PruneParams struct {
 	// Before is the cutoff: markers processed at or after it stay.
 	Before time.Time
-	// After is the cursor: only keys sorting after it (byte order of
-	// handler, then message ID) are considered. The zero key starts at
-	// the beginning.
+	// After is the cursor: only markers after it are considered (by key:
+	// byte order of handler, then message ID; by Position where the
+	// driver sets one). The zero key starts at the beginning.
 	After MarkerKey
 	// Limit bounds the rows deleted, at least 1.
 	Limit int
@@ -59,10 +65,10 @@ type PruneParams struct {
 type PruneResult struct {
 	// Deleted is the number of markers deleted.
 	Deleted int
-	// Last is the greatest key the batch examined: the next batch's
-	// After. Meaningless when Done.
+	// Last is where the batch stopped: the next batch's After.
+	// Meaningless when Done.
 	Last MarkerKey
-	// Done is true when no prunable marker sorts after the cursor.
+	// Done is true when no prunable marker comes after the cursor.
 	Done bool
 }
 

@@ -25,10 +25,13 @@ var (
 
 // leaseClaimSQL is one atomic statement: a concurrent claim of the same key
 // waits on the primary key (or the row lock) and then evaluates the WHERE
-// against the committed winner, so only one claimer gets a row back.
+// against the committed winner, so only one claimer gets a row back. A key
+// with an atomic marker of the same handler name (%[2]s, since migration
+// 010) is not claimed: LeaseGet reads that marker as done.
 const leaseClaimSQL = `INSERT INTO %[1]s AS t
     (handler, message_id, payload_hash, status, owner, lease_until, token, attempts)
-VALUES ($1, $2, $3, 'running', $4, now() + $5::bigint * interval '1 microsecond', 1, 1)
+SELECT $1, $2, $3, 'running', $4, now() + $5::bigint * interval '1 microsecond', 1, 1
+WHERE NOT EXISTS (SELECT 1 FROM %[2]s WHERE handler_id = $6 AND message_key = $7)
 ON CONFLICT (handler, message_id) DO UPDATE SET
     status = 'running', owner = excluded.owner, lease_until = excluded.lease_until,
     token = t.token + 1, attempts = t.attempts + 1, next_attempt_at = NULL
@@ -40,8 +43,12 @@ RETURNING t.token, t.attempts, t.lease_until`
 // LeaseClaim implements driver.LeaseDriver.
 func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (driver.LeaseClaimResult, error) {
 	var res driver.LeaseClaimResult
-	err := d.pool.QueryRow(ctx, fmt.Sprintf(leaseClaimSQL, d.t.processed),
-		p.Handler, p.MessageID, p.PayloadHash, p.Owner, p.TTL.Microseconds()).Scan(&res.Token, &res.Attempt, &res.LeaseUntil)
+	hid, err := d.handlerID(ctx, d.pool, p.Handler)
+	if err != nil {
+		return driver.LeaseClaimResult{}, err
+	}
+	err = d.pool.QueryRow(ctx, fmt.Sprintf(leaseClaimSQL, d.t.processed, d.t.markers),
+		p.Handler, p.MessageID, p.PayloadHash, p.Owner, p.TTL.Microseconds(), hid, messageKey(p.MessageID)).Scan(&res.Token, &res.Attempt, &res.LeaseUntil)
 	switch {
 	case err == nil:
 		res.Claimed = true
@@ -147,7 +154,9 @@ func (d *Driver) fencedWrite(ctx context.Context, op, handler, id string, tag pg
 	return driver.LeaseWriteResult{Current: row}, nil
 }
 
-// LeaseGet implements driver.LeaseDriver.
+// LeaseGet implements driver.LeaseDriver. A key without a lease row but
+// with an atomic marker of the same handler name reads as done, with
+// token 0, as it did when both shared one table.
 func (d *Driver) LeaseGet(ctx context.Context, p *driver.LeaseGetParams) (*driver.LeaseRow, error) {
 	var (
 		row               driver.LeaseRow
@@ -159,7 +168,7 @@ func (d *Driver) LeaseGet(ctx context.Context, p *driver.LeaseGetParams) (*drive
 FROM `+d.t.processed+` WHERE handler = $1 AND message_id = $2`, p.Handler, p.MessageID).Scan(
 		&status, &row.PayloadHash, &row.Owner, &row.Token, &row.Attempts, &leaseUntil, &nextA, &row.LastError, &row.Now)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, nil
+		return d.atomicAsLease(ctx, p)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("postgres: read lease: %w", err)
@@ -170,6 +179,25 @@ FROM `+d.t.processed+` WHERE handler = $1 AND message_id = $2`, p.Handler, p.Mes
 	}
 	if nextA != nil {
 		row.NextAttemptAt = *nextA
+	}
+	return &row, nil
+}
+
+// atomicAsLease reads the atomic marker of (p.Handler, p.MessageID) as a
+// done lease row with token 0; nil when there is none.
+func (d *Driver) atomicAsLease(ctx context.Context, p *driver.LeaseGetParams) (*driver.LeaseRow, error) {
+	hid, err := d.handlerID(ctx, d.pool, p.Handler)
+	if err != nil {
+		return nil, err
+	}
+	row := driver.LeaseRow{Status: driver.LeaseDone}
+	err = d.pool.QueryRow(ctx, `SELECT payload_hash, now() FROM `+d.t.markers+` WHERE handler_id = $1 AND message_key = $2`,
+		hid, messageKey(p.MessageID)).Scan(&row.PayloadHash, &row.Now)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("postgres: read atomic marker: %w", err)
 	}
 	return &row, nil
 }

@@ -22,6 +22,12 @@
 // transaction of your own (ProcessTx) the level is yours, with that
 // consequence.
 //
+// Atomic markers live in <prefix>markers, keyed by an interned handler id
+// and the message ID packed losslessly (docs/performance.md). A handler
+// name's first use ever adds it to <prefix>handlers on a pooled
+// connection of its own, committed at once; after that the driver reads
+// the id through the transaction at hand and caches it.
+//
 // Read the guide at https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md#drivers
 package postgres
 
@@ -31,7 +37,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -106,7 +114,16 @@ type Driver struct {
 	conflictAware bool // Config.ConflictAwareInserts
 	logger        *slog.Logger
 	t             tables
-	sql           statements
+	markerSQL     markerSQL // the atomic path's statements
+	legacySQL     markerSQL // the same, reading the old table's markers too
+	deleteMarkers string
+	// handlerIDs caches handler name → id (see handlerID).
+	handlerIDs sync.Map
+	// legacy is legacyUnknown, legacyPresent or legacyGone (see
+	// legacyAtomic); legacyAt is when it was last read, in Unix
+	// nanoseconds.
+	legacy   atomic.Int32
+	legacyAt atomic.Int64
 	// noBetUntil is when betting resumes after the last lost bet, in Unix
 	// nanoseconds; lostBets counts lost bets (for tests).
 	noBetUntil atomic.Int64
@@ -128,20 +145,12 @@ func (d *Driver) lostBet() {
 
 type tables struct {
 	processed, migrations      string
+	markers, handlers          string
+	markerLayout               string
 	sequences, gaps, versions  string
 	deadLetters, deadLetterLog string
 	handlerStats               string
 	outbox, outboxClaims       string
-}
-
-type statements struct {
-	insertMarker, selectHash, insertMarkers, selectHashes, deleteMarkers string
-	// insertMarkerNew inserts one marker without ON CONFLICT: the fast
-	// path for a new message (see BeginMarkerInsert).
-	insertMarkerNew string
-	// insertMarkersNew inserts a batch's markers without ON CONFLICT: the
-	// fast path for batches of new messages (see BeginMarkerInsertMany).
-	insertMarkersNew string
 }
 
 var (
@@ -178,6 +187,9 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 	}
 	d.t = tables{
 		processed:     sqlident.Qualified(cfg.Schema, prefix+"processed"),
+		markers:       sqlident.Qualified(cfg.Schema, prefix+"markers"),
+		handlers:      sqlident.Qualified(cfg.Schema, prefix+"handlers"),
+		markerLayout:  sqlident.Qualified(cfg.Schema, prefix+"marker_layout"),
 		migrations:    sqlident.Qualified(cfg.Schema, prefix+"migrations"),
 		sequences:     sqlident.Qualified(cfg.Schema, prefix+"sequences"),
 		gaps:          sqlident.Qualified(cfg.Schema, prefix+"gaps"),
@@ -188,18 +200,8 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 		outbox:        sqlident.Qualified(cfg.Schema, prefix+"outbox"),
 		outboxClaims:  sqlident.Qualified(cfg.Schema, prefix+"outbox_claims"),
 	}
-	d.sql = statements{
-		insertMarker:    `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`,
-		insertMarkerNew: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash) VALUES ($1, $2, $3)`,
-		selectHash:      `SELECT payload_hash FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = $2`,
-		insertMarkers: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash)
-SELECT $1, m.id, m.h FROM unnest($2::text[], $3::bytea[]) AS m(id, h)
-ON CONFLICT DO NOTHING RETURNING message_id`,
-		insertMarkersNew: `INSERT INTO ` + d.t.processed + ` (handler, message_id, payload_hash)
-SELECT $1, m.id, m.h FROM unnest($2::text[], $3::bytea[]) AS m(id, h)`,
-		selectHashes:  `SELECT message_id, payload_hash FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = ANY($2::text[])`,
-		deleteMarkers: `DELETE FROM ` + d.t.processed + ` WHERE handler = $1 AND message_id = ANY($2::text[])`,
-	}
+	d.markerSQL, d.legacySQL = newMarkerSQL(d.t)
+	d.deleteMarkers = `DELETE FROM ` + d.t.markers + ` WHERE handler_id = $1 AND message_key = ANY($2::bytea[])`
 	return d, nil
 }
 
@@ -216,6 +218,11 @@ func (d *Driver) migrateLockKey() string { return "idem-migrate:" + d.schema + "
 func (d *Driver) Migrate(ctx context.Context) error {
 	ms, err := migrations.Load(migrationFS, "migrations", strings.NewReplacer(
 		"{{processed}}", d.t.processed,
+		"{{markers}}", d.t.markers,
+		"{{handlers}}", d.t.handlers,
+		"{{marker_layout}}", d.t.markerLayout,
+		"{{mirror_fn}}", sqlident.Qualified(d.schema, d.prefix+"processed_mirror"),
+		"{{mirror_trigger}}", sqlident.Quote(d.prefix+"processed_mirror"),
 		"{{processed_at_idx}}", sqlident.Quote(d.prefix+"processed_at_brin"),
 		"{{sequences}}", d.t.sequences,
 		"{{gaps}}", d.t.gaps,
@@ -383,19 +390,23 @@ func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 
 // beginMarkerInsert is BeginMarkerInsert.
 func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertParams) (Tx, driver.MarkerInsertResult, error) {
+	m, err := d.newMarker(ctx, d.pool, p)
+	if err != nil {
+		return nil, driver.MarkerInsertResult{}, err
+	}
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
 	}
 	tx := &connTx{c: c}
-	insert := d.sql.insertMarker
-	betting := d.betting()
+	insert := m.sql.insert
+	betting := d.betting() && !m.sql.legacy
 	if betting {
-		insert = d.sql.insertMarkerNew
+		insert = m.sql.insertNew
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	b.Queue(insert, p.Handler, p.MessageID, p.PayloadHash)
+	b.Queue(insert, m.insertArgs()...)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
 	var tag pgconn.CommandTag
@@ -410,10 +421,10 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 	switch {
 	case err == nil:
 		// A plain INSERT that succeeded affected its row: no query.
-		res, err = d.afterInsert(ctx, tx, tag, p)
+		res, err = d.afterInsert(ctx, tx, tag, m)
 	case betting && errors.As(err, &pgErr) && pgErr.Code == "23505":
 		d.lostBet()
-		res, err = d.reinsertMarker(ctx, c, p)
+		res, err = d.reinsertMarker(ctx, c, m)
 	}
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
@@ -428,14 +439,15 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 // of its own, whose snapshot sees the marker that conflicted). It speaks
 // pgconn's pipeline of unnamed statements: pgx's batch would first prepare
 // statements it has not cached, inside the aborted transaction.
-func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, p *driver.MarkerInsertParams) (driver.MarkerInsertResult, error) {
-	const textOID, byteaOID = 25, 17
-	h, id := []byte(p.Handler), []byte(p.MessageID)
+// It serves the markers-only layout, the one a bet is made on.
+func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, m *marker) (driver.MarkerInsertResult, error) {
+	const int4OID, byteaOID = 23, 17
+	hid := []byte(strconv.Itoa(int(m.hid)))
 	b := &pgconn.Batch{}
 	b.ExecParams("rollback", nil, nil, nil, nil)
 	b.ExecParams(beginSQL, nil, nil, nil, nil)
-	b.ExecParams(d.sql.insertMarker, [][]byte{h, id, p.PayloadHash}, []uint32{textOID, textOID, byteaOID}, []int16{0, 0, 1}, nil)
-	b.ExecParams(d.sql.selectHash, [][]byte{h, id}, []uint32{textOID, textOID}, []int16{0, 0}, []int16{1})
+	b.ExecParams(m.sql.insert, [][]byte{hid, m.key, m.hash}, []uint32{int4OID, byteaOID, byteaOID}, []int16{0, 1, 1}, nil)
+	b.ExecParams(m.sql.selectHash, [][]byte{hid, m.key}, []uint32{int4OID, byteaOID}, []int16{0, 1}, []int16{1})
 	results, err := c.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
 	if err == nil {
 		for _, r := range results {
@@ -454,7 +466,7 @@ func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, p *driver.
 		// The marker went away in between (retention): inserted now.
 		return driver.MarkerInsertResult{Inserted: true}, nil
 	case len(results[3].Rows) == 0:
-		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: the marker of %q conflicted, then vanished before it could be read; retry", p.MessageID)
+		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: the marker of %q conflicted, then vanished before it could be read; retry", m.id)
 	}
 	return driver.MarkerInsertResult{ExistingHash: results[3].Rows[0][0]}, nil
 }
@@ -476,17 +488,21 @@ func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 
 // beginMarkerInsertMany is BeginMarkerInsertMany.
 func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInsertManyParams) (Tx, []driver.MarkerInsertResult, error) {
+	mb, err := d.newMarkerBatch(ctx, d.pool, p)
+	if err != nil {
+		return nil, nil, err
+	}
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, nil, err
 	}
 	tx := &connTx{c: c}
-	if !d.betting() {
-		return d.beginInsertManyAware(ctx, tx, p)
+	if !d.betting() || mb.sql.legacy {
+		return d.beginInsertManyAware(ctx, tx, mb)
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	b.Queue(d.sql.insertMarkersNew, p.Handler, p.MessageIDs, p.PayloadHashes)
+	b.Queue(mb.sql.insertManyNew, mb.insertArgs()...)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
 	if err == nil {
@@ -514,7 +530,7 @@ func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, nil, err
 	}
-	res, err := d.MarkerInsertMany(ctx, tx, p)
+	res, err := d.markerInsertMany(ctx, tx, mb)
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, nil, err
@@ -525,17 +541,17 @@ func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 // beginInsertManyAware is BeginMarkerInsertMany under
 // Config.ConflictAwareInserts: BEGIN and INSERT … ON CONFLICT DO NOTHING
 // RETURNING in one round trip, then the hashes of the IDs not inserted.
-func (d *Driver) beginInsertManyAware(ctx context.Context, tx *connTx, p *driver.MarkerInsertManyParams) (Tx, []driver.MarkerInsertResult, error) {
+func (d *Driver) beginInsertManyAware(ctx context.Context, tx *connTx, mb *markerBatch) (Tx, []driver.MarkerInsertResult, error) {
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	b.Queue(d.sql.insertMarkers, p.Handler, p.MessageIDs, p.PayloadHashes)
+	b.Queue(mb.sql.insertMany, mb.insertArgs()...)
 	br := tx.c.SendBatch(ctx, b)
 	var inserted map[string]struct{}
 	_, err := br.Exec()
 	if err == nil {
 		var rows pgx.Rows
 		if rows, err = br.Query(); err == nil {
-			inserted, err = insertedIDs(rows, len(p.MessageIDs))
+			inserted, err = insertedKeys(rows, len(mb.keys))
 		}
 	}
 	if cerr := br.Close(); err == nil {
@@ -543,7 +559,7 @@ func (d *Driver) beginInsertManyAware(ctx context.Context, tx *connTx, p *driver
 	}
 	var res []driver.MarkerInsertResult
 	if err == nil {
-		res, err = d.markerResults(ctx, tx, p, inserted)
+		res, err = d.markerResults(ctx, tx, mb, inserted)
 	}
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
@@ -593,19 +609,23 @@ func (d *Driver) Rollback(ctx context.Context, tx Tx) error {
 
 // MarkerInsert implements driver.Driver.
 func (d *Driver) MarkerInsert(ctx context.Context, tx Tx, p *driver.MarkerInsertParams) (driver.MarkerInsertResult, error) {
-	tag, err := tx.Exec(ctx, d.sql.insertMarker, p.Handler, p.MessageID, p.PayloadHash)
+	m, err := d.newMarker(ctx, tx, p)
 	if err != nil {
 		return driver.MarkerInsertResult{}, err
 	}
-	return d.afterInsert(ctx, tx, tag, p)
+	tag, err := tx.Exec(ctx, m.sql.insert, m.insertArgs()...)
+	if err != nil {
+		return driver.MarkerInsertResult{}, err
+	}
+	return d.afterInsert(ctx, tx, tag, m)
 }
 
-func (d *Driver) afterInsert(ctx context.Context, tx Tx, tag pgconn.CommandTag, p *driver.MarkerInsertParams) (driver.MarkerInsertResult, error) {
+func (d *Driver) afterInsert(ctx context.Context, tx Tx, tag pgconn.CommandTag, m *marker) (driver.MarkerInsertResult, error) {
 	if tag.RowsAffected() == 1 {
 		return driver.MarkerInsertResult{Inserted: true}, nil
 	}
 	var existing []byte
-	if err := tx.QueryRow(ctx, d.sql.selectHash, p.Handler, p.MessageID).Scan(&existing); err != nil {
+	if err := tx.QueryRow(ctx, m.sql.selectHash, m.hashArgs()...).Scan(&existing); err != nil {
 		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: read existing marker: %w", err)
 	}
 	return driver.MarkerInsertResult{ExistingHash: existing}, nil
@@ -616,7 +636,15 @@ func (d *Driver) MarkerDelete(ctx context.Context, tx Tx, p *driver.MarkerDelete
 	if len(p.MessageIDs) == 0 {
 		return nil
 	}
-	_, err := tx.Exec(ctx, d.sql.deleteMarkers, p.Handler, p.MessageIDs)
+	hid, err := d.handlerID(ctx, tx, p.Handler)
+	if err != nil {
+		return err
+	}
+	keys := make([][]byte, len(p.MessageIDs))
+	for i, id := range p.MessageIDs {
+		keys[i] = messageKey(id)
+	}
+	_, err = tx.Exec(ctx, d.deleteMarkers, hid, keys)
 	return err
 }
 
@@ -625,67 +653,72 @@ func (d *Driver) MarkerDelete(ctx context.Context, tx Tx, p *driver.MarkerDelete
 // any size is one statement with three parameters), then reads the hashes of
 // the IDs that were already there.
 func (d *Driver) MarkerInsertMany(ctx context.Context, tx Tx, p *driver.MarkerInsertManyParams) ([]driver.MarkerInsertResult, error) {
-	rows, err := tx.Query(ctx, d.sql.insertMarkers, p.Handler, p.MessageIDs, p.PayloadHashes)
+	mb, err := d.newMarkerBatch(ctx, tx, p)
 	if err != nil {
 		return nil, err
 	}
-	inserted, err := insertedIDs(rows, len(p.MessageIDs))
-	if err != nil {
-		return nil, err
-	}
-	return d.markerResults(ctx, tx, p, inserted)
+	return d.markerInsertMany(ctx, tx, mb)
 }
 
-// insertedIDs collects the IDs an insertMarkers statement returned.
-func insertedIDs(rows pgx.Rows, n int) (map[string]struct{}, error) {
+// markerInsertMany is MarkerInsertMany.
+func (d *Driver) markerInsertMany(ctx context.Context, tx Tx, mb *markerBatch) ([]driver.MarkerInsertResult, error) {
+	rows, err := tx.Query(ctx, mb.sql.insertMany, mb.insertArgs()...)
+	if err != nil {
+		return nil, err
+	}
+	inserted, err := insertedKeys(rows, len(mb.keys))
+	if err != nil {
+		return nil, err
+	}
+	return d.markerResults(ctx, tx, mb, inserted)
+}
+
+// insertedKeys collects the keys an insertMany statement returned.
+func insertedKeys(rows pgx.Rows, n int) (map[string]struct{}, error) {
 	inserted := make(map[string]struct{}, n)
-	var id string
-	_, err := pgx.ForEachRow(rows, []any{&id}, func() error {
-		inserted[id] = struct{}{}
+	var k []byte
+	_, err := pgx.ForEachRow(rows, []any{&k}, func() error {
+		inserted[string(k)] = struct{}{}
 		return nil
 	})
 	return inserted, err
 }
 
 // markerResults returns the outcome of a batch's marker insert: inserted
-// for the IDs in inserted, and for the others the hash their marker holds,
-// read in one statement.
-func (d *Driver) markerResults(ctx context.Context, tx Tx, p *driver.MarkerInsertManyParams, inserted map[string]struct{}) ([]driver.MarkerInsertResult, error) {
-	out := make([]driver.MarkerInsertResult, len(p.MessageIDs))
-	var missing []string
-	for i, mid := range p.MessageIDs {
-		if _, ok := inserted[mid]; ok {
+// for the keys in inserted, and for the others the hash their marker
+// holds, read in one statement.
+func (d *Driver) markerResults(ctx context.Context, tx Tx, mb *markerBatch, inserted map[string]struct{}) ([]driver.MarkerInsertResult, error) {
+	out := make([]driver.MarkerInsertResult, len(mb.keys))
+	var missing []int
+	for i, k := range mb.keys {
+		if _, ok := inserted[string(k)]; ok {
 			out[i].Inserted = true
 		} else {
-			missing = append(missing, mid)
+			missing = append(missing, i)
 		}
 	}
 	if len(missing) == 0 {
 		return out, nil
 	}
-	rows, err := tx.Query(ctx, d.sql.selectHashes, p.Handler, missing)
+	rows, err := tx.Query(ctx, mb.sql.selectHashes, mb.hashArgs(missing)...)
 	if err != nil {
 		return nil, err
 	}
 	existing := make(map[string][]byte, len(missing))
-	var (
-		id string
-		h  []byte
-	)
-	_, err = pgx.ForEachRow(rows, []any{&id, &h}, func() error {
-		existing[id] = h
+	var k, h []byte
+	_, err = pgx.ForEachRow(rows, []any{&k, &h}, func() error {
+		if _, ok := existing[string(k)]; !ok {
+			existing[string(k)] = h
+		}
 		return nil
 	})
 	if err != nil {
 		return nil, err
 	}
-	for i, mid := range p.MessageIDs {
-		if out[i].Inserted {
-			continue
-		}
-		eh, ok := existing[mid]
+	for _, i := range missing {
+		eh, ok := existing[string(mb.keys[i])]
 		if !ok {
-			return nil, fmt.Errorf("postgres: marker %q was neither inserted nor found", mid)
+			return nil, fmt.Errorf("postgres: marker %q was neither inserted nor found", mb.ids[i])
 		}
 		out[i].ExistingHash = eh
 	}
@@ -737,9 +770,17 @@ FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attname = $2 AND a.att
 
 // InsertImportedMarkers implements driver.MarkerImporter with one INSERT.
 func (d *Driver) InsertImportedMarkers(ctx context.Context, handler string, ids []string) (int64, error) {
-	tag, err := d.pool.Exec(ctx, `INSERT INTO `+d.t.processed+` (handler, message_id, payload_hash)
-SELECT $1, id, ''::bytea FROM unnest($2::text[]) AS u(id)
-ON CONFLICT DO NOTHING`, handler, ids)
+	hid, err := d.handlerID(ctx, d.pool, handler)
+	if err != nil {
+		return 0, err
+	}
+	keys := make([][]byte, len(ids))
+	for i, id := range ids {
+		keys[i] = messageKey(id)
+	}
+	tag, err := d.pool.Exec(ctx, `INSERT INTO `+d.t.markers+` (handler_id, message_key, payload_hash)
+SELECT $1, k, ''::bytea FROM unnest($2::bytea[]) AS u(k)
+ON CONFLICT DO NOTHING`, hid, keys)
 	if err != nil {
 		return 0, err
 	}

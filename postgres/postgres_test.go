@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -83,7 +84,7 @@ ON CONFLICT (aggregate) DO UPDATE SET value = `+states+`.value || excluded.value
 			return m, err
 		},
 		Markers: func(ctx context.Context, handler string) (n int, err error) {
-			err = pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+` WHERE handler = $1`, handler).Scan(&n)
+			err = pool.QueryRow(ctx, markerCountSQL(schema), handler).Scan(&n)
 			return n, err
 		},
 		Balances: func(ctx context.Context) (map[string]int64, error) {
@@ -98,6 +99,15 @@ ON CONFLICT (aggregate) DO UPDATE SET value = `+states+`.value || excluded.value
 			return m, err
 		},
 	}
+}
+
+// markerCountSQL counts a handler's markers ($1) in both tables: the
+// atomic markers table and the old one (leases, and atomic markers from
+// before migration 011).
+func markerCountSQL(schema string) string {
+	return `SELECT (SELECT count(*) FROM ` + pgx.Identifier{schema, "idem_markers"}.Sanitize() + ` m
+  JOIN ` + pgx.Identifier{schema, "idem_handlers"}.Sanitize() + ` h ON h.id = m.handler_id WHERE h.name = $1)
++ (SELECT count(*) FROM ` + pgx.Identifier{schema, "idem_processed"}.Sanitize() + ` WHERE handler = $1)`
 }
 
 func TestConformance(t *testing.T) {
@@ -163,8 +173,9 @@ func TestImportMarkers(t *testing.T) {
 		t.Fatalf("import of 1, 1.5, 1.50, 2, 3 in pages of 2: %+v, %v; want all 5", res, err)
 	}
 	var markers int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+
-		` WHERE handler = 'typed_uuid' AND message_id = md5('2500')::uuid::text`).Scan(&markers); err != nil || markers != 1 {
+	// A canonical UUID is stored as its 16 bytes.
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_markers"}.Sanitize()+
+		` WHERE message_key = decode(replace(md5('2500')::uuid::text, '-', ''), 'hex')`).Scan(&markers); err != nil || markers != 1 {
 		t.Fatalf("marker of the last UUID in its canonical text: %d, %v", markers, err)
 	}
 	for _, bad := range []*driver.ImportSource{
@@ -190,7 +201,7 @@ func TestConcurrencyCheckNeedsUniqueConstraint(t *testing.T) {
 	schema := testenv.FreshSchema(t, pool)
 	s := storeIn(t, pool, schema)
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, `ALTER TABLE `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+` DROP CONSTRAINT idem_processed_pkey`); err != nil {
+	if _, err := pool.Exec(ctx, `ALTER TABLE `+pgx.Identifier{schema, "idem_markers"}.Sanitize()+` DROP CONSTRAINT idem_markers_pkey`); err != nil {
 		t.Fatal(err)
 	}
 	err := idemtest.CheckConcurrentDuplicates(ctx, s, 8, 200, 0)
@@ -311,4 +322,45 @@ func TestRetention(t *testing.T) {
 
 func TestDeadLetters(t *testing.T) {
 	idemtest.RunDeadLetters(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
+}
+
+// TestProcessTxOnAPoolOfOne: a driver that has not seen a handler name
+// yet reads its id, and the marker layout, through the caller's
+// transaction, so ProcessTx works while that transaction holds the
+// pool's only connection (once the name exists in the database).
+func TestProcessTxOnAPoolOfOne(t *testing.T) {
+	pool := testenv.PostgresPool(t, 1)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(context.Context, postgres.Tx, *idem.Message) error { return nil }}
+	first, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := first.Process(ctx, h, &idem.Message{ID: "m-1"}); out != idem.Applied || err != nil {
+		t.Fatalf("first delivery: %v, %v", out, err)
+	}
+	fresh, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(fresh, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	for id, want := range map[string]idem.Outcome{"m-1": idem.Duplicate, "m-2": idem.Applied} {
+		if out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: id}); out != want || err != nil {
+			t.Fatalf("%s in the caller's transaction: %v, %v; want %v", id, out, err, want)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
 }

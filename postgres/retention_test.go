@@ -30,9 +30,12 @@ func TestPruneMillionMarkersWhileProcessing(t *testing.T) {
 	schema := testenv.FreshSchema(t, pool)
 	s := storeIn(t, pool, schema)
 	ctx := context.Background()
-	markers := pgx.Identifier{schema, "idem_processed"}.Sanitize()
-	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
-SELECT 'balances', 'old-' || lpad(i::text, 7, '0'), '\x00'::bytea, now() - interval '30 days'
+	markers := pgx.Identifier{schema, "idem_markers"}.Sanitize()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "idem_handlers"}.Sanitize()+` (name) VALUES ('balances')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler_id, message_key, payload_hash, processed_at)
+SELECT 1, convert_to('old-' || lpad(i::text, 7, '0'), 'UTF8'), '\x00'::bytea, now() - interval '30 days'
 FROM generate_series(1, $1) AS i`, old); err != nil {
 		t.Fatal(err)
 	}
@@ -108,8 +111,10 @@ FROM generate_series(1, $1) AS i`, old); err != nil {
 	}
 }
 
-// TestPruneDriverKeysetCursor checks the driver's cursor: batches walk the
-// key space without revisiting it and Done comes with a short batch.
+// TestPruneDriverKeysetCursor checks the driver's cursor on the old table
+// (leases, and atomic markers from before migration 011): batches walk the
+// key space without revisiting it, and the short batch that ends it goes
+// on into the markers table (empty here), which ends the walk.
 func TestPruneDriverKeysetCursor(t *testing.T) {
 	pool := testenv.PostgresPool(t, 4)
 	schema := testenv.FreshSchema(t, pool)
@@ -131,14 +136,62 @@ FROM generate_series(1, 25) AS i, (VALUES ('a'), ('b')) AS hs(h)`); err != nil {
 			t.Fatal(err)
 		}
 		total += res.Deleted
-		if res.Done {
+		if res.Done || res.Last.Position != 0 {
+			lasts = append(lasts, fmt.Sprintf("done=%v", res.Done))
 			break
 		}
 		lasts = append(lasts, res.Last.Handler+"/"+res.Last.MessageID)
 		p.After = res.Last
 	}
-	if total != 50 || fmt.Sprint(lasts) != "[a/m-020 b/m-015]" {
-		t.Fatalf("deleted %d with cursors %v, want 50 with [a/m-020 b/m-015]", total, lasts)
+	if want := "[a/m-020 b/m-015 done=true]"; total != 50 || fmt.Sprint(lasts) != want {
+		t.Fatalf("deleted %d with cursors %v, want 50 with %s", total, lasts, want)
+	}
+}
+
+// TestPruneDriverPhysicalCursor checks the cursor on the markers table:
+// batches walk it in physical order, delete at most Limit rows each, keep
+// the young markers found among the old ones, and end with Done.
+func TestPruneDriverPhysicalCursor(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	markers := pgx.Identifier{schema, "idem_markers"}.Sanitize()
+	// 1,000 markers, every fifth young: about 10 pages.
+	if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "idem_handlers"}.Sanitize()+` (name) VALUES ('a')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler_id, message_key, payload_hash, processed_at)
+SELECT 1, convert_to('m-' || i, 'UTF8'), '\x00'::bytea, now() - CASE WHEN i % 5 = 0 THEN interval '1 hour' ELSE interval '30 days' END
+FROM generate_series(1, 1000) AS i`); err != nil {
+		t.Fatal(err)
+	}
+	drv := s.Driver.(*postgres.Driver)
+	p := &driver.PruneParams{Before: time.Now().Add(-24 * time.Hour), Limit: 150, After: driver.MarkerKey{Position: 1}}
+	var total, batches int
+	for ; batches < 100; batches++ {
+		res, err := drv.PruneMarkers(ctx, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Deleted > p.Limit {
+			t.Fatalf("batch %d deleted %d, more than the limit %d", batches, res.Deleted, p.Limit)
+		}
+		total += res.Deleted
+		if res.Done {
+			break
+		}
+		if res.Last.Position <= p.After.Position {
+			t.Fatalf("cursor went from %d to %d", p.After.Position, res.Last.Position)
+		}
+		p.After = res.Last
+	}
+	var left, young int
+	if err := pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE processed_at > now() - interval '1 day') FROM `+markers).Scan(&left, &young); err != nil {
+		t.Fatal(err)
+	}
+	if total != 800 || left != 200 || young != 200 {
+		t.Fatalf("deleted %d in %d batches, %d left (%d young); want 800 deleted and the 200 young left", total, batches+1, left, young)
 	}
 }
 

@@ -67,6 +67,11 @@ func runMigrate(ctx context.Context, e *env, s *store) error {
 	} else {
 		fmt.Fprintf(e.stdout, "already up to date at version %d; nothing to do\n", version)
 	}
+	if s.kind == kindPostgres {
+		// Atomic markers have their own table since migration 11.
+		fmt.Fprintf(e.stdout, "tables: %s, %s, %s\n", s.table("markers"), s.table("processed"), s.table("migrations"))
+		return nil
+	}
 	fmt.Fprintf(e.stdout, "tables: %s, %s\n", s.table("processed"), s.table("migrations"))
 	return nil
 }

@@ -249,4 +249,16 @@ func TestServePageMarkerEstimate(t *testing.T) {
 	if code, body = get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, "about 2000 in all") || !strings.Contains(body, "<td>est</td><td>1500</td>") {
 		t.Fatalf("/ after 500 more: %d\n%s", code, body)
 	}
+	// Atomic markers in their own table (migration 11) count too.
+	markers := `"` + schema + `"."idem_markers"`
+	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler_id, message_key, payload_hash)
+		SELECT 1, convert_to('a-' || g, 'UTF8'), '\x00' FROM generate_series(1, 300) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `ANALYZE `+markers); err != nil {
+		t.Fatal(err)
+	}
+	if code, body = get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, "about 2300 in all") {
+		t.Fatalf("/ after 300 atomic markers: %d\n%s", code, body)
+	}
 }

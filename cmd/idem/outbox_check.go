@@ -12,7 +12,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
 )
 
 // aggKey is one aggregate of one stream: the key of a versions row.
@@ -75,9 +77,19 @@ func (c *outboxCheck) see(id string, hash []byte, where string) {
 	if seq > c.highest[k].seq {
 		c.highest[k] = seqSeen{seq, where}
 	}
-	if own, ok := c.outbox[id]; ok && hash != nil && !bytes.Equal(own, hash) {
+	if own, ok := c.outbox[id]; ok && hash != nil && !sameHash(own, hash) {
 		c.reissued = append(c.reissued, reissue{id, where})
 	}
+}
+
+// sameHash reports whether a marker's payload hash is the outbox row's:
+// equal, or a prefix of at least 16 bytes (Postgres keeps 16 since
+// migration 11).
+func sameHash(own, stored []byte) bool {
+	if len(stored) >= idem.MinStoredHash && len(stored) < len(own) {
+		return bytes.Equal(own[:len(stored)], stored)
+	}
+	return bytes.Equal(own, stored)
 }
 
 // behind returns the aggregates whose versions row is below an issued
@@ -184,6 +196,24 @@ func (c *outboxCheck) readConsumer(ctx context.Context, s *store) error {
 	}, &id, &hash)
 	if err != nil {
 		return fmt.Errorf("read the markers of %s: %w", s, err)
+	}
+	if s.kind == kindPostgres {
+		// Atomic markers have their own table since migration 11, with
+		// the message ID packed into a key.
+		_, version, err := s.schemaVersion(ctx)
+		if err != nil {
+			return err
+		}
+		if version >= 11 {
+			var key []byte
+			err = s.eachRow(ctx, `SELECT message_key, payload_hash FROM `+s.table("markers"), func() error {
+				c.see(postgres.MarkerMessageID(key), hash, markers)
+				return nil
+			}, &key, &hash)
+			if err != nil {
+				return fmt.Errorf("read the markers of %s: %w", s, err)
+			}
+		}
 	}
 	err = s.eachRow(ctx, `SELECT message_id, class FROM `+s.table("dead_letters")+` WHERE message_id <> ''`, func() error {
 		c.see(id, nil, dls)

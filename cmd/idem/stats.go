@@ -2,14 +2,11 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"sort"
 	"text/tabwriter"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // statsCommand returns the "stats" subcommand: per-handler figures from
@@ -133,6 +130,35 @@ count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed"
 	if err != nil {
 		return nil, 0, fmt.Errorf("read markers: %w", err)
 	}
+	if s.kind == kindPostgres && version >= 11 {
+		// Atomic markers have a table of their own since migration 11,
+		// keyed by the handler's interned id.
+		err = s.queryRows(ctx, `SELECT h.name, c.n, (extract(epoch FROM c.oldest) * 1000000)::bigint
+FROM (SELECT handler_id, count(*) AS n, min(processed_at) AS oldest FROM `+s.table("markers")+` GROUP BY handler_id) c
+JOIN `+s.table("handlers")+` h ON h.id = c.handler_id`,
+			func(scan func(...any) error) error {
+				var (
+					h     string
+					n     int64
+					micro *int64
+				)
+				if err := scan(&h, &n, &micro); err != nil {
+					return err
+				}
+				st := get(h)
+				st.Applied += n
+				if micro != nil {
+					t := time.UnixMicro(*micro).UTC()
+					if st.OldestMarker == nil || t.Before(*st.OldestMarker) {
+						st.OldestMarker = &t
+					}
+				}
+				return nil
+			})
+		if err != nil {
+			return nil, 0, fmt.Errorf("read markers: %w", err)
+		}
+	}
 	err = s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE state = 'parked'), count(*), count(*) FILTER (WHERE class = 'conflict')
 FROM `+s.table("dead_letters")+` GROUP BY handler`,
 		func(scan func(...any) error) error {
@@ -205,22 +231,23 @@ func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...an
 }
 
 // markerEstimate returns PostgreSQL's estimate of the rows in the marker
-// table (pg_class.reltuples, kept by autovacuum and ANALYZE): a catalog
-// read, free however many markers there are, where counting them scans the
-// table. ok is false on other stores, and before the table was first
-// analysed.
+// tables (pg_class.reltuples, kept by autovacuum and ANALYZE; atomic
+// markers have their own table since migration 11): a catalog read, free
+// however many markers there are, where counting them scans the tables.
+// ok is false on other stores, and before any of them was first analysed.
 func (s *store) markerEstimate(ctx context.Context) (n int64, ok bool, err error) {
 	if s.kind != kindPostgres {
 		return 0, false, nil
 	}
-	var est *float64
-	if err := s.pgPool.QueryRow(ctx, `SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)`, s.table("processed")).Scan(&est); err != nil {
-		if errors.Is(err, pgx.ErrNoRows) {
-			return 0, false, nil
-		}
+	var (
+		est      *float64
+		analysed int
+	)
+	if err := s.pgPool.QueryRow(ctx, `SELECT sum(reltuples) FILTER (WHERE reltuples >= 0), count(*) FILTER (WHERE reltuples >= 0)
+FROM pg_class WHERE oid IN (to_regclass($1), to_regclass($2))`, s.table("processed"), s.table("markers")).Scan(&est, &analysed); err != nil {
 		return 0, false, fmt.Errorf("read the marker estimate: %w", err)
 	}
-	if est == nil || *est < 0 {
+	if est == nil || analysed == 0 {
 		return 0, false, nil // never analysed
 	}
 	return int64(*est), true, nil
