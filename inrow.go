@@ -193,9 +193,9 @@ func (p *Processor[TTx]) processInRow(ctx context.Context, callerTx *TTx, h *Han
 		// from ProcessTx with a separate guard: see SightGap.
 		return out, err
 	}
-	tx, err := p.drv.Begin(ctx)
+	tx, err := p.beginInRow(ctx)
 	if err != nil {
-		return OutcomeNone, fmt.Errorf("idem: begin: %w", err)
+		return OutcomeNone, err
 	}
 	if err := p.callOwned(ctx, tx, func() error {
 		var err error
@@ -217,6 +217,25 @@ func (p *Processor[TTx]) processInRow(ctx context.Context, callerTx *TTx, h *Han
 		return OutcomeNone, fmt.Errorf("idem: commit: %w", err)
 	}
 	return Applied, nil
+}
+
+// beginInRow opens the transaction of an in-row handler: with the
+// driver's deferred BEGIN when it has one, since the handler's write is
+// the first statement.
+func (p *Processor[TTx]) beginInRow(ctx context.Context) (TTx, error) {
+	var (
+		tx  TTx
+		err error
+	)
+	if p.beginLater != nil {
+		tx, err = p.beginLater.BeginDeferred(ctx)
+	} else {
+		tx, err = p.drv.Begin(ctx)
+	}
+	if err != nil {
+		return tx, fmt.Errorf("idem: begin: %w", err)
+	}
+	return tx, nil
 }
 
 // rowState is what a batch knows of one aggregate's row.
@@ -270,8 +289,8 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 		tx = *callerTx
 	} else {
 		var err error
-		if tx, err = p.drv.Begin(ctx); err != nil {
-			return nil, nil, fmt.Errorf("idem: begin: %w", err)
+		if tx, err = p.beginInRow(ctx); err != nil {
+			return nil, nil, err
 		}
 	}
 	fail := func(err error) ([]Outcome, map[int]error, error) {

@@ -108,6 +108,7 @@ type Processor[TTx any] struct {
 	seq         driver.SequenceGuard[TTx]
 	seqBatch    driver.SequenceBatchStore[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
+	beginLater  driver.DeferredBeginner[TTx]
 	logger      *slog.Logger
 	onOutcome   []HookOutcome
 	onCall      callHooks
@@ -143,6 +144,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if bs, ok := drv.(driver.BeginSequenceAdvancer[TTx]); ok {
 		p.beginSeq = bs
+	}
+	if bd, ok := drv.(driver.DeferredBeginner[TTx]); ok {
+		p.beginLater = bd
 	}
 	for i, h := range cfg.Hooks {
 		o, isOutcome := h.(HookOutcome)
