@@ -18,7 +18,9 @@ import (
 // (strict order: GapFail, GapWait) or below From (AllowGap: latest state
 // wins). A missing row counts as last sequence 0.
 type RowGuard struct {
-	// AggregateID is the messages' aggregate ID, as they carry it.
+	// AggregateID names the aggregate's row: the messages' AggregateID,
+	// after Ordering.Normalize when one is set (messages whose IDs
+	// normalize alike share a row).
 	AggregateID string
 	// Msgs are the messages the write applies, in sequence order, no two
 	// with one sequence. Process hands over one. A batch hands over a run
@@ -179,7 +181,7 @@ func (p *Processor[TTx]) processInRow(ctx context.Context, callerTx *TTx, h *Han
 	if err != nil {
 		return OutcomeNone, err
 	}
-	g := &RowGuard{AggregateID: msg.AggregateID, Msgs: []*Message{msg}, AllowGap: h.Ordering.Gap == GapAllow}
+	g := &RowGuard{AggregateID: agg, Msgs: []*Message{msg}, AllowGap: h.Ordering.Gap == GapAllow}
 	var ws []RowWrite
 	if callerTx != nil {
 		if ws, err = writeRows(ctx, h, *callerTx, []*RowGuard{g}); err != nil {
@@ -331,7 +333,7 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 				}
 				run = append(run, i)
 			}
-			g := &RowGuard{AggregateID: msgs[run[0]].AggregateID, Msgs: make([]*Message, len(run)), AllowGap: allow}
+			g := &RowGuard{AggregateID: st.key, Msgs: make([]*Message, len(run)), AllowGap: allow}
 			for k, i := range run {
 				g.Msgs[k] = msgs[i]
 			}

@@ -43,6 +43,7 @@ func RunInRow[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"AllowLatestWins", testInRowAllow[TTx]},
 		{"WrongGuardNeverCommits", testInRowWrongGuard[TTx]},
 		{"ProcessTx", testInRowProcessTx[TTx]},
+		{"NormalizedIDsShareARow", testInRowNormalized[TTx]},
 		{"BatchRunsInSequenceOrder", testInRowBatch[TTx]},
 		{"BatchPerGuardWithoutSetBasedWrite", testInRowBatchPerGuard[TTx]},
 		{"ConcurrentShuffledStrictExactlyInOrder", func(t *testing.T, s *Store[TTx]) { testInRowConcurrent(t, s, min(aggs, 20), idem.GapFail) }},
@@ -452,4 +453,19 @@ func testInRowConcurrent[TTx any](t *testing.T, s *Store[TTx], aggs int, gap ide
 	if n := applied.Load(); n != int64(total) {
 		t.Fatalf("%d applied outcomes for %d sequences in the rows", n, total)
 	}
+}
+
+// testInRowNormalized checks that the guard names the row by the
+// normalized aggregate ID, alone and in a batch.
+func testInRowNormalized[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	p := newProc(t, s)
+	h := inRowHandler(s, &idem.Ordering{Normalize: idem.FoldAggregateID})
+	out, err := p.Process(ctx, h, seqEvent{"ACCT-1", 1}.msg())
+	wantOutcome(t, "ACCT-1/1", out, err, idem.Applied)
+	out, err = p.Process(ctx, h, seqEvent{" acct-1", 1}.msg())
+	wantOutcome(t, "' acct-1'/1", out, err, idem.Duplicate)
+	outs, err := p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"Acct-1", 3}, seqEvent{"acct-1", 2}))
+	wantOutcomes(t, "batch", outs, err, []idem.Outcome{idem.Applied, idem.Applied})
+	wantRows(t, s, map[string]Row{"acct-1": {chain(3), 3}})
 }
