@@ -44,6 +44,7 @@ func RunInRow[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"WrongGuardNeverCommits", testInRowWrongGuard[TTx]},
 		{"ProcessTx", testInRowProcessTx[TTx]},
 		{"NormalizedIDsShareARow", testInRowNormalized[TTx]},
+		{"ConsumerDeadLettersGapsAndReplaysThem", testInRowConsumer[TTx]},
 		{"BatchRunsInSequenceOrder", testInRowBatch[TTx]},
 		{"BatchPerGuardWithoutSetBasedWrite", testInRowBatchPerGuard[TTx]},
 		{"ConcurrentShuffledStrictExactlyInOrder", func(t *testing.T, s *Store[TTx]) { testInRowConcurrent(t, s, min(aggs, 20), idem.GapFail) }},
@@ -468,4 +469,36 @@ func testInRowNormalized[TTx any](t *testing.T, s *Store[TTx]) {
 	outs, err := p.ProcessBatch(ctx, h, seqMsgs(seqEvent{"Acct-1", 3}, seqEvent{"acct-1", 2}))
 	wantOutcomes(t, "batch", outs, err, []idem.Outcome{idem.Applied, idem.Applied})
 	wantRows(t, s, map[string]Row{"acct-1": {chain(3), 3}})
+}
+
+// testInRowConsumer runs an in-row handler under a Consumer: gaps under
+// GapFail are dead-lettered, a batch of deliveries applies in sequence
+// order, and a replay of the dead letters completes the aggregate.
+func testInRowConsumer[TTx any](t *testing.T, s *Store[TTx]) {
+	ctx := context.Background()
+	dl := deadLetterStore(t, s)
+	c := newConsumer(t, s, inRowHandler(s, &idem.Ordering{Gap: idem.GapFail}), dl, nil)
+	for _, q := range []int64{3, 2} { // before 1: final gaps, dead-lettered
+		if v := deliverTo(c, seqEvent{"a", q}.msg(), 1); !v.DeadLettered {
+			t.Fatalf("a/%d: %+v, want a dead letter", q, v)
+		}
+	}
+	if v := deliverTo(c, seqEvent{"a", 1}.msg(), 1); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("a/1: %+v, want applied", v)
+	}
+	vs := c.HandleDeliveries(ctx, []*idem.Delivery{{Msg: seqEvent{"b", 2}.msg(), Attempt: 1}, {Msg: seqEvent{"b", 1}.msg(), Attempt: 1}})
+	for i, v := range vs {
+		if !v.Ack || v.Outcome != idem.Applied {
+			t.Fatalf("batch delivery %d: %+v, want applied", i, v)
+		}
+	}
+	if n, err := idem.RequestReplay(ctx, dl, nil, "ops"); err != nil || n != 2 {
+		t.Fatalf("RequestReplay: %d, %v; want 2", n, err)
+	}
+	res, err := c.Replay(ctx)
+	if err != nil || res.Replayed != 2 || res.Parked != 0 {
+		t.Fatalf("replay: %+v, %v; want both replayed", res, err)
+	}
+	wantRows(t, s, map[string]Row{"a": {chain(3), 3}, "b": {chain(2), 2}})
+	wantNoMarkers(t, s, "inrow")
 }
