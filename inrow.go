@@ -195,7 +195,7 @@ func (p *Processor[TTx]) processInRow(ctx context.Context, callerTx *TTx, h *Han
 		// from ProcessTx with a separate guard: see SightGap.
 		return out, err
 	}
-	tx, err := p.beginInRow(ctx)
+	tx, err := p.beginDeferred(ctx)
 	if err != nil {
 		return OutcomeNone, err
 	}
@@ -221,10 +221,11 @@ func (p *Processor[TTx]) processInRow(ctx context.Context, callerTx *TTx, h *Han
 	return Applied, nil
 }
 
-// beginInRow opens the transaction of an in-row handler: with the
-// driver's deferred BEGIN when it has one, since the handler's write is
-// the first statement.
-func (p *Processor[TTx]) beginInRow(ctx context.Context) (TTx, error) {
+// beginDeferred opens a transaction whose first statement needs no
+// round trip of its own before it (an in-row handler's write, a
+// version-only batch's guard): with the driver's deferred BEGIN when it
+// has one.
+func (p *Processor[TTx]) beginDeferred(ctx context.Context) (TTx, error) {
 	var (
 		tx  TTx
 		err error
@@ -291,7 +292,7 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 		tx = *callerTx
 	} else {
 		var err error
-		if tx, err = p.beginInRow(ctx); err != nil {
+		if tx, err = p.beginDeferred(ctx); err != nil {
 			return nil, nil, err
 		}
 	}

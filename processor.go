@@ -760,8 +760,9 @@ func (p *Processor[TTx]) processBatchVersionOnly(ctx context.Context, callerTx *
 		tx = *callerTx
 	} else {
 		var err error
-		if tx, err = p.drv.Begin(ctx); err != nil {
-			return nil, nil, fmt.Errorf("idem: begin: %w", err)
+		// The guard's statement is the first: BEGIN can go with it.
+		if tx, err = p.beginDeferred(ctx); err != nil {
+			return nil, nil, err
 		}
 	}
 	all := make([]int, len(msgs))
