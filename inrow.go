@@ -244,11 +244,11 @@ func (p *Processor[TTx]) beginDeferred(ctx context.Context) (TTx, error) {
 // rowState is what a batch knows of one aggregate's row.
 type rowState struct {
 	key     string
-	pending []int // messages not decided yet, by sequence, then batch order
+	all     []int // the aggregate's messages, by sequence, then batch order
+	pending []int // those not decided yet
 	last    int64 // the row's last sequence, when known
 	known   bool
-	blocked error   // the gap (or guard error) that holds the aggregate
-	applied []int64 // the sequences this batch applied
+	blocked error // the gap (or guard error) that holds the aggregate
 }
 
 // processBatchInRow is processBatch for an in-row handler. The handler's
@@ -261,31 +261,37 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 	if err := p.checkInRow(h); err != nil {
 		return nil, nil, err
 	}
-	byKey := make(map[string]*rowState)
+	keys := make([]string, len(msgs))
+	order := make([]int, len(msgs))
 	for i, m := range msgs {
 		agg, err := inRowKey(h, m)
 		if err != nil {
 			return nil, nil, fmt.Errorf("idem: batch message %d: %w", i, err)
 		}
-		st := byKey[agg]
-		if st == nil {
-			st = &rowState{key: agg}
-			byKey[agg] = st
+		keys[i], order[i] = agg, i
+	}
+	// One order for all batches, so that set-based writes lock rows in
+	// it; each aggregate's messages by sequence, and one sequence twice:
+	// the first delivered applies.
+	slices.SortFunc(order, func(a, b int) int {
+		if c := strings.Compare(keys[a], keys[b]); c != 0 {
+			return c
 		}
-		st.pending = append(st.pending, i)
+		if c := cmp.Compare(msgs[a].Seq, msgs[b].Seq); c != 0 {
+			return c
+		}
+		return cmp.Compare(a, b)
+	})
+	pending := slices.Clone(order) // cut into each aggregate's pending
+	var rows []rowState
+	for lo := 0; lo < len(order); {
+		hi := lo + 1
+		for hi < len(order) && keys[order[hi]] == keys[order[lo]] {
+			hi++
+		}
+		rows = append(rows, rowState{key: keys[order[lo]], all: order[lo:hi:hi], pending: pending[lo:hi:hi]})
+		lo = hi
 	}
-	rows := make([]*rowState, 0, len(byKey))
-	for _, st := range byKey {
-		slices.SortFunc(st.pending, func(a, b int) int {
-			if c := cmp.Compare(msgs[a].Seq, msgs[b].Seq); c != 0 {
-				return c
-			}
-			return cmp.Compare(a, b) // one sequence twice: the first delivered applies
-		})
-		rows = append(rows, st)
-	}
-	// One order for all batches, so that set-based writes lock rows in it.
-	slices.SortFunc(rows, func(a, b *rowState) int { return strings.Compare(a.key, b.key) })
 
 	var tx TTx
 	if owned {
@@ -313,35 +319,43 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 	allow := h.Ordering.Gap == GapAllow
 	applied := 0
 	for {
+		// This round's guards, their messages (indexes into msgs, and
+		// the messages), and the aggregate of each.
 		var (
-			gs   []*RowGuard
-			runs [][]int // the messages of each guard
-			of   []*rowState
+			guards []RowGuard
+			gs     []*RowGuard
+			runs   = make([]int, 0, len(msgs))
+			gmsgs  = make([]*Message, 0, len(msgs))
+			ends   []int // where each guard's run ends in runs
+			of     []*rowState
 		)
-		for _, st := range rows {
+		for r := range rows {
+			st := &rows[r]
 			p.settleRow(h, st, msgs, outs, setErr)
 			if len(st.pending) == 0 {
 				continue
 			}
-			run := []int{st.pending[0]}
+			first := len(runs)
+			runs, gmsgs = append(runs, st.pending[0]), append(gmsgs, msgs[st.pending[0]])
 			for _, i := range st.pending[1:] {
-				prev := msgs[run[len(run)-1]].Seq
+				prev := msgs[runs[len(runs)-1]].Seq
 				if msgs[i].Seq == prev {
 					continue // a second message with one sequence: decided once the first is
 				}
 				if !admits(msgs[i].Seq, prev, allow) {
 					break
 				}
-				run = append(run, i)
+				runs, gmsgs = append(runs, i), append(gmsgs, msgs[i])
 			}
-			g := &RowGuard{AggregateID: st.key, Msgs: make([]*Message, len(run)), AllowGap: allow}
-			for k, i := range run {
-				g.Msgs[k] = msgs[i]
-			}
-			gs, runs, of = append(gs, g), append(runs, run), append(of, st)
+			guards = append(guards, RowGuard{AggregateID: st.key, Msgs: gmsgs[first:len(gmsgs):len(gmsgs)], AllowGap: allow})
+			ends, of = append(ends, len(runs)), append(of, st)
 		}
-		if len(gs) == 0 {
+		if len(guards) == 0 {
 			break
+		}
+		gs = make([]*RowGuard, len(guards))
+		for k := range guards {
+			gs[k] = &guards[k]
 		}
 		var ws []RowWrite
 		call := func() error {
@@ -359,9 +373,8 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 			return fail(err)
 		}
 		for k, st := range of {
-			run := runs[k]
+			run := runs[ends[k]-len(guards[k].Msgs) : ends[k]]
 			proceed, _, err := p.classifyRow(h, st.key, msgs[run[0]].Seq, ws[k])
-			var ge *RowGuardError
 			switch {
 			case proceed:
 				for _, i := range run {
@@ -370,10 +383,7 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 				applied += len(run)
 				st.pending = slices.DeleteFunc(st.pending, func(i int) bool { return outs[i] == Applied })
 				st.last, st.known = gs[k].To(), true
-				for _, m := range gs[k].Msgs {
-					st.applied = append(st.applied, m.Seq)
-				}
-			case errors.As(err, &ge) && ge.Final:
+			case err != nil && IsPermanent(err) && errors.Is(err, ErrRowGuard):
 				// Written out of order: nothing of the batch may commit.
 				return fail(err)
 			case err != nil && !errors.Is(err, ErrGap):
@@ -413,7 +423,7 @@ func (p *Processor[TTx]) settleRow(h *Handler[TTx], st *rowState, msgs []*Messag
 			setErr(i, st.blocked)
 		case !st.known || admits(seq, st.last, o.Gap == GapAllow):
 			return
-		case seq == st.last || slices.Contains(st.applied, seq):
+		case seq == st.last || appliedSeq(st, msgs, outs, seq):
 			// The last applied sequence again, or one this batch applied
 			// under another copy.
 			outs[i] = Duplicate
@@ -426,4 +436,15 @@ func (p *Processor[TTx]) settleRow(h *Handler[TTx], st *rowState, msgs []*Messag
 		}
 		st.pending = st.pending[1:]
 	}
+}
+
+// appliedSeq reports whether this batch applied a message of st with
+// sequence seq.
+func appliedSeq(st *rowState, msgs []*Message, outs []Outcome, seq int64) bool {
+	for _, i := range st.all {
+		if msgs[i].Seq == seq && outs[i] == Applied {
+			return true
+		}
+	}
+	return false
 }
