@@ -151,8 +151,8 @@ func Permanent(err error) error {
 
 // IsPermanent reports whether err is non-retriable: it wraps a
 // *PermanentError, a *ValidationError, a *ConflictError, an
-// *UnknownTypeError or a final *GapError. Every other error is treated as
-// retriable.
+// *UnknownTypeError, a final *GapError or a final *RowGuardError. Every
+// other error is treated as retriable.
 func IsPermanent(err error) bool {
 	var (
 		pe *PermanentError
@@ -160,7 +160,8 @@ func IsPermanent(err error) bool {
 		ce *ConflictError
 		ue *UnknownTypeError
 		ge *GapError
+		re *RowGuardError
 	)
 	return errors.As(err, &pe) || errors.As(err, &ve) || errors.As(err, &ce) ||
-		errors.As(err, &ue) || (errors.As(err, &ge) && ge.Final)
+		errors.As(err, &ue) || (errors.As(err, &ge) && ge.Final) || (errors.As(err, &re) && re.Final)
 }

@@ -55,8 +55,29 @@ type Handler[TTx any] struct {
 	// Ordering, when set, turns on the per-aggregate ordering guard (and
 	// optionally version-only dedup); see Ordering. It needs a driver that
 	// implements driver.SequenceGuard (and, for batches outside
-	// version-only mode, driver.MarkerDeleter).
+	// version-only mode, driver.MarkerDeleter). With ApplyInRow it only
+	// holds the gap policy (and Normalize): the guard is the handler's row.
 	Ordering *Ordering
+
+	// ApplyInRow, instead of Apply, makes the handler's own row the
+	// ordering guard and the dedup (the in-row guard): the projection's
+	// row holds the aggregate's last applied sequence, and the handler's
+	// write carries the condition g states. It reports what the write
+	// found (RowWrite), and idem decides Applied, Stale, Duplicate or a
+	// gap under Ordering's gap policy, as the separate guard would. idem
+	// writes no row of its own: no marker, no sequence row. Every message
+	// must carry AggregateID and Seq, and Ordering must be set. When the
+	// write did not advance, write nothing else: under Process idem rolls
+	// back, under ProcessTx the caller's transaction commits what the
+	// handler wrote. See docs/ordering.md.
+	ApplyInRow func(ctx context.Context, tx TTx, g *RowGuard) (RowWrite, error)
+	// ApplyInRowBatch is ApplyInRow for a batch: one guard per aggregate,
+	// in byte order of the aggregate keys (lock rows in that order), so
+	// one set-based statement can write them all and report per guard
+	// (RETURNING) whether it advanced. It returns one RowWrite per guard,
+	// in order. When nil, batches call ApplyInRow per guard; when only
+	// ApplyInRowBatch is set, Process calls it with one guard.
+	ApplyInRowBatch func(ctx context.Context, tx TTx, gs []*RowGuard) ([]RowWrite, error)
 }
 
 // name is h's name, or "" for a nil handler (reported as such to hooks
@@ -88,6 +109,7 @@ type Processor[TTx any] struct {
 	seq         driver.SequenceGuard[TTx]
 	seqBatch    driver.SequenceBatchStore[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
+	beginLater  driver.DeferredBeginner[TTx]
 	logger      *slog.Logger
 	logs        *lograte.Limiter // summarizes repeated failure lines
 	onOutcome   []HookOutcome
@@ -124,6 +146,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if bs, ok := drv.(driver.BeginSequenceAdvancer[TTx]); ok {
 		p.beginSeq = bs
+	}
+	if bd, ok := drv.(driver.DeferredBeginner[TTx]); ok {
+		p.beginLater = bd
 	}
 	for i, h := range cfg.Hooks {
 		o, isOutcome := h.(HookOutcome)
@@ -188,6 +213,9 @@ func (p *Processor[TTx]) process(ctx context.Context, h *Handler[TTx], msg *Mess
 	}
 	if err := msg.Validate(); err != nil {
 		return OutcomeNone, err
+	}
+	if h.inRow() {
+		return p.processInRow(ctx, nil, h, msg)
 	}
 	agg, guarded, err := p.guardKey(h, msg)
 	if err != nil {
@@ -291,6 +319,9 @@ func (p *Processor[TTx]) processTx(ctx context.Context, tx TTx, h *Handler[TTx],
 	}
 	if err := msg.Validate(); err != nil {
 		return OutcomeNone, err
+	}
+	if h.inRow() {
+		return p.processInRow(ctx, &tx, h, msg)
 	}
 	agg, guarded, err := p.guardKey(h, msg)
 	if err != nil {
@@ -586,6 +617,9 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 			return nil, nil, fmt.Errorf("idem: batch message %d: %w", i, err)
 		}
 	}
+	if h.inRow() {
+		return p.processBatchInRow(ctx, callerTx, owned, h, msgs)
+	}
 	g, err := p.newBatchGuard(h, msgs)
 	if err != nil {
 		return nil, nil, err
@@ -743,8 +777,9 @@ func (p *Processor[TTx]) processBatchVersionOnly(ctx context.Context, callerTx *
 		tx = *callerTx
 	} else {
 		var err error
-		if tx, err = p.drv.Begin(ctx); err != nil {
-			return nil, nil, fmt.Errorf("idem: begin: %w", err)
+		// The guard's statement is the first: BEGIN can go with it.
+		if tx, err = p.beginDeferred(ctx); err != nil {
+			return nil, nil, err
 		}
 	}
 	all := make([]int, len(msgs))
@@ -820,8 +855,8 @@ func checkHandler[TTx any](h *Handler[TTx]) error {
 	if err := ValidateHandlerName(h.Name); err != nil {
 		return err
 	}
-	if h.Apply == nil && h.ApplyBatch == nil {
-		return fmt.Errorf("%w: handler %q has neither Apply nor ApplyBatch", ErrInvalidConfig, h.Name)
+	if h.Apply == nil && h.ApplyBatch == nil && !h.inRow() {
+		return fmt.Errorf("%w: handler %q has neither Apply nor ApplyBatch (nor ApplyInRow)", ErrInvalidConfig, h.Name)
 	}
 	return nil
 }

@@ -64,6 +64,17 @@ type BeginMarkerManyInserter[TTx any] interface {
 	BeginMarkerInsertMany(ctx context.Context, p *MarkerInsertManyParams) (TTx, []MarkerInsertResult, error)
 }
 
+// DeferredBeginner is an optional fast path for transactions whose first
+// statement has nothing to wait for (an in-row handler's own write, a
+// version-only batch's guard): open a transaction whose BEGIN travels
+// with its first statement rather than in a round trip of its own.
+// Committing or rolling back a transaction that ran no statement must
+// succeed without touching the store. The core uses it for those
+// transactions when a driver implements it.
+type DeferredBeginner[TTx any] interface {
+	BeginDeferred(ctx context.Context) (TTx, error)
+}
+
 // MarkerDeleter removes markers inside a transaction. The core needs it for
 // batches of a handler with an ordering guard: a batch inserts its markers
 // first, and a message the guard then refuses (stale, or behind a gap)

@@ -54,8 +54,22 @@ type Store[TTx any] struct {
 	// RunOrdering.
 	States func(ctx context.Context) (map[string]string, error)
 	// Markers counts the marker rows stored for a handler. Required by
-	// RunOrdering (version-only mode must write none).
+	// RunOrdering (version-only mode must write none) and RunInRow.
 	Markers func(ctx context.Context, handler string) (int, error)
+
+	// RowAppend is an in-row handler's guarded write (see
+	// idem.Handler.ApplyInRow): it appends value to the aggregate's row,
+	// which also holds the aggregate's last applied sequence, moves that
+	// to g.To(), and does both only if g admits the row's last sequence
+	// (a missing row counts as 0). It reports what it found. Required by
+	// RunInRow.
+	RowAppend func(ctx context.Context, tx TTx, g *idem.RowGuard, value string) (idem.RowWrite, error)
+	// RowAppendMany is RowAppend for several aggregates (unique, in byte
+	// order) with one set-based write, values parallel to gs. Optional.
+	RowAppendMany func(ctx context.Context, tx TTx, gs []*idem.RowGuard, values []string) ([]idem.RowWrite, error)
+	// Rows reads every in-row aggregate's committed row. Required by
+	// RunInRow.
+	Rows func(ctx context.Context) (map[string]Row, error)
 }
 
 // Harness tells the suite how to get a Store.

@@ -118,28 +118,46 @@ func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvan
 	return driver.SequenceAdvanceResult{Last: last}, nil
 }
 
-// SequenceLockMany implements driver.SequenceBatchStore with one upsert on
-// the primary key (so no plan depends on statistics) whose conflict branch
-// changes nothing: it still locks the row, and a concurrent creator of a
-// missing row waits for ours or we for it. The ORDER BY states the lock
-// order.
+// SequenceLockMany implements driver.SequenceBatchStore in one round trip
+// of two statements, neither of which rewrites an existing row. The first
+// inserts the rows that are missing (ON CONFLICT DO NOTHING: an existing
+// row is only probed in the index; a row another transaction is creating
+// is waited for). The second locks and reads every row with SELECT … FOR
+// UPDATE. Both go in byte order of the aggregate IDs. A transaction that
+// waits on another's new row is still inserting, so it holds no row lock
+// of this call yet; one that waits on a row lock is past its inserts, so
+// nobody waits on it for an insert. Concurrent batches queue instead of
+// deadlocking.
 func (d *Driver) SequenceLockMany(ctx context.Context, tx Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
-	rows, err := tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq)
+	b := &pgx.Batch{}
+	b.Queue(`INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq)
 SELECT $1, a, 0 FROM unnest($2::text[]) AS a ORDER BY a COLLATE "C"
-ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = s.last_seq
-RETURNING aggregate_id, last_seq`, p.Handler, p.AggregateIDs)
-	if err != nil {
-		return nil, err
-	}
+ON CONFLICT (handler, aggregate_id) DO NOTHING`, p.Handler, p.AggregateIDs)
+	// One index lookup per aggregate, in the sorted order, whatever the
+	// statistics say: a plan that scans the whole table would read every
+	// dead row version the updates leave behind.
+	b.Queue(`SELECT u.a, s.last_seq FROM (SELECT a FROM unnest($2::text[]) AS a ORDER BY a COLLATE "C") AS u,
+LATERAL (SELECT last_seq FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate_id = u.a FOR UPDATE) AS s`, p.Handler, p.AggregateIDs)
+	br := tx.SendBatch(ctx, b)
 	last := make(map[string]int64, len(p.AggregateIDs))
-	var (
-		agg string
-		seq int64
-	)
-	if _, err := pgx.ForEachRow(rows, []any{&agg, &seq}, func() error {
-		last[agg] = seq
-		return nil
-	}); err != nil {
+	_, err := br.Exec()
+	if err == nil {
+		var rows pgx.Rows
+		if rows, err = br.Query(); err == nil {
+			var (
+				agg string
+				seq int64
+			)
+			_, err = pgx.ForEachRow(rows, []any{&agg, &seq}, func() error {
+				last[agg] = seq
+				return nil
+			})
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return nil, err
 	}
 	out := make([]int64, len(p.AggregateIDs))
@@ -154,7 +172,10 @@ RETURNING aggregate_id, last_seq`, p.Handler, p.AggregateIDs)
 }
 
 // SequenceSetMany implements driver.SequenceBatchStore with one upsert on
-// the primary key; the rows are locked by this transaction already.
+// the primary key, so that every row is found through the index (an
+// UPDATE joined to the pairs may be planned as a scan of the whole
+// table); SequenceLockMany created and locked the rows in this
+// transaction already.
 func (d *Driver) SequenceSetMany(ctx context.Context, tx Tx, p *driver.SequenceSetManyParams) error {
 	_, err := tx.Exec(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq)
 SELECT $1, u.a, u.l FROM unnest($2::text[], $3::bigint[]) AS u(a, l)

@@ -319,29 +319,78 @@ func readCommitted() pgx.TxOptions { return pgx.TxOptions{IsoLevel: pgx.ReadComm
 // which pgx.Tx cannot represent.
 type connTx struct {
 	c *pgxpool.Conn
+	// deferred: BEGIN has not been sent yet, and goes with the first
+	// statement (see BeginDeferred). beginErr is a deferred BEGIN's
+	// failure where no statement could report it (Conn).
+	deferred bool
+	beginErr error
 }
 
 func (t *connTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	return t.c.Exec(ctx, sql, args...)
+	if !t.deferred {
+		return t.c.Exec(ctx, sql, args...)
+	}
+	br, err := t.one(ctx, sql, args)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tag, err
 }
 
 func (t *connTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	return t.c.Query(ctx, sql, args...)
+	if !t.deferred {
+		return t.c.Query(ctx, sql, args...)
+	}
+	br, err := t.one(ctx, sql, args)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := br.Query()
+	if err != nil {
+		_ = br.Close()
+		return nil, err
+	}
+	return &batchRows{Rows: rows, br: br}, nil
 }
 
 func (t *connTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	return t.c.QueryRow(ctx, sql, args...)
+	if !t.deferred {
+		return t.c.QueryRow(ctx, sql, args...)
+	}
+	br, err := t.one(ctx, sql, args)
+	if err != nil {
+		return errRow{err}
+	}
+	return &batchRow{row: br.QueryRow(), br: br}
 }
 
 func (t *connTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	return t.c.SendBatch(ctx, b)
+	b, begun := t.withBegin(b)
+	br := t.c.SendBatch(ctx, b)
+	if begun {
+		return &skipBegin{BatchResults: br}
+	}
+	return br
 }
 
 func (t *connTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
+	if err := t.begin(ctx); err != nil {
+		return 0, err
+	}
 	return t.c.CopyFrom(ctx, table, columns, src)
 }
 
-func (t *connTx) Conn() *pgx.Conn { return t.c.Conn() }
+// Conn returns the connection, with the transaction begun on it.
+func (t *connTx) Conn() *pgx.Conn {
+	if err := t.begin(context.Background()); err != nil && t.beginErr == nil {
+		t.beginErr = err
+	}
+	return t.c.Conn()
+}
 
 // end finishes the transaction with sql ("commit" or "rollback") and returns
 // the connection to the pool. A connection left inside a transaction (after
@@ -349,6 +398,15 @@ func (t *connTx) Conn() *pgx.Conn { return t.c.Conn() }
 func (t *connTx) end(ctx context.Context, sql string) (pgconn.CommandTag, error) {
 	if t.c == nil {
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
+	if t.deferred {
+		// Nothing ran: there is nothing to end.
+		t.c.Release()
+		t.c = nil
+		return pgconn.NewCommandTag(strings.ToUpper(sql)), nil
+	}
+	if t.beginErr != nil {
+		sql = "rollback"
 	}
 	tag, err := t.c.Exec(ctx, sql)
 	t.c.Release()
@@ -578,9 +636,13 @@ func (d *Driver) Commit(ctx context.Context, tx Tx) error {
 		}
 		return fmt.Errorf("postgres: Commit of a %T not begun by this driver", tx)
 	}
+	beginErr := ct.beginErr
 	tag, err := ct.end(ctx, "commit")
 	if err != nil {
 		return err
+	}
+	if beginErr != nil {
+		return fmt.Errorf("postgres: begin: %w", beginErr)
 	}
 	if tag.String() == "ROLLBACK" {
 		return ErrCommitRolledBack

@@ -54,6 +54,16 @@ Cases:
                batch-1000 deduped by each account's sequence alone: the
                batch's accounts' sequences are read and advanced with one
                statement each, and no marker row is written
+  version-in-row
+               one event per transaction with the in-row guard
+               (Handler.ApplyInRow): the balance row holds the account's
+               last sequence and its upsert carries the guard; the plain
+               variant runs the same guarded writes, so the ratio is what
+               idem adds (it writes no row of its own)
+  batch-1000-version-in-row
+               1,000 events per transaction with the in-row guard: one
+               locked read of the batch's rows and one set-based guarded
+               write, in both variants
   per-message-vs-hand, batch-1000-per-event-vs-hand
                idem against the dedupe teams write by hand instead of
                against no dedupe: the baseline ("plain") inserts the ID

@@ -231,6 +231,9 @@ type Case struct {
 	// plain transaction (see HandRolled); batches then apply one upsert
 	// per event on both sides.
 	VsHand bool
+	// InRow runs both variants with the in-row guard (see InRow): the
+	// balance row holds the account's sequence and its upsert the guard.
+	InRow bool
 }
 
 // Cases returns the standard cases in the order they run.
@@ -243,17 +246,21 @@ func Cases() []Case {
 		{Name: "batch-1000", BatchSize: 1000},
 		{Name: "batch-1000-per-event", BatchSize: 1000, PerEvent: true},
 		{Name: "batch-1000-version-only", BatchSize: 1000, VersionOnly: true},
+		{Name: "version-in-row", InRow: true},
+		{Name: "batch-1000-version-in-row", BatchSize: 1000, InRow: true},
 		{Name: "per-message-vs-hand", VsHand: true},
 		{Name: "batch-1000-per-event-vs-hand", BatchSize: 1000, VsHand: true},
 	}
 }
 
 // Target returns t adapted to the case: t itself, or t in version-only,
-// per-event, ordered or hand-rolled mode.
+// per-event, ordered, hand-rolled or in-row mode.
 func (c Case) Target(t Target) (Target, error) {
 	switch {
 	case c.VsHand:
 		return HandRolled(t)
+	case c.InRow:
+		return InRow(t)
 	case c.VersionOnly:
 		return VersionOnly(t)
 	case c.PerEvent:

@@ -33,6 +33,11 @@ type PostgresTarget struct {
 	upsertMany string
 	handOne    string
 	handMany   string
+	// The in-row guard's statements and handler; see setupInRow.
+	rowLock, rowUpsert                        string
+	rowLockMany, rowUpsertMany, rowInsertMany string
+	inRowProc                                 *idem.Processor[postgres.Tx]
+	inRowH                                    *idem.Handler[postgres.Tx]
 }
 
 // OpenPostgres migrates idem into opts.Schema and creates the balances
@@ -101,7 +106,7 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 		},
 	}
 	t.idemVariants = newIdemVariants(proc, h)
-	return nil
+	return t.setupInRow(ctx, proc)
 }
 
 // Name returns "postgres", or "postgres-conflict-aware" with
@@ -255,4 +260,158 @@ func (t *PostgresTarget) HandBatchPerEvent(ctx context.Context, msgs []*idem.Mes
 		}
 		return nil
 	})
+}
+
+// setupInRow creates the in-row balances table, whose rows hold each
+// account's last applied sequence, and its handler.
+func (t *PostgresTarget) setupInRow(ctx context.Context, proc *idem.Processor[postgres.Tx]) error {
+	table := sqlident.Qualified(t.schema, TablePrefix+"balances_in_row")
+	if _, err := t.pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+table+
+		` (account text PRIMARY KEY, amount bigint NOT NULL, last_seq bigint NOT NULL)`); err != nil {
+		return fmt.Errorf("bench: create in-row balances table: %w", err)
+	}
+	t.rowLock = `SELECT last_seq FROM ` + table + ` WHERE account = $1 FOR UPDATE`
+	t.rowUpsert = `INSERT INTO ` + table + ` AS b (account, amount, last_seq) VALUES ($1, $2, $3)
+ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount, last_seq = excluded.last_seq
+WHERE b.last_seq < $4`
+	t.rowLockMany = `SELECT u.a, s.last_seq FROM unnest($1::text[]) WITH ORDINALITY AS u(a, n),
+LATERAL (SELECT last_seq FROM ` + table + ` WHERE account = u.a FOR UPDATE) AS s`
+	t.rowUpsertMany = `INSERT INTO ` + table + ` AS b (account, amount, last_seq)
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[])
+ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount, last_seq = excluded.last_seq
+WHERE b.last_seq < excluded.last_seq
+RETURNING account`
+	t.rowInsertMany = `INSERT INTO ` + table + ` (account, amount, last_seq)
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[])
+ON CONFLICT DO NOTHING RETURNING account`
+	t.inRowProc, t.inRowH = proc, inRowHandler(t.writeRows)
+	return nil
+}
+
+// writeRows is the in-row handler's guarded write, as a user would write
+// it. One guard: the locked read of the row's sequence and the guarded
+// upsert in one round trip. Several: the locked read of every row (one
+// index lookup each, in the guards' order), then one upsert of the
+// admitted rows that exist and one insert of those that did not, each
+// returning the accounts it advanced.
+func (t *PostgresTarget) writeRows(ctx context.Context, tx postgres.Tx, gs []*idem.RowGuard) ([]idem.RowWrite, error) {
+	ws := make([]idem.RowWrite, len(gs))
+	if len(gs) == 1 {
+		g := gs[0]
+		amount, err := guardAmount(g)
+		if err != nil {
+			return nil, err
+		}
+		b := &pgx.Batch{}
+		b.Queue(t.rowLock, g.AggregateID)
+		b.Queue(t.rowUpsert, g.AggregateID, amount, g.To(), g.From())
+		br := tx.SendBatch(ctx, b)
+		err = br.QueryRow().Scan(&ws[0].Prev)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+		if err == nil {
+			tag, eerr := br.Exec()
+			err, ws[0].Advanced = eerr, tag.RowsAffected() == 1
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return nil, fmt.Errorf("bench: guarded upsert: %w", err)
+		}
+		return ws, nil
+	}
+	accounts := make([]string, len(gs))
+	for i, g := range gs {
+		accounts[i] = g.AggregateID
+	}
+	rows, err := tx.Query(ctx, t.rowLockMany, accounts)
+	if err != nil {
+		return nil, fmt.Errorf("bench: lock in-row balances: %w", err)
+	}
+	last := make(map[string]int64, len(gs))
+	var (
+		a string
+		n int64
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&a, &n}, func() error { last[a] = n; return nil }); err != nil {
+		return nil, fmt.Errorf("bench: lock in-row balances: %w", err)
+	}
+	type write struct {
+		accounts      []string
+		amounts, seqs []int64
+	}
+	var upd, ins write
+	for i, g := range gs {
+		prev, found := last[g.AggregateID]
+		ws[i].Prev = prev
+		if !g.Admits(prev) {
+			continue
+		}
+		amount, err := guardAmount(g)
+		if err != nil {
+			return nil, err
+		}
+		w := &ins
+		if found {
+			w = &upd
+		}
+		w.accounts, w.amounts, w.seqs = append(w.accounts, g.AggregateID), append(w.amounts, amount), append(w.seqs, g.To())
+	}
+	advanced := make(map[string]bool, len(gs))
+	for _, s := range []struct {
+		sql string
+		w   *write
+	}{{t.rowUpsertMany, &upd}, {t.rowInsertMany, &ins}} {
+		if len(s.w.accounts) == 0 {
+			continue
+		}
+		rows, err := tx.Query(ctx, s.sql, s.w.accounts, s.w.amounts, s.w.seqs)
+		if err == nil {
+			_, err = pgx.ForEachRow(rows, []any{&a}, func() error { advanced[a] = true; return nil })
+		}
+		if err != nil {
+			return nil, fmt.Errorf("bench: write in-row balances: %w", err)
+		}
+	}
+	for i, g := range gs {
+		ws[i].Advanced = advanced[g.AggregateID]
+	}
+	return ws, nil
+}
+
+// PlainOneInRow implements InRowTarget.
+func (t *PostgresTarget) PlainOneInRow(ctx context.Context, msg *idem.Message) error {
+	return t.inTx(ctx, func(tx pgx.Tx) error {
+		gs := oneGuard(msg)
+		ws, err := t.writeRows(ctx, tx, gs)
+		if err != nil {
+			return err
+		}
+		return checkAdvanced(gs, ws)
+	})
+}
+
+// PlainBatchInRow implements InRowTarget.
+func (t *PostgresTarget) PlainBatchInRow(ctx context.Context, msgs []*idem.Message) error {
+	return t.inTx(ctx, func(tx pgx.Tx) error {
+		gs := rowGuards(msgs)
+		ws, err := t.writeRows(ctx, tx, gs)
+		if err != nil {
+			return err
+		}
+		return checkAdvanced(gs, ws)
+	})
+}
+
+// IdemOneInRow implements InRowTarget.
+func (t *PostgresTarget) IdemOneInRow(ctx context.Context, msg *idem.Message) error {
+	out, err := t.inRowProc.Process(ctx, t.inRowH, msg)
+	return checkApplied1(msg, out, err)
+}
+
+// IdemBatchInRow implements InRowTarget.
+func (t *PostgresTarget) IdemBatchInRow(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.inRowProc, t.inRowH, msgs)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/redis/go-redis/v9"
 
@@ -20,6 +21,8 @@ type RedisTarget struct {
 	balances string
 	idemVariants[*redisstore.Tx]
 	handScript *redis.Script
+	inRowProc  *idem.Processor[*redisstore.Tx]
+	inRowH     *idem.Handler[*redisstore.Tx]
 }
 
 // handScript is the hand-rolled dedupe on Redis: the ID's key set if
@@ -65,6 +68,14 @@ func OpenRedis(ctx context.Context, client *redis.Client, prefix string) (*Redis
 		},
 	}
 	t.idemVariants = newIdemVariants(proc, h)
+	t.inRowProc = proc
+	t.inRowH = inRowHandler(func(ctx context.Context, tx *redisstore.Tx, gs []*idem.RowGuard) ([]idem.RowWrite, error) {
+		keys := t.rowSeqKeys(gs)
+		if err := tx.Watch(ctx, keys...); err != nil {
+			return nil, err
+		}
+		return t.writeRows(ctx, tx.Conn(), tx.Queue(), keys, gs)
+	})
 	return t, nil
 }
 
@@ -223,4 +234,89 @@ func (t *RedisTarget) HandBatchPerEvent(ctx context.Context, msgs []*idem.Messag
 		}
 	}
 	return nil
+}
+
+// rowBalances is the in-row balances hash. Each account's last applied
+// sequence has a key of its own (rowSeqKey), so that a WATCH covers only
+// the accounts a transaction writes.
+func (t *RedisTarget) rowBalances() string { return t.prefix + "balances_in_row" }
+
+func (t *RedisTarget) rowSeqKey(account string) string { return t.prefix + "in_row_seq:" + account }
+
+// rowSeqKeys returns the sequence keys of gs's accounts.
+func (t *RedisTarget) rowSeqKeys(gs []*idem.RowGuard) []string {
+	keys := make([]string, len(gs))
+	for i, g := range gs {
+		keys[i] = t.rowSeqKey(g.AggregateID)
+	}
+	return keys
+}
+
+// writeRows is the in-row handler's guarded write on Redis: read the
+// guards' sequences (WATCHed, keys), and queue the increments and the new
+// sequences of the admitted ones on q, to run in the transaction's
+// MULTI/EXEC. A concurrent change of a sequence aborts it.
+func (t *RedisTarget) writeRows(ctx context.Context, conn redis.Cmdable, q redis.Cmdable, keys []string, gs []*idem.RowGuard) ([]idem.RowWrite, error) {
+	vals, err := conn.MGet(ctx, keys...).Result()
+	if err != nil {
+		return nil, fmt.Errorf("bench: read sequences: %w", err)
+	}
+	ws := make([]idem.RowWrite, len(gs))
+	for i, g := range gs {
+		if v, ok := vals[i].(string); ok {
+			if ws[i].Prev, err = strconv.ParseInt(v, 10, 64); err != nil {
+				return nil, fmt.Errorf("bench: sequence of %q: %w", g.AggregateID, err)
+			}
+		}
+		if !g.Admits(ws[i].Prev) {
+			continue
+		}
+		amount, err := guardAmount(g)
+		if err != nil {
+			return nil, err
+		}
+		q.HIncrBy(ctx, t.rowBalances(), g.AggregateID, amount)
+		q.Set(ctx, keys[i], g.To(), 0)
+		ws[i].Advanced = true
+	}
+	return ws, nil
+}
+
+// plainInRow runs gs's guarded writes without idem: WATCH, read, then
+// MULTI/EXEC on one connection.
+func (t *RedisTarget) plainInRow(ctx context.Context, gs []*idem.RowGuard) error {
+	keys := t.rowSeqKeys(gs)
+	return t.client.Watch(ctx, func(rtx *redis.Tx) error {
+		var ws []idem.RowWrite
+		_, err := rtx.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			var err error
+			ws, err = t.writeRows(ctx, rtx, p, keys, gs)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("bench: exec: %w", err)
+		}
+		return checkAdvanced(gs, ws)
+	}, keys...)
+}
+
+// PlainOneInRow implements InRowTarget.
+func (t *RedisTarget) PlainOneInRow(ctx context.Context, msg *idem.Message) error {
+	return t.plainInRow(ctx, oneGuard(msg))
+}
+
+// PlainBatchInRow implements InRowTarget.
+func (t *RedisTarget) PlainBatchInRow(ctx context.Context, msgs []*idem.Message) error {
+	return t.plainInRow(ctx, rowGuards(msgs))
+}
+
+// IdemOneInRow implements InRowTarget.
+func (t *RedisTarget) IdemOneInRow(ctx context.Context, msg *idem.Message) error {
+	out, err := t.inRowProc.Process(ctx, t.inRowH, msg)
+	return checkApplied1(msg, out, err)
+}
+
+// IdemBatchInRow implements InRowTarget.
+func (t *RedisTarget) IdemBatchInRow(ctx context.Context, msgs []*idem.Message) error {
+	return processBatch(ctx, t.inRowProc, t.inRowH, msgs)
 }
