@@ -145,9 +145,11 @@ func TestMigrateOldMarkers(t *testing.T) {
 	storeIn(t, pool, schema)
 	ctx := context.Background()
 	q := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
-	// Back to the version before migration 011.
-	if _, err := pool.Exec(ctx, `DROP TABLE `+q("idem_markers")+`, `+q("idem_handlers")+`, `+q("idem_marker_layout")+`;
-DELETE FROM `+q("idem_migrations")+` WHERE version = 11`); err != nil {
+	// Back to the version before migrations 011 and 012.
+	if _, err := pool.Exec(ctx, `DROP TRIGGER `+pgx.Identifier{"idem_processed_mirror"}.Sanitize()+` ON `+q("idem_processed")+`;
+DROP FUNCTION `+q("idem_processed_mirror")+`();
+DROP TABLE `+q("idem_markers")+`, `+q("idem_handlers")+`, `+q("idem_marker_layout")+`;
+DELETE FROM `+q("idem_migrations")+` WHERE version IN (11, 12)`); err != nil {
 		t.Fatal(err)
 	}
 	// Old atomic markers as the driver before migration 011 wrote them; the first

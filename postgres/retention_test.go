@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -121,7 +122,7 @@ func TestPruneDriverKeysetCursor(t *testing.T) {
 	s := storeIn(t, pool, schema)
 	ctx := context.Background()
 	markers := pgx.Identifier{schema, "idem_processed"}.Sanitize()
-	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
+	if err := legacyExec(ctx, pool, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
 SELECT h, 'm-' || lpad(i::text, 3, '0'), '\x00'::bytea, now() - interval '30 days'
 FROM generate_series(1, 25) AS i, (VALUES ('a'), ('b')) AS hs(h)`); err != nil {
 		t.Fatal(err)
@@ -282,7 +283,7 @@ func TestPruneGoesByTheStoresClock(t *testing.T) {
 	}
 	markers := pgx.Identifier{schema, "idem_processed"}.Sanitize()
 	// A marker an hour short of the 7-day retention, by the server's clock.
-	if _, err := pool.Exec(ctx, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
+	if err := legacyExec(ctx, pool, `INSERT INTO `+markers+` (handler, message_id, payload_hash, processed_at)
 VALUES ('h', 'young', '\x00', now() - interval '7 days' + interval '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
@@ -320,4 +321,24 @@ VALUES ('h', 'young', '\x00', now() - interval '7 days' + interval '1 hour')`); 
 			t.Fatalf("%T: %+v, %v; want %d deleted before %v", c.drv, st, err, c.deleted, wantCut)
 		}
 	}
+}
+
+// legacyExec runs sql, which writes markers to the old table as an idem
+// from before migration 011 left them, without the trigger of migration
+// 012 (which mirrors such writes into the new table): data written
+// before the upgrade. The tests connect as a superuser, which
+// session_replication_role needs.
+func legacyExec(ctx context.Context, pool *pgxpool.Pool, sql string, args ...any) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, "SET LOCAL session_replication_role = replica"); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, sql, args...); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
 }

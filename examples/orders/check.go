@@ -207,7 +207,7 @@ func verifyRetention(ctx context.Context, pool *pgxpool.Pool, cfg *config, n int
 		return err
 	}
 	var markers, outboxRows int
-	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_processed), (SELECT count(*) FROM idem_outbox)`).Scan(&markers, &outboxRows); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_processed) + (SELECT count(*) FROM idem_markers), (SELECT count(*) FROM idem_outbox)`).Scan(&markers, &outboxRows); err != nil {
 		return err
 	}
 	if st.Deleted != 2*n || st.OutboxDeleted != n || markers != 0 || outboxRows != 0 {
@@ -411,7 +411,7 @@ func verifyOrders(ctx context.Context, pool *pgxpool.Pool, cfg *config, orders [
 		(SELECT count(*) FROM idem_outbox),
 		(SELECT count(*) FROM idem_outbox WHERE published_at IS NOT NULL),
 		(SELECT count(DISTINCT message_id) FROM idem_outbox),
-		(SELECT count(*) FROM idem_processed WHERE handler = $1),
+		(SELECT count(*) FROM idem_markers m JOIN idem_handlers h ON h.id = m.handler_id WHERE h.name = $1),
 		(SELECT count(*) FROM idem_dead_letters)`, totalsHandler).Scan(&ordersN, &outboxN, &published, &distinctIDs, &totalsMarkers, &deadLetters); err != nil {
 		return err
 	}

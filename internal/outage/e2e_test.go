@@ -498,7 +498,11 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 				return false
 			}
 		}
-		return relayC.acks() >= outboxRows
+		// Distinct messages: rows published but not marked before the
+		// outage go out again, and count twice in acks.
+		relayC.mu.Lock()
+		defer relayC.mu.Unlock()
+		return len(relayC.sent) >= outboxRows
 	})
 	cancel()
 	wg.Wait()
@@ -632,6 +636,7 @@ type component struct {
 
 	mu   sync.Mutex
 	recs []rec
+	sent map[string]bool // a relay's messages the broker acknowledged
 }
 
 type rec struct {
@@ -672,8 +677,14 @@ func (c *component) publisher(next outbox.Publisher) outbox.Publisher {
 		err := next.Publish(ctx, msgs)
 		c.mu.Lock()
 		defer c.mu.Unlock()
-		for range msgs {
+		if c.sent == nil {
+			c.sent = map[string]bool{}
+		}
+		for _, m := range msgs {
 			c.recs = append(c.recs, rec{in: in, out: time.Now(), ack: err == nil})
+			if err == nil {
+				c.sent[m.ID] = true
+			}
 		}
 		return err
 	})
