@@ -269,3 +269,18 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		}
 	}
 }
+
+// ready returns how many messages of the queue wait to be delivered.
+func (b *broker) ready(t testing.TB) int {
+	t.Helper()
+	ch, err := b.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(b.queue, true, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return q.Messages
+}
