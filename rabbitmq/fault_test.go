@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
+
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/adaptertest"
@@ -145,6 +147,29 @@ func TestTopologyRefusedEndsRun(t *testing.T) {
 		if !errors.Is(err, rabbitmq.ErrTopology) {
 			t.Fatalf("%s: Run returned %v, want ErrTopology", name, err)
 		}
+	}
+}
+
+// Wrong credentials end Run with ErrRefused; they would not get better by
+// connecting again.
+func TestWrongCredentialsEndRun(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, rabbitmq.QueueQuorum)
+	cfg := b.config(t, idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} }))
+	u, err := amqp.ParseURI(cfg.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Password = "not-the-password"
+	cfg.URL = u.String()
+	c, err := rabbitmq.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := c.Run(ctx); !errors.Is(err, rabbitmq.ErrRefused) {
+		t.Fatalf("Run with a wrong password returned %v, want ErrRefused", err)
 	}
 }
 

@@ -35,6 +35,12 @@ var ErrConsumerCancelled = errors.New("rabbitmq: the server cancelled the consum
 // (ACCESS_REFUSED). Reconnecting would not help.
 var ErrTopology = errors.New("rabbitmq: topology refused")
 
+// ErrRefused ends Run when the broker refuses the connection for good:
+// credentials, the SASL mechanism, or the virtual host (ACCESS_REFUSED
+// when connecting). A broker that cannot be reached is no such refusal:
+// Run keeps trying.
+var ErrRefused = errors.New("rabbitmq: connection refused by the broker")
+
 // Config configures a Consumer.
 type Config struct {
 	// URL is the broker's AMQP URI, for example
@@ -190,8 +196,8 @@ func New(cfg *Config) (*Consumer, error) {
 }
 
 // Run consumes until ctx is done, the server cancels the consumer (the
-// queue deleted: ErrConsumerCancelled) or refuses the topology
-// (ErrTopology), and returns ctx's error or that failure. A lost
+// queue deleted: ErrConsumerCancelled), refuses the topology
+// (ErrTopology) or the connection (ErrRefused), and returns ctx's error or that failure. A lost
 // connection is not the end: Run connects again, backing off
 // (Config.Reconnect), and the deliveries the lost channel held come back
 // from the queue (a decided one as a Duplicate). When ctx ends, the
@@ -204,14 +210,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if errors.Is(err, ErrConsumerCancelled) || errors.Is(err, ErrTopology) {
+		if errors.Is(err, ErrConsumerCancelled) || errors.Is(err, ErrTopology) || errors.Is(err, ErrRefused) {
 			return err
 		}
 		if connected {
 			failures = 0
 		}
 		if failures == 0 {
-			c.cfg.Logger.Warn("rabbitmq: connection lost; connecting again", slog.String("queue", c.cfg.Queue), slog.Any("error", err))
+			c.cfg.Logger.Warn("rabbitmq: no connection; connecting again", slog.String("queue", c.cfg.Queue), slog.Any("error", err))
 		}
 		d := c.cfg.Reconnect.Delay(failures)
 		failures++
@@ -239,6 +245,10 @@ func refused(what string, err error) error {
 // or consumer does. connected reports whether it got as far as consuming.
 func (c *Consumer) session(ctx context.Context) (connected bool, err error) {
 	conn, err := amqp.DialConfig(c.cfg.URL, c.cfg.AMQP)
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
+		return false, fmt.Errorf("%w: %w", ErrRefused, err)
+	}
 	if err != nil {
 		return false, fmt.Errorf("rabbitmq: connect: %w", err)
 	}
