@@ -251,3 +251,50 @@ func TestKilledBetweenCommitAndAckChild(t *testing.T) {
 	time.Sleep(30 * time.Second)
 	t.Fatal("not killed after 30 s")
 }
+
+// When Run's context ends, the delivery being decided is finished and
+// acked, and every delivery received but not started (the prefetch, the
+// lanes' queues) goes back to the queue at once: the ready count equals
+// the published messages less the decided ones, and a new consumer
+// finishes the balances exactly.
+func TestStopReturnsUnstartedDeliveries(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t, rabbitmq.QueueQuorum), adaptertest.NewEnv(t)
+	b.concurrency = 2
+	events := idemtest.Events(200)
+	b.Publish(t, adaptertest.Messages(events), 0)
+	inner := e.Consumer(false)
+	var decided atomic.Int64
+	_, stop := run(t, b.config(t, idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+		time.Sleep(20 * time.Millisecond) // a slow handler: the prefetch fills
+		v := inner.HandleDelivery(ctx, d)
+		decided.Add(1)
+		return v
+	})))
+	for deadline := time.Now().Add(30 * time.Second); decided.Load() < 10; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("10 deliveries not decided after 30 s")
+		}
+	}
+	if err := stop(false); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run returned %v, want context.Canceled", err)
+	}
+	n := decided.Load()
+	// The queue's count settles a moment after the nacks (a quorum
+	// queue applies them through its log).
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		got := b.ready(t)
+		if got == len(events)-int(n) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d messages ready 2 s after the stop, want %d (published) - %d (decided)", got, len(events), n)
+		}
+	}
+	b.Start(t, e.Consumer(false))
+	e.WaitMarkers(len(events))
+	e.CheckBalances(events)
+	if d := e.Dups.Load(); d != 0 {
+		t.Fatalf("%d duplicates: a decided delivery was not acked before the stop", d)
+	}
+}
