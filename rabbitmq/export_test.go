@@ -17,3 +17,6 @@ var MapMessage = mapMessage
 
 // TierOf is tierOf.
 var TierOf = tierOf
+
+// AttemptOf is attemptOf.
+var AttemptOf = attemptOf
