@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +20,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/adaptertest"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/rabbitmq"
 )
 
@@ -296,5 +298,28 @@ func TestStopReturnsUnstartedDeliveries(t *testing.T) {
 	e.CheckBalances(events)
 	if d := e.Dups.Load(); d != 0 {
 		t.Fatalf("%d duplicates: a decided delivery was not acked before the stop", d)
+	}
+}
+
+// A broker that cannot be reached is waited for: Run keeps connecting,
+// backing off, logs one warning for the whole streak, and returns its
+// context's error when that ends.
+func TestUnreachableBrokerIsWaitedFor(t *testing.T) {
+	t.Parallel()
+	var logs testenv.Buffer
+	c, err := rabbitmq.New(&rabbitmq.Config{URL: "amqp://guest:guest@127.0.0.1:1/", Queue: "q",
+		Handler:   idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} }),
+		Reconnect: idem.Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		Logger:    slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	defer cancel()
+	if err := c.Run(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Run returned %v, want the context's deadline", err)
+	}
+	if n := strings.Count(logs.String(), "level=WARN"); n != 1 {
+		t.Fatalf("%d warnings, want 1 for the whole streak:\n%s", n, logs.String())
 	}
 }
