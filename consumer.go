@@ -74,11 +74,19 @@ type ConsumerConfig struct {
 	// store (HookOutage); each must implement one of them (the metrics
 	// package's hook implements both).
 	Hooks []Hook
+	// ReplayClaimTimeout is how long a dead letter may stay claimed by a
+	// replay (state replaying) before a Replay run takes it for a claim
+	// left by a consumer that crashed, and requests it again. Set it
+	// above the longest a message may run. Default 15 minutes.
+	ReplayClaimTimeout time.Duration
 }
 
 // logEvery is how often a Consumer writes a line of one kind of failure
 // that repeats: once per kind and interval, with the count left out.
 const logEvery = 10 * time.Second
+
+// defaultReplayClaimTimeout is ConsumerConfig.ReplayClaimTimeout's default.
+const defaultReplayClaimTimeout = 15 * time.Minute
 
 // Consumer decides the fate of broker deliveries for one handler: it
 // processes each through a Processor, asks for a retry with a backoff when
@@ -126,6 +134,12 @@ func newDeliveries(name string, process func(context.Context, *Message) (Outcome
 	if c.cfg.MaxAttempts < 0 {
 		return nil, fmt.Errorf("%w: MaxAttempts %d is negative", ErrInvalidConfig, c.cfg.MaxAttempts)
 	}
+	if c.cfg.ReplayClaimTimeout < 0 {
+		return nil, fmt.Errorf("%w: ReplayClaimTimeout %s is negative", ErrInvalidConfig, c.cfg.ReplayClaimTimeout)
+	}
+	if c.cfg.ReplayClaimTimeout == 0 {
+		c.cfg.ReplayClaimTimeout = defaultReplayClaimTimeout
+	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
 	}
@@ -171,7 +185,8 @@ func (c *deliveries) outageChanged(ch outage.Change) {
 // for a moment, and its first failures would otherwise count against
 // their messages.
 func (c *deliveries) storeDown(ctx context.Context, stop <-chan struct{}, err error, again *bool) bool {
-	if err == nil || IsPermanent(err) || !c.watch.Suspect(err) {
+	var recorded *recordedFailure
+	if err == nil || IsPermanent(err) || errors.As(err, &recorded) || !c.watch.Suspect(err) {
 		return false
 	}
 	if c.watch.Check(ctx, err) {
@@ -445,6 +460,10 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 	dl := &driver.DeadLetter{
 		Handler: c.name, Raw: d.Raw, Source: storableText(d.Source), Error: storableText(cause.Error()),
 		Class: class, Fingerprint: Fingerprint(cause), Attempts: max(d.Attempt, 1),
+		// A lease-mode message that failed for good, delivered or
+		// replayed again: its dead letter keeps the first error's text
+		// and group, and logs the repeat.
+		Repeat: errors.Is(cause, ErrFailedPermanently),
 	}
 	if d.replay {
 		dl.Actor, dl.Outcome = c.actor(), "replay failed: "+storableText(cause.Error())
@@ -454,7 +473,7 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 			dl.Raw = d.Msg.Payload
 		}
 		if d.Msg.Validate() == nil { // invalid IDs are not storable as keys
-			dl.MessageID = d.Msg.ID
+			dl.MessageID, dl.PayloadHash = d.Msg.ID, d.Msg.PayloadHash()
 			if env, err := json.Marshal(d.Msg); err == nil && !strings.Contains(string(env), `\u0000`) {
 				dl.Envelope = env
 			}
@@ -555,121 +574,262 @@ func (c *deliveries) aggregateKey(aggregateID string) string {
 // the same path as a delivery (dedup, ordering guard): an already-applied
 // message is a Duplicate, never a second effect. A success marks the dead
 // letter replayed; a failure parks it again with the new error. A replay
-// stopped by ctx is no failure: its dead letter stays requested, and
+// stopped by ctx is no failure: its dead letter is requested again, and
 // Replay returns ctx's error. Call it on an interval (see Run) or after
 // RequestReplay.
 //
-// Each dead letter's state is read again just before it runs, so one
+// Each dead letter is claimed before it runs: moved from replay_requested
+// to replaying in one conditional write, which one consumer wins. So two
+// consumers replaying at once never run one dead letter twice, and one
 // that another consumer replayed, or an operator discarded, since this
-// run listed it is left alone. The read and the run are not one
-// transaction: a discard that lands while the message runs does not stop
-// it. If the message then applies, the dead letter is marked replayed
-// (its history shows the discard, then the replay); if it fails, it is
-// parked again, as any message failing again is.
+// run listed it is left alone. A claim left by a consumer that crashed is
+// requested again after ConsumerConfig.ReplayClaimTimeout.
+//
+// The claim does not stop a dead letter's state from changing while its
+// message runs: a delivery of the same message that fails parks it again,
+// and an operator may then discard it. If the message then applies, the
+// dead letter is marked replayed (its history shows the discard, then the
+// replay); if it fails, it is parked again, as any message failing again
+// is.
+//
+// Memory is bounded by one dead letter's body: the run lists summaries
+// (without envelope and payload) a page at a time, and reads each body
+// when it runs it (with an Ordering, once more before, to learn its
+// aggregate and sequence).
 func (c *Consumer[TTx]) Replay(ctx context.Context) (ReplayResult, error) { return c.replay(ctx) }
+
+// replayPage is how many dead-letter summaries a replay, a replay request
+// or a discard reads at once.
+const replayPage = 500
 
 // replay is Replay.
 func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 	res := ReplayResult{Outcomes: map[Outcome]int{}}
-	dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: c.name, State: driver.DeadLetterReplayRequested})
+	if err := c.requestStaleClaims(ctx); err != nil {
+		return res, err
+	}
+	var ids []int64
+	err := deadLetterPages(ctx, c.dl, &driver.DeadLetterFilter{Handler: c.name, State: driver.DeadLetterReplayRequested}, func(page []driver.DeadLetter) error {
+		for _, d := range page {
+			ids = append(ids, d.ID)
+		}
+		return nil
+	})
 	if err != nil {
 		return res, fmt.Errorf("idem: list dead letters to replay: %w", err)
 	}
-	// Decode them all first, so that each aggregate's messages run in
-	// sequence order: in the order they were parked, a later sequence
-	// would meet the gap an earlier one leaves until it is replayed too.
-	msgs := make([]*Message, len(dls))
-	order := make([]int, len(dls))
-	for k, dl := range dls {
-		order[k] = k
-		var m Message
-		if dl.Envelope != nil && json.Unmarshal(dl.Envelope, &m) == nil {
-			msgs[k] = &m
+	if c.ordering != nil {
+		// Each aggregate's messages run in sequence order: in the order
+		// they were parked, a later sequence would meet the gap an
+		// earlier one leaves until it is replayed too.
+		if ids, err = c.inSeqOrder(ctx, ids); err != nil {
+			return res, err
 		}
 	}
-	orderBySeq(c.name, c.ordering, msgs, order)
-	for _, k := range order {
+	for _, id := range ids {
 		if err := ctx.Err(); err != nil {
 			return res, err
 		}
-		dl := dls[k]
-		// The list is as old as this run: another consumer may have
-		// replayed a dead letter since, and an operator discarded it
-		// after it failed again. Run only what is still requested.
-		if still, err := c.stillRequested(ctx, dl.ID); err != nil {
-			return res, err
-		} else if !still {
-			continue
-		}
-		if msgs[k] == nil {
-			// Nothing to run: park it again, it needs a person.
-			if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
-				To: driver.DeadLetterParked, Actor: c.actor(), Outcome: "no envelope to replay"}); err != nil {
-				return res, err
-			}
-			res.Parked++
-			continue
-		}
-		msg := msgs[k]
-		if c.rearm != nil {
-			if err := c.rearm(ctx, msg.ID); err != nil {
-				return res, fmt.Errorf("idem: make %s claimable for its replay: %w", msg.ID, err)
-			}
-		}
-		// A failure parks it again through deadLetter, whose write logs
-		// the replay's attempt.
-		v := c.handle(ctx, &Delivery{Msg: msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true, replay: true})
-		if v.DeadLettered {
-			res.Parked++ // failed again: parked with the new error
-			continue
-		}
-		if !v.Ack {
-			// Stopped, or its new failure could not even be stored: it
-			// stays requested for the next run.
-			if err := ctx.Err(); err != nil {
-				return res, err
-			}
-			continue
-		}
-		n, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterReplayRequested},
-			To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String()})
+		// The list is as old as this run: another consumer may be
+		// replaying a dead letter, or have replayed it since, and an
+		// operator discarded it after it failed again. Run only what
+		// this consumer claims.
+		n, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplayRequested},
+			To: driver.DeadLetterReplaying, Actor: c.actor()})
 		if err != nil {
-			return res, err
-		}
-		if n == 0 && v.Outcome == Applied {
-			// It left replay_requested while it ran (discarded, or parked
-			// by another consumer's failed replay), and its effect was
-			// applied all the same: say so in its state and history.
-			n, err = c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl.ID}, From: []string{driver.DeadLetterParked, driver.DeadLetterDiscarded},
-				To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String() + " (the replay was running when its state changed)"})
-			if err != nil {
-				return res, err
-			}
-			c.cfg.Logger.Warn("idem: dead letter left replay_requested while its replay ran and applied; marked replayed", slog.String("handler", c.name),
-				slog.Int64("dead_letter", dl.ID), slog.String("message_id", msg.ID))
+			return res, fmt.Errorf("idem: claim dead letter %d for its replay: %w", id, err)
 		}
 		if n == 0 {
-			// Another consumer replayed it at the same time (this one
-			// found it a Duplicate), or it was discarded and nothing
-			// applied here: its state stands.
-			c.cfg.Logger.Debug("idem: dead letter left replay_requested while its replay ran", slog.String("handler", c.name),
-				slog.Int64("dead_letter", dl.ID), slog.String("message_id", msg.ID), slog.String("outcome", v.Outcome.String()))
 			continue
 		}
-		res.Replayed++
-		res.Outcomes[v.Outcome]++
+		if err := c.replayClaimed(ctx, id, &res); err != nil {
+			return res, err
+		}
 	}
 	return res, nil
 }
 
-// stillRequested reports whether dead letter id is in state
-// replay_requested now.
-func (c *deliveries) stillRequested(ctx context.Context, id int64) (bool, error) {
-	now, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{IDs: []int64{id}, State: driver.DeadLetterReplayRequested})
+// replayClaimed runs dead letter id, which this consumer claimed, and
+// moves it on: replayed, parked, or requested again when the run stopped.
+func (c *deliveries) replayClaimed(ctx context.Context, id int64, res *ReplayResult) error {
+	dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{IDs: []int64{id}})
 	if err != nil {
-		return false, fmt.Errorf("idem: read dead letter %d before its replay: %w", id, err)
+		return errors.Join(fmt.Errorf("idem: read dead letter %d to replay it: %w", id, err), c.unclaim(ctx, id, "replay stopped: "+err.Error()))
 	}
-	return len(now) == 1, nil
+	if len(dls) == 0 {
+		return nil // deleted since
+	}
+	dl := &dls[0]
+	var msg *Message
+	if dl.Envelope != nil {
+		var m Message
+		if json.Unmarshal(dl.Envelope, &m) == nil {
+			msg = &m
+		}
+	}
+	if msg == nil {
+		// Nothing to run: park it again, it needs a person.
+		if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
+			To: driver.DeadLetterParked, Actor: c.actor(), Outcome: "no envelope to replay"}); err != nil {
+			return err
+		}
+		res.Parked++
+		return nil
+	}
+	if c.rearm != nil {
+		if err := c.rearm(ctx, msg.ID); err != nil {
+			err = fmt.Errorf("idem: make %s claimable for its replay: %w", msg.ID, err)
+			return errors.Join(err, c.unclaim(ctx, id, "replay stopped: "+err.Error()))
+		}
+	}
+	// A failure parks it again through deadLetter, whose write logs
+	// the replay's attempt.
+	v := c.handle(ctx, &Delivery{Msg: msg, Raw: dl.Raw, Source: dl.Source, Attempt: dl.Attempts + 1, LastAttempt: true, replay: true})
+	if v.DeadLettered {
+		res.Parked++ // failed again: parked with the new error
+		return nil
+	}
+	if !v.Ack {
+		// Stopped, or its new failure could not even be stored: it is
+		// requested again, for the next run.
+		reason := "replay stopped"
+		if v.Err != nil {
+			reason += ": " + storableText(v.Err.Error())
+		}
+		if err := c.unclaim(ctx, id, reason); err != nil {
+			return err
+		}
+		return ctx.Err()
+	}
+	n, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
+		To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String()})
+	if err != nil {
+		return err
+	}
+	if n == 0 && v.Outcome == Applied {
+		// It left replaying while it ran (a failed delivery of the same
+		// message parked it, and an operator may have discarded it),
+		// and its effect was applied all the same: say so in its state
+		// and history.
+		n, err = c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterParked, driver.DeadLetterDiscarded},
+			To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String() + " (the replay was running when its state changed)"})
+		if err != nil {
+			return err
+		}
+		c.cfg.Logger.Warn("idem: dead letter left replaying while its replay ran and applied; marked replayed", slog.String("handler", c.name),
+			slog.Int64("dead_letter", id), slog.String("message_id", msg.ID))
+	}
+	if n == 0 {
+		// It changed state while it ran, and nothing applied here: its
+		// state stands.
+		c.cfg.Logger.Debug("idem: dead letter left replaying while its replay ran", slog.String("handler", c.name),
+			slog.Int64("dead_letter", id), slog.String("message_id", msg.ID), slog.String("outcome", v.Outcome.String()))
+		return nil
+	}
+	res.Replayed++
+	res.Outcomes[v.Outcome]++
+	return nil
+}
+
+// unclaim requests dead letter id again, for the next run, after a
+// replay that did not finish: written even when ctx is done (the reason
+// it stopped), bounded on its own.
+func (c *deliveries) unclaim(ctx context.Context, id int64, reason string) error {
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	if _, err := c.dl.DeadLetterSetState(wctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
+		To: driver.DeadLetterReplayRequested, Actor: c.actor(), Outcome: reason}); err != nil {
+		return fmt.Errorf("idem: request dead letter %d again after its replay stopped: %w", id, err)
+	}
+	return nil
+}
+
+// requestStaleClaims requests again this handler's dead letters claimed
+// by a replay (replaying) longer ago than ReplayClaimTimeout: the
+// consumer that claimed them crashed or was cut off.
+func (c *deliveries) requestStaleClaims(ctx context.Context) error {
+	var stale []int64
+	err := deadLetterPages(ctx, c.dl, &driver.DeadLetterFilter{Handler: c.name, State: driver.DeadLetterReplaying}, func(page []driver.DeadLetter) error {
+		for _, d := range page {
+			hist, err := c.dl.DeadLetterHistory(ctx, d.ID)
+			if err != nil {
+				return err
+			}
+			if len(hist) > 0 && time.Since(hist[len(hist)-1].At) > c.cfg.ReplayClaimTimeout {
+				stale = append(stale, d.ID)
+			}
+		}
+		return nil
+	})
+	if err == nil && len(stale) > 0 {
+		var n int
+		n, err = c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: stale, From: []string{driver.DeadLetterReplaying},
+			To: driver.DeadLetterReplayRequested, Actor: c.actor(), Outcome: "its replay was claimed more than " + c.cfg.ReplayClaimTimeout.String() + " ago and did not finish"})
+		if n > 0 {
+			c.cfg.Logger.Warn("idem: dead letters claimed by a replay that did not finish; requested again", slog.String("handler", c.name), slog.Int("dead_letters", n))
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("idem: request stale replay claims again: %w", err)
+	}
+	return nil
+}
+
+// inSeqOrder returns ids with each aggregate's messages in sequence
+// order. It reads the dead letters one at a time and keeps only each
+// message's ordering key, so that memory holds one body at most.
+func (c *deliveries) inSeqOrder(ctx context.Context, ids []int64) ([]int64, error) {
+	msgs := make([]*Message, len(ids))
+	order := make([]int, len(ids))
+	for k, id := range ids {
+		order[k] = k
+		dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{IDs: []int64{id}})
+		if err != nil {
+			return nil, fmt.Errorf("idem: read dead letter %d to order its replay: %w", id, err)
+		}
+		var key struct {
+			ID, AggregateID string
+			Seq             int64
+		}
+		if len(dls) == 1 && dls[0].Envelope != nil && json.Unmarshal(dls[0].Envelope, &key) == nil {
+			msgs[k] = &Message{ID: key.ID, AggregateID: key.AggregateID, Seq: key.Seq}
+		}
+	}
+	orderBySeq(c.name, c.ordering, msgs, order)
+	out := make([]int64, len(ids))
+	for i, k := range order {
+		out[i] = ids[k]
+	}
+	return out, nil
+}
+
+// deadLetterPages lists the summaries of the dead letters f selects, a
+// page at a time, handing each page to fn; f.Limit, when set, bounds how
+// many in all.
+func deadLetterPages(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, fn func([]driver.DeadLetter) error) error {
+	sel := *f
+	sel.Summary = true
+	seen := 0
+	for {
+		sel.Limit = replayPage
+		if f.Limit > 0 {
+			sel.Limit = min(replayPage, f.Limit-seen)
+		}
+		page, err := dl.DeadLetterList(ctx, &sel)
+		if err != nil {
+			return err
+		}
+		if len(page) > 0 {
+			if err := fn(page); err != nil {
+				return err
+			}
+		}
+		seen += len(page)
+		if len(page) < sel.Limit || (f.Limit > 0 && seen >= f.Limit) {
+			return nil
+		}
+		sel.AfterID = page[len(page)-1].ID
+	}
 }
 
 // Run replays requested dead letters every interval until ctx is done,
@@ -722,22 +882,23 @@ func moveDeadLetters(ctx context.Context, dl driver.DeadLetterStore, f *driver.D
 		sel = *f
 	}
 	sel.State = driver.DeadLetterParked
-	dls, err := dl.DeadLetterList(ctx, &sel)
+	moved := 0
+	err := deadLetterPages(ctx, dl, &sel, func(page []driver.DeadLetter) error {
+		ids := make([]int64, len(page))
+		for i, d := range page {
+			ids[i] = d.ID
+		}
+		n, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: ids, From: []string{driver.DeadLetterParked}, To: state, Actor: actor})
+		moved += n
+		if err != nil {
+			return fmt.Errorf("idem: mark dead letters %s: %w", state, err)
+		}
+		return nil
+	})
 	if err != nil {
-		return 0, fmt.Errorf("idem: list dead letters: %w", err)
+		return moved, fmt.Errorf("idem: move dead letters: %w", err)
 	}
-	if len(dls) == 0 {
-		return 0, nil
-	}
-	ids := make([]int64, len(dls))
-	for i, d := range dls {
-		ids[i] = d.ID
-	}
-	n, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: ids, From: []string{driver.DeadLetterParked}, To: state, Actor: actor})
-	if err != nil {
-		return n, fmt.Errorf("idem: mark dead letters %s: %w", state, err)
-	}
-	return n, nil
+	return moved, nil
 }
 
 // Fingerprint groups alike failures: the error's type and its message with

@@ -146,3 +146,36 @@ func TestConsumerHoldsDeliveriesWhileTheStoreIsDown(t *testing.T) {
 		t.Fatalf("dead letters: %d (%v), want none", len(dls), err)
 	}
 }
+
+// A lease handler's refused connection, once the store recorded the failed
+// attempt, is the message's failure at once: no second claim, no probe
+// (the store just answered), and the retry carries the handler's error.
+func TestNetworkErrorOfALeaseHandlerIsNoOutage(t *testing.T) {
+	t.Parallel()
+	_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "idem.db"), nil)
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "w"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
+	h := &idem.LeaseHandler{Name: "mailer", Call: func(context.Context, *idem.Lease, *idem.Message) error {
+		calls.Add(1)
+		return refused
+	}}
+	hook := &outageHook{}
+	c, err := idem.NewLeaseConsumer(lp, h, drv, &idem.ConsumerConfig{Hooks: []idem.Hook{hook}, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := c.HandleDelivery(context.Background(), &idem.Delivery{Msg: &idem.Message{ID: "m-1", Payload: []byte("x")}, Attempt: 1})
+	if v.Ack || !errors.Is(v.Err, syscall.ECONNREFUSED) {
+		t.Fatalf("verdict %+v, want a retry with the handler's error", v)
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("handler called %d times, want once", n)
+	}
+	if hook.downs.Load() != 0 {
+		t.Fatal("an outage was reported while the store answered")
+	}
+}

@@ -98,4 +98,19 @@
 // around every call with the context the call then uses, so metrics
 // (package metrics) and tracing (package tracing) plug in without the core
 // importing them.
+//
+// # Guides
+//
+// Read them in this order; docs/README.md has a glossary and every table
+// idem creates:
+//
+//   - atomic mode, the contract: https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md
+//   - the brokers: https://github.com/idemhq/idem/blob/main/docs/jetstream.md and https://github.com/idemhq/idem/blob/main/docs/kafka.md
+//   - failures, dead letters, metrics: https://github.com/idemhq/idem/blob/main/docs/operations.md
+//   - lease mode: https://github.com/idemhq/idem/blob/main/docs/lease-mode.md
+//   - the outbox: https://github.com/idemhq/idem/blob/main/docs/outbox.md
+//   - ordering: https://github.com/idemhq/idem/blob/main/docs/ordering.md
+//   - retention: https://github.com/idemhq/idem/blob/main/docs/retention.md
+//   - the reading order and glossary: https://github.com/idemhq/idem/blob/main/docs/README.md
+//   - programs to copy, each checking itself: https://github.com/idemhq/idem/blob/main/examples
 package idem

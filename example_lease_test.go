@@ -132,3 +132,60 @@ func ExampleLeaseConsumer() {
 	// delivery 1: ack true, applied
 	// delivery 2: ack true, duplicate
 }
+
+// A lease handler for several event types routes them like an atomic one.
+// A new type without a route reaches none of the external calls: it is
+// dead-lettered with the type in the reason, for replay once its route is
+// deployed.
+func ExampleByType_lease() {
+	ctx := context.Background()
+	db, err := sqlite.Open(":memory:", nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close()
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	proc, err := idem.NewLeaseProcessor(drv, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	notify := &idem.LeaseHandler{
+		Name: "notify",
+		Call: idem.ByType(idem.Routes[*idem.Lease]{
+			"UserSignedUp": func(ctx context.Context, l *idem.Lease, msg *idem.Message) error {
+				fmt.Println("welcome email for", msg.ID)
+				return nil
+			},
+			"ProfileViewed": idem.Ignore[*idem.Lease],
+		}),
+	}
+	c, err := idem.NewLeaseConsumer(proc, notify, drv, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, msg := range []*idem.Message{
+		{ID: "evt-1", Type: "UserSignedUp"},
+		{ID: "evt-2", Type: "ProfileViewed"},
+		{ID: "evt-3", Type: "PhoneVerified"}, // deployed before its route
+	} {
+		v := c.HandleDelivery(ctx, &idem.Delivery{Msg: msg, Attempt: 1})
+		fmt.Println(msg.Type, v.Outcome, "dead-lettered:", v.DeadLettered)
+	}
+	dls, err := drv.DeadLetterList(ctx, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(dls[0].Class, dls[0].Error)
+	// Output:
+	// welcome email for evt-1
+	// UserSignedUp applied dead-lettered: false
+	// ProfileViewed applied dead-lettered: false
+	// PhoneVerified none dead-lettered: true
+	// permanent idem: handler "notify": idem: no route for message type PhoneVerified
+}

@@ -159,7 +159,10 @@ type LeaseHandler struct {
 	// lost (context.Cause gives ErrLeaseExpired or a *FencedError) and
 	// when the caller's context is; stop and return then. Returning nil
 	// marks the message done; an error marks it failed and schedules a
-	// retry, unless it is Permanent. Required.
+	// retry, unless it is Permanent. Required. A handler that consumes
+	// several event types routes them with ByType(Routes[*Lease]{...}):
+	// a type without a route is then a permanent *UnknownTypeError,
+	// dead-lettered, instead of reaching another type's effect.
 	Call func(ctx context.Context, l *Lease, msg *Message) error
 	// OnConflict is the payload-conflict policy. Default OnConflictError.
 	OnConflict ConflictPolicy
@@ -817,8 +820,17 @@ func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Mes
 	if due != nil && !permanent {
 		*due = retryIn
 	}
-	return OutcomeNone, herr
+	return OutcomeNone, &recordedFailure{herr}
 }
+
+// recordedFailure is a lease handler's error once the store recorded the
+// failed attempt: the store answered, so however much the error looks
+// like an outage (a refused connection to the handler's own service), it
+// is the message's failure.
+type recordedFailure struct{ error }
+
+// Unwrap returns the handler's error.
+func (e *recordedFailure) Unwrap() error { return e.error }
 
 // writeContext bounds a done or failed write. It survives the caller's
 // cancellation, so that a worker shutting down still records what its

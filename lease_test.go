@@ -356,7 +356,9 @@ func TestLeaseNotCalledAfterItRanOut(t *testing.T) {
 func TestLeaseHeartbeatsCountFromTheClaim(t *testing.T) {
 	t.Parallel()
 	drv := leaseDriver(t)
-	const ttl = 300 * time.Millisecond
+	// Long enough that the margin left after the stall (30%) outlasts a
+	// loaded machine's scheduling delays, which a 300 ms TTL did not.
+	const ttl = 1200 * time.Millisecond
 	hook := &lostHook{}
 	p, err := idem.NewLeaseProcessor(&slowGuard{Driver: drv, stall: ttl * 7 / 10}, &idem.LeaseConfig{TTL: ttl, Heartbeat: ttl / 3, Owner: "A",
 		Logger: testenv.Logger(t), Hooks: []idem.Hook{idem.HookLeaseLost(hook)}})

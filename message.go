@@ -24,7 +24,9 @@ type Message struct {
 	// ID identifies the message across redeliveries: 1–255 bytes of valid
 	// UTF-8 with no NUL byte. Required.
 	ID string
-	// Stream names where the message came from (topic, subject). Optional.
+	// Stream is the Kafka topic or NATS subject the message came from, or
+	// an outbox message's destination. It is not the name of a JetStream
+	// stream. Optional when consuming; required to publish.
 	Stream string
 	// Type names the kind of event, for example "FundsCredited". Optional.
 	Type string

@@ -46,14 +46,23 @@ func (e *UnknownTypeError) Is(target error) bool { return target == ErrUnknownTy
 
 // Routes maps a message type (Message.Type) to the function that applies
 // messages of that type. The key "" routes messages without a type.
+//
+// TTx is the handler's transaction type for a Handler (Routes[*sql.Tx],
+// Routes[postgres.Tx]), and *Lease for a LeaseHandler (Routes[*Lease]):
+// the function's second argument is what the handler kind passes.
 type Routes[TTx any] map[string]func(ctx context.Context, tx TTx, msg *Message) error
 
-// ByType returns an Apply function for a Handler that consumes several
-// event types: it runs routes[msg.Type] with the handler's transaction.
+// ByType returns a function that runs routes[msg.Type]. It serves both
+// handler kinds. For a Handler that consumes several event types, use it
+// as Apply: each route gets the handler's transaction. For a LeaseHandler,
+// use ByType(Routes[*Lease]{...}) as Call: each route gets the lease, and
+// a type without a route never reaches the routes that call external
+// APIs.
 //
 // A type without a route is bad input, not a passing failure: the message
 // fails with a permanent *UnknownTypeError (matching ErrUnknownType), so
-// Process rolls back and returns it, and a Consumer dead-letters the
+// Process rolls back and returns it (in lease mode, marks the message
+// failed for good), and a Consumer or LeaseConsumer dead-letters the
 // message at once with class "permanent" and the type in the reason, where
 // an operator can see it and replay it after deploying the route. Nothing
 // is dropped silently. To consume a type deliberately without an effect,
@@ -82,5 +91,5 @@ func ByType[TTx any](routes Routes[TTx]) func(ctx context.Context, tx TTx, msg *
 }
 
 // Ignore applies nothing. Route a type to it in ByType to consume that type
-// without an effect: the message is marked as applied.
+// without an effect: the message is marked as applied (in lease mode, done).
 func Ignore[TTx any](context.Context, TTx, *Message) error { return nil }

@@ -246,3 +246,91 @@ func TestByTypeUnknownTypeIsDeadLettered(t *testing.T) {
 		t.Errorf("dead letter %s: class %q, error %q, fingerprint %q", dl.MessageID, dl.Class, dl.Error, dl.Fingerprint)
 	}
 }
+
+// TestByTypeRoutesLeaseHandlers: a lease handler routes by type like an
+// atomic one. Behind a LeaseConsumer on SQLite, each known type reaches
+// its own route once however often it is delivered; a new type reaches
+// no route (not the email one) and is dead-lettered at once as permanent,
+// naming the type, in one dead letter however often it is delivered; once its route is deployed, the replayed dead letter
+// applies.
+func TestByTypeRoutesLeaseHandlers(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	drv := leaseDriver(t)
+	p, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var emails, sms []string // the effects, by route
+	routes := idem.Routes[*idem.Lease]{
+		"UserSignedUp": func(_ context.Context, l *idem.Lease, msg *idem.Message) error {
+			if l.IdempotencyKey != idem.IdempotencyKey("notify", msg.ID) {
+				t.Errorf("%s: idempotency key %q", msg.ID, l.IdempotencyKey)
+			}
+			emails = append(emails, msg.ID)
+			return nil
+		},
+		"ProfileViewed": idem.Ignore[*idem.Lease],
+	}
+	consumer := func(routes idem.Routes[*idem.Lease]) *idem.LeaseConsumer {
+		h := &idem.LeaseHandler{Name: "notify", Call: idem.ByType(routes)}
+		c, err := idem.NewLeaseConsumer(p, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	c := consumer(routes)
+	msgs := []*idem.Message{
+		{ID: "u1", Type: "UserSignedUp", Payload: []byte(`{"email":"ada@example.com"}`)},
+		{ID: "u2", Type: "ProfileViewed"},
+		{ID: "u3", Type: "PhoneVerified", Payload: []byte(`{"phone":"+4912345"}`)}, // no route yet
+		{ID: "u4", Type: "UserSignedUp", Payload: []byte(`{"email":"bob@example.com"}`)},
+	}
+	for attempt := 1; attempt <= 3; attempt++ { // every message delivered three times
+		for i, m := range msgs {
+			v := c.HandleDelivery(ctx, &idem.Delivery{Msg: m, Source: "test/" + m.ID, Attempt: attempt})
+			if !v.Ack {
+				t.Fatalf("delivery %d of %s: not acknowledged: %+v", attempt, m.ID, v)
+			}
+			// A redelivery of the unknown type updates its one dead letter.
+			if v.DeadLettered != (i == 2) {
+				t.Errorf("delivery %d of %s: dead-lettered %v", attempt, m.ID, v.DeadLettered)
+			}
+		}
+	}
+	if strings.Join(emails, ",") != "u1,u4" {
+		t.Errorf("emails sent for %v, want u1,u4 once each", emails)
+	}
+	dls, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: "notify"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dls) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(dls))
+	}
+	if dl := dls[0]; dl.MessageID != "u3" || dl.Class != idem.DeadLetterPermanent ||
+		!strings.Contains(dl.Error, "no route for message type PhoneVerified") || !strings.Contains(dl.Fingerprint, "PhoneVerified") {
+		t.Errorf("dead letter %s: class %q, error %q, fingerprint %q; want permanent, naming PhoneVerified", dl.MessageID, dl.Class, dl.Error, dl.Fingerprint)
+	}
+
+	// The route deployed and the dead letter replayed: the SMS goes once.
+	routes["PhoneVerified"] = func(_ context.Context, _ *idem.Lease, msg *idem.Message) error {
+		sms = append(sms, msg.ID)
+		return nil
+	}
+	c = consumer(routes)
+	if n, err := idem.RequestReplay(ctx, drv, &driver.DeadLetterFilter{Handler: "notify"}, "ops"); err != nil || n != 1 {
+		t.Fatalf("RequestReplay: %d, %v", n, err)
+	}
+	if res, err := c.Replay(ctx); err != nil {
+		t.Fatalf("Replay: %+v, %v", res, err)
+	}
+	v := c.HandleDelivery(ctx, &idem.Delivery{Msg: msgs[2], Source: "test/u3", Attempt: 4})
+	if !v.Ack || v.Outcome != idem.Duplicate {
+		t.Errorf("redelivery of u3 after its replay: %+v, want a duplicate", v)
+	}
+	if strings.Join(sms, ",") != "u3" || strings.Join(emails, ",") != "u1,u4" {
+		t.Errorf("after the replay: sms %v, emails %v; want u3, and u1,u4", sms, emails)
+	}
+}

@@ -9,12 +9,18 @@ import (
 // same database as the markers.
 type DeadLetterStore interface {
 	// DeadLetterPut records a dead letter and returns its ID once it is
-	// committed. A second dead letter for the same (handler, message ID)
-	// updates the row: error, class, fingerprint, attempts and last
-	// failure time, and parks it again; first_failed_at is kept. Parking
-	// again one in another state (discarded, replayed, replay requested)
-	// is logged (dl.Actor and dl.Outcome, by default RefailActor and
-	// RefailOutcome(Error)), so that its history says why it is back.
+	// committed. A second dead letter for the same (handler, message ID,
+	// PayloadHash) updates the row: error, class, fingerprint, attempts
+	// and last failure time, and parks it again; first_failed_at is kept.
+	// The same message ID with another payload is another dead letter:
+	// the first payload is evidence, never overwritten. A row written
+	// before payload hashes were stored (its hash empty) is the same dead
+	// letter when its Raw equals dl.Raw, and takes dl's hash. Parking
+	// again one in another state (discarded, replayed, replay requested,
+	// replaying) is logged (dl.Actor and dl.Outcome, by default
+	// RefailActor and RefailOutcome(Error)), so that its history says why
+	// it is back. With dl.Repeat, a stored dead letter keeps its error,
+	// class and fingerprint, and the write is always logged.
 	// Without
 	// a message ID (the delivery did not decode), a dead letter with the
 	// same handler, Source, Raw and Error as a stored one updates it the
@@ -23,6 +29,9 @@ type DeadLetterStore interface {
 	// row.
 	DeadLetterPut(ctx context.Context, dl *DeadLetter) (int64, error)
 	// DeadLetterList returns the dead letters matching f, oldest first.
+	// With f.Summary set, their Envelope and Raw are left nil (and not
+	// read, where the store allows it): what a listing shows, without
+	// the bodies, whose size has no bound.
 	DeadLetterList(ctx context.Context, f *DeadLetterFilter) ([]DeadLetter, error)
 	// DeadLetterSetState moves the dead letters in c.IDs whose state is
 	// one of c.From to c.To, records each move in the dead-letter log in
@@ -82,6 +91,13 @@ const (
 	DeadLetterReplayRequested = "replay_requested"
 	DeadLetterReplayed        = "replayed"
 	DeadLetterDiscarded       = "discarded"
+	// DeadLetterReplaying is a dead letter a consumer claimed from
+	// replay_requested and is running now: no other consumer runs it.
+	// The consumer moves it on (replayed, parked, or back to
+	// replay_requested when stopped); one left here by a consumer that
+	// crashed is requested again once ConsumerConfig.ReplayClaimTimeout
+	// has passed.
+	DeadLetterReplaying = "replaying"
 )
 
 // DeadLetter is one stored dead letter.
@@ -91,6 +107,10 @@ type DeadLetter struct {
 	// Handler is the handler that could not process the message.
 	Handler   string
 	MessageID string // "" when the delivery did not decode
+	// PayloadHash is the message's payload hash (Message.PayloadHash);
+	// nil when the delivery did not decode. With Handler and MessageID
+	// it is the dead letter's key.
+	PayloadHash []byte
 	// Envelope is the message as JSON; nil when the delivery did not
 	// decode.
 	Envelope []byte
@@ -117,6 +137,13 @@ type DeadLetter struct {
 	// (discarded, replayed, replay requested). Empty: RefailActor and
 	// RefailOutcome(Error).
 	Actor, Outcome string
+	// Repeat, written by DeadLetterPut only, says the failure is one
+	// recorded earlier seen again (a lease-mode message that failed for
+	// good, delivered again): a stored dead letter keeps its Error, Class
+	// and Fingerprint, so that its group stays the same, and the write is
+	// logged even when it was parked already. Without a stored dead
+	// letter the write is as usual.
+	Repeat bool
 }
 
 // DeadLetterFilter selects dead letters. Zero fields match everything.
@@ -131,5 +158,10 @@ type DeadLetterFilter struct {
 	IDs   []int64
 	Since time.Time // last failure at or after
 	Until time.Time // last failure before
-	Limit int       // 0: no limit
+	// AfterID restricts the selection to IDs above it: the next page
+	// after a page whose last ID it is.
+	AfterID int64
+	Limit   int // 0: no limit
+	// Summary leaves Envelope and Raw out of the result.
+	Summary bool
 }

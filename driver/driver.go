@@ -12,6 +12,8 @@
 //
 // Operations are named noun-first and take one params struct each, so that
 // fields can be added without breaking drivers.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md#drivers
 package driver
 
 import "context"

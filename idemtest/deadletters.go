@@ -2,6 +2,7 @@ package idemtest
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -42,6 +43,10 @@ func RunDeadLetters[TTx any](t *testing.T, h *Harness[TTx]) {
 		{"StatsCountDuplicatesAndStale", testStats[TTx]},
 		{"BatchOfDeliveries", testBatchDeliveries[TTx]},
 		{"BatchRetryHoldsItsAggregate", testBatchRetryHoldsAggregate[TTx]},
+		{"SameIDOtherPayloadKeptApart", testOtherPayloadKeptApart[TTx]},
+		{"ConcurrentReplaysApplyOnce", testConcurrentReplays[TTx]},
+		{"BodiesHeldOneAtATime", testBoundedBodies[TTx]},
+		{"StaleReplayClaimRequestedAgain", testStaleReplayClaim[TTx]},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -279,8 +284,8 @@ func testRefailLogged[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetter
 	if res, err := c.Replay(ctx); err != nil || res.Parked != 1 {
 		t.Fatalf("replay: %+v, %v; want it parked again", res, err)
 	}
-	if e := last(id, 4); e.State != driver.DeadLetterParked || e.Actor != "consumer balances" || !strings.HasPrefix(e.Outcome, "replay failed: ") {
-		t.Fatalf("after a failing replay: %+v, want one entry, the replay's", e)
+	if e := last(id, 5); e.State != driver.DeadLetterParked || e.Actor != "consumer balances" || !strings.HasPrefix(e.Outcome, "replay failed: ") {
+		t.Fatalf("after a failing replay: %+v, want two entries, the replay's claim and its failure", e)
 	}
 }
 
@@ -559,9 +564,10 @@ func testReplay[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(hist) != 2 || hist[0].State != driver.DeadLetterReplayRequested || hist[0].Actor != "alice@ops" || hist[0].At.IsZero() ||
-		hist[1].State != driver.DeadLetterReplayed || hist[1].Actor != "consumer balances" || hist[1].Outcome != idem.Duplicate.String() {
-		t.Fatalf("history of %s: %+v, want the request by alice@ops, then replayed as a duplicate", replayed[0].MessageID, hist)
+	if len(hist) != 3 || hist[0].State != driver.DeadLetterReplayRequested || hist[0].Actor != "alice@ops" || hist[0].At.IsZero() ||
+		hist[1].State != driver.DeadLetterReplaying || hist[1].Actor != "consumer balances" ||
+		hist[2].State != driver.DeadLetterReplayed || hist[2].Actor != "consumer balances" || hist[2].Outcome != idem.Duplicate.String() {
+		t.Fatalf("history of %s: %+v, want the request by alice@ops, the consumer's claim, then replayed as a duplicate", replayed[0].MessageID, hist)
 	}
 	if n, err := idem.RequestReplay(ctx, dl, nil, "alice@ops"); err != nil || n != 0 {
 		t.Fatalf("second RequestReplay: %d, %v; want nothing left to replay", n, err)
@@ -592,19 +598,20 @@ func (f verdictFunc) OnVerdict(ctx context.Context, ev *idem.VerdictEvent) { f(c
 // testReplayDiscardedMeanwhile: a dead letter that leaves replay_requested
 // while a Replay run works through its list (another consumer replayed
 // it and it failed again, then an operator discarded it) is not run: the
-// operator's decision stands, and its effect is never applied. One
-// discarded while its own message runs applies all the same, and is then
-// marked replayed, its history saying so.
+// operator's decision stands, and its effect is never applied. One parked
+// by a failed delivery and discarded while its own replay runs applies
+// all the same, and is then marked replayed, its history saying so.
 func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
 	ctx := context.Background()
 	h, broken := frozenCreditHandler(s)
 	ev := Events(2)
 	ids := map[string]int64{}
-	// discard moves a requested dead letter back to parked, as another
-	// consumer's failed replay does, and discards it as an operator.
+	// discard moves a requested (or running) dead letter back to parked,
+	// as another consumer's failed replay (or a failed delivery) does,
+	// and discards it as an operator.
 	discard := func(ctx context.Context, msgID string) error {
 		if _, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{ids[msgID]},
-			From: []string{driver.DeadLetterReplayRequested}, To: driver.DeadLetterParked, Actor: "other consumer", Outcome: "failed again"}); err != nil {
+			From: []string{driver.DeadLetterReplayRequested, driver.DeadLetterReplaying}, To: driver.DeadLetterParked, Actor: "other consumer", Outcome: "failed again"}); err != nil {
 			return err
 		}
 		if n, err := idem.Discard(ctx, dl, &driver.DeadLetterFilter{IDs: []int64{ids[msgID]}}, "bob@ops"); err != nil || n != 1 {
@@ -657,7 +664,7 @@ func testReplayDiscardedMeanwhile[TTx any](t *testing.T, s *Store[TTx], dl drive
 	for _, e := range hist {
 		states = append(states, e.State)
 	}
-	if last := hist[len(hist)-1]; fmt.Sprint(states) != "[replay_requested parked discarded replayed]" || !strings.HasPrefix(last.Outcome, idem.Applied.String()) {
+	if last := hist[len(hist)-1]; fmt.Sprint(states) != "[replay_requested replaying parked discarded replayed]" || !strings.HasPrefix(last.Outcome, idem.Applied.String()) {
 		t.Fatalf("history of %s, discarded while it ran: %+v; want requested, parked, discarded, then replayed as applied", ev[0].ID, hist)
 	}
 }
@@ -861,5 +868,269 @@ func testBatchRetryHoldsAggregate[TTx any](t *testing.T, s *Store[TTx], dl drive
 	}
 	if err := checkBalances(ctx, s, map[string]int64{"acct-a": 11, "acct-b": 4}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// testOtherPayloadKeptApart: a second failure of a message ID with
+// another payload is a dead letter of its own, so that the first
+// payload, the evidence, is not overwritten; the same ID with the same
+// payload again updates its one dead letter.
+func testOtherPayloadKeptApart[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	c := newConsumer(t, s, CreditHandler(s, "balances", nil), dl, nil)
+	first := &idem.Message{ID: "junk-1", Payload: []byte("not a credit")}
+	second := &idem.Message{ID: "junk-1", Payload: []byte("not a credit either")}
+	for i, m := range []*idem.Message{first, first, second, second, first} {
+		if v := deliverTo(c, m, i+1); !v.DeadLettered {
+			t.Fatalf("delivery %d of %q: %+v, want dead-lettered", i+1, m.Payload, v)
+		}
+	}
+	got := deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "balances"})
+	if len(got) != 2 {
+		t.Fatalf("%d dead letters %+v, want two: one per payload", len(got), got)
+	}
+	for i, m := range []*idem.Message{first, second} {
+		d := got[i]
+		if d.MessageID != m.ID || string(d.Raw) != string(m.Payload) || string(d.PayloadHash) != string(m.PayloadHash()) || d.State != driver.DeadLetterParked {
+			t.Fatalf("dead letter %d: %+v, want %s with payload %q and its hash, parked", i, d, m.ID, m.Payload)
+		}
+		var env idem.Message
+		if err := json.Unmarshal(d.Envelope, &env); err != nil || string(env.Payload) != string(m.Payload) {
+			t.Fatalf("dead letter %d's envelope %s (%v), want payload %q", i, d.Envelope, err, m.Payload)
+		}
+	}
+	if got[0].Attempts != 5 || got[1].Attempts != 4 {
+		t.Fatalf("attempts %d and %d, want 5 and 4: each updated by its own payload's deliveries", got[0].Attempts, got[1].Attempts)
+	}
+}
+
+// testConcurrentReplays: consumers replaying the same dead letters at once
+// run each once: exactly one replay of each applies, is counted, and is
+// logged, and none is logged as a duplicate.
+func testConcurrentReplays[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	h, broken := frozenCreditHandler(s)
+	apply := h.Apply
+	h.Apply = func(ctx context.Context, tx TTx, m *idem.Message) error {
+		if !broken.Load() {
+			time.Sleep(5 * time.Millisecond) // long enough for the replays to meet
+		}
+		return apply(ctx, tx, m)
+	}
+	// The consumer that applied a message is slow to record it: another
+	// running the same dead letter meanwhile would find it a duplicate
+	// and record that first.
+	slow := &idem.ConsumerConfig{Hooks: []idem.Hook{verdictFunc(func(_ context.Context, v *idem.VerdictEvent) {
+		if v.Verdict.Outcome == idem.Applied {
+			time.Sleep(20 * time.Millisecond)
+		}
+	})}}
+	const consumers = 3
+	cs := make([]*idem.Consumer[TTx], consumers)
+	for i := range cs {
+		cs[i] = newConsumer(t, s, h, dl, slow)
+	}
+	ev := Events(12)
+	for _, e := range ev {
+		if v := deliverTo(cs[0], e.Message(), 1); !v.DeadLettered {
+			t.Fatalf("%s: %+v, want a dead letter", e.ID, v)
+		}
+	}
+	broken.Store(false)
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}, "ops"); err != nil || n != len(ev) {
+		t.Fatalf("RequestReplay: %d, %v; want %d", n, err, len(ev))
+	}
+	var (
+		wg      sync.WaitGroup
+		start   = make(chan struct{})
+		results = make([]idem.ReplayResult, consumers)
+		errs    = make([]error, consumers)
+	)
+	for i, c := range cs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			results[i], errs[i] = c.Replay(ctx)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	replayed, applied := 0, 0
+	for i := range cs {
+		if errs[i] != nil {
+			t.Fatalf("consumer %d: %v", i, errs[i])
+		}
+		replayed += results[i].Replayed
+		applied += results[i].Outcomes[idem.Applied]
+		if results[i].Parked != 0 || results[i].Outcomes[idem.Duplicate] != 0 {
+			t.Fatalf("consumer %d: %+v, want nothing parked and no duplicate", i, results[i])
+		}
+	}
+	if replayed != len(ev) || applied != len(ev) {
+		t.Fatalf("replayed %d, applied %d across %d consumers; want %d each: every dead letter counted once", replayed, applied, consumers, len(ev))
+	}
+	wantBalances(t, s, Expected(ev))
+	for _, d := range deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "balances"}) {
+		hist, err := dl.DeadLetterHistory(ctx, d.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var done []string
+		for _, e := range hist {
+			if e.State == driver.DeadLetterReplayed {
+				done = append(done, e.Outcome)
+			}
+		}
+		if d.State != driver.DeadLetterReplayed || len(done) != 1 || done[0] != idem.Applied.String() {
+			t.Fatalf("%s: %s, replays logged %q; want replayed once, applied (history %+v)", d.MessageID, d.State, done, hist)
+		}
+	}
+}
+
+// countingDeadLetters passes calls to a real store and records the most
+// body bytes (envelopes and payloads) one DeadLetterList call returned.
+type countingDeadLetters struct {
+	driver.DeadLetterStore
+	mu       sync.Mutex
+	maxBytes int
+	calls    int
+}
+
+func (c *countingDeadLetters) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter) ([]driver.DeadLetter, error) {
+	dls, err := c.DeadLetterStore.DeadLetterList(ctx, f)
+	n := 0
+	for _, d := range dls {
+		n += len(d.Envelope) + len(d.Raw)
+	}
+	c.mu.Lock()
+	c.maxBytes, c.calls = max(c.maxBytes, n), c.calls+1
+	c.mu.Unlock()
+	return dls, err
+}
+
+func (c *countingDeadLetters) reset() (maxBytes, calls int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	maxBytes, calls = c.maxBytes, c.calls
+	c.maxBytes, c.calls = 0, 0
+	return maxBytes, calls
+}
+
+// testBoundedBodies: a summary lists dead letters without their bodies,
+// and requesting, discarding and replaying many large dead letters never
+// holds more than one body at a time, however many there are.
+func testBoundedBodies[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	const (
+		n    = 8
+		size = 256 << 10
+	)
+	cdl := &countingDeadLetters{DeadLetterStore: dl}
+	h, broken := frozenCreditHandler(s)
+	h.Ordering = &idem.Ordering{Gap: idem.GapFail}
+	c := newConsumer(t, s, h, cdl, nil)
+	ev := make([]Event, n)
+	pad := strings.Repeat("x", size)
+	for i := range ev {
+		// Two aggregates, so that the replay orders by sequence.
+		ev[i] = Event{ID: fmt.Sprintf("big-%d", i), Account: fmt.Sprintf("acct-%d", i%2), Amount: int64(i + 1)}
+	}
+	one := 0
+	// Parked newest first within each aggregate: the replay must order them.
+	for i := n - 1; i >= 0; i-- {
+		m := ev[i].Message()
+		m.Seq = int64(i/2 + 1)
+		m.Headers = map[string]string{"pad": pad}
+		d := &idem.Delivery{Msg: m, Raw: []byte(pad), Source: "test", Attempt: 1}
+		if v := c.HandleDelivery(ctx, d); !v.DeadLettered {
+			t.Fatalf("%s: %+v, want a dead letter", m.ID, v)
+		}
+	}
+	all := deadLetters(t, dl, nil)
+	for _, d := range all {
+		one = max(one, len(d.Envelope)+len(d.Raw))
+	}
+	if len(all) != n || one < 2*size {
+		t.Fatalf("%d dead letters of at most %d bytes, want %d of over %d", len(all), one, n, 2*size)
+	}
+	sum := deadLetters(t, dl, &driver.DeadLetterFilter{Summary: true})
+	if len(sum) != n {
+		t.Fatalf("summary of %d dead letters, want %d", len(sum), n)
+	}
+	for i, d := range sum {
+		if d.Envelope != nil || d.Raw != nil || d.ID != all[i].ID || d.MessageID != all[i].MessageID || d.Fingerprint != all[i].Fingerprint ||
+			d.State != all[i].State || d.Attempts != all[i].Attempts || !d.LastFailed.Equal(all[i].LastFailed) || string(d.PayloadHash) != string(all[i].PayloadHash) {
+			t.Fatalf("summary %+v, want dead letter %d without its bodies", d, all[i].ID)
+		}
+	}
+	page := deadLetters(t, dl, &driver.DeadLetterFilter{Summary: true, AfterID: all[2].ID, Limit: 3})
+	if len(page) != 3 || page[0].ID != all[3].ID || page[2].ID != all[5].ID {
+		t.Fatalf("the page after %d: %+v, want the 3 after it", all[2].ID, page)
+	}
+	cdl.reset()
+	// The first parked is the last of its aggregate: discarding it
+	// leaves no gap.
+	if k, err := idem.Discard(ctx, cdl, &driver.DeadLetterFilter{IDs: []int64{all[0].ID}}, "ops"); err != nil || k != 1 {
+		t.Fatalf("Discard: %d, %v", k, err)
+	}
+	if k, err := idem.RequestReplay(ctx, cdl, &driver.DeadLetterFilter{Handler: "balances"}, "ops"); err != nil || k != n-1 {
+		t.Fatalf("RequestReplay: %d, %v; want %d", k, err, n-1)
+	}
+	if most, _ := cdl.reset(); most != 0 {
+		t.Fatalf("Discard and RequestReplay read %d body bytes in one list, want none", most)
+	}
+	broken.Store(false)
+	res, err := c.Replay(ctx)
+	if err != nil || res.Replayed != n-1 || res.Outcomes[idem.Applied] != n-1 {
+		t.Fatalf("replay: %+v, %v; want %d applied", res, err, n-1)
+	}
+	if most, calls := cdl.reset(); most > one || calls < n-1 {
+		t.Fatalf("the replay read up to %d body bytes in one list (%d lists); want at most one dead letter's, %d", most, calls, one)
+	}
+	wantBalances(t, s, Expected(ev[:n-1]))
+}
+
+// testStaleReplayClaim: a dead letter left claimed by a replay (state
+// replaying: its consumer crashed while running it) is not run by another
+// consumer while the claim may still be live, and is requested again and
+// replayed once ConsumerConfig.ReplayClaimTimeout has passed.
+func testStaleReplayClaim[TTx any](t *testing.T, s *Store[TTx], dl driver.DeadLetterStore) {
+	ctx := context.Background()
+	h, broken := frozenCreditHandler(s)
+	c := newConsumer(t, s, h, dl, nil)
+	ev := Events(1)
+	if v := deliverTo(c, ev[0].Message(), 1); !v.DeadLettered {
+		t.Fatalf("%+v, want a dead letter", v)
+	}
+	broken.Store(false)
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "balances"}, "ops"); err != nil || n != 1 {
+		t.Fatalf("RequestReplay: %d, %v", n, err)
+	}
+	id := deadLetters(t, dl, nil)[0].ID
+	// A consumer claims it, then crashes.
+	if n, err := dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplayRequested},
+		To: driver.DeadLetterReplaying, Actor: "consumer balances"}); err != nil || n != 1 {
+		t.Fatalf("claim: %d, %v", n, err)
+	}
+	if res, err := c.Replay(ctx); err != nil || res.Replayed != 0 {
+		t.Fatalf("replay while the claim is fresh: %+v, %v; want it left alone", res, err)
+	}
+	wantBalances(t, s, nil)
+	time.Sleep(20 * time.Millisecond)
+	late := newConsumer(t, s, h, dl, &idem.ConsumerConfig{ReplayClaimTimeout: 10 * time.Millisecond})
+	if res, err := late.Replay(ctx); err != nil || res.Replayed != 1 || res.Outcomes[idem.Applied] != 1 {
+		t.Fatalf("replay after the claim timed out: %+v, %v; want it applied", res, err)
+	}
+	wantBalances(t, s, Expected(ev))
+	hist, err := dl.DeadLetterHistory(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var states []string
+	for _, e := range hist {
+		states = append(states, e.State)
+	}
+	if fmt.Sprint(states) != "[replay_requested replaying replay_requested replaying replayed]" {
+		t.Fatalf("history %+v, want requested, claimed, requested again, claimed, replayed", hist)
 	}
 }

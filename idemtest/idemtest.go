@@ -11,6 +11,8 @@
 //	func TestConformance(t *testing.T) {
 //		idemtest.Run(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
 //	}
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md#checking-your-own-setup
 package idemtest
 
 import (

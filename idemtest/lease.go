@@ -69,6 +69,7 @@ func RunLease(t *testing.T, h *LeaseHarness) {
 		{"OrderingGapWaitRetriable", testLeaseOrderingWait},
 		{"OrderingAllowShuffled", testLeaseOrderingAllowShuffled},
 		{"ConsumerVerdicts", testLeaseConsumer},
+		{"PermanentFailureRedeliveredKeepsItsGroup", testLeasePermanentRedelivered},
 		// Half as long again: heartbeats must get through on a loaded machine.
 		{"HeartbeatKeepsLease", func(t *testing.T, drv driver.LeaseDriver) { testLeaseHeartbeat(t, drv, ttl*3/2) }},
 		{"ExpiredLeaseReclaimed", func(t *testing.T, drv driver.LeaseDriver) { testLeaseExpired(t, drv, ttl) }},

@@ -3,6 +3,7 @@ package idemtest
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -157,5 +158,93 @@ func testLeaseReplayAfterMaxAttempts(t *testing.T, drv driver.LeaseDriver) {
 	}
 	if l := calls.last(); calls.count("m-1") != 3 || l.Attempt != 1 || l.Token != 3 {
 		t.Fatalf("replay ran %d calls, the last with %+v; want a third call at attempt 1, token 3", calls.count("m-1"), l)
+	}
+}
+
+// testLeasePermanentRedelivered: a lease-mode message that failed
+// permanently, delivered again (the broker redelivers it, or its replay
+// finds it failed for good), keeps its dead letter's error and group: the
+// fingerprint "idem dlq replay --group" selects by stays the first
+// error's, and each repeat is added to the dead letter's history instead
+// of rewriting it.
+func testLeasePermanentRedelivered(t *testing.T, drv driver.LeaseDriver) {
+	dl, ok := drv.(driver.DeadLetterStore)
+	if !ok {
+		t.Skipf("driver %T has no dead-letter store: idem.LeaseConsumer needs one", drv)
+	}
+	ctx := context.Background()
+	p := leaseProc(t, drv, &idem.LeaseConfig{BackoffBase: time.Hour, BackoffMax: time.Hour})
+	var calls callCounter
+	h := calls.handler("mailer", func(context.Context, *idem.Lease, *idem.Message) error {
+		return idem.Permanent(errors.New("mailbox 4711 does not exist"))
+	})
+	c, err := idem.NewLeaseConsumer(p, h, dl, &idem.ConsumerConfig{Backoff: idem.Backoff{Base: time.Millisecond, Max: time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deliver := func(attempt int) idem.Verdict {
+		return c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "bad", Payload: []byte("hello")}, Attempt: attempt, Source: "test"})
+	}
+	if v := deliver(1); !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterPermanent {
+		t.Fatalf("first delivery: %+v, want dead-lettered (permanent)", v)
+	}
+	first := deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "mailer"})
+	if len(first) != 1 {
+		t.Fatalf("dead letters %+v, want one", first)
+	}
+	orig := first[0]
+	histLen := func() int {
+		t.Helper()
+		hist, err := dl.DeadLetterHistory(ctx, orig.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(hist)
+	}
+	check := func(when string, attempts, wantHist int) {
+		t.Helper()
+		got := deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "mailer"})
+		if len(got) != 1 || got[0].ID != orig.ID {
+			t.Fatalf("%s: dead letters %+v, want the first one alone", when, got)
+		}
+		d := got[0]
+		if d.Fingerprint != orig.Fingerprint || d.Error != orig.Error || d.Class != orig.Class || d.State != driver.DeadLetterParked {
+			t.Fatalf("%s: dead letter %q (%s, %s, %s); want the first error kept: %q (%s, %s), parked",
+				when, d.Error, d.Fingerprint, d.Class, d.State, orig.Error, orig.Fingerprint, orig.Class)
+		}
+		if d.Attempts != attempts {
+			t.Fatalf("%s: attempts %d, want %d", when, d.Attempts, attempts)
+		}
+		if n := histLen(); n != wantHist {
+			t.Fatalf("%s: %d history entries, want %d", when, n, wantHist)
+		}
+	}
+	// The broker delivers it again: the handler is not called, and the
+	// dead letter says it failed again.
+	if v := deliver(2); !v.DeadLettered || !errors.Is(v.Err, idem.ErrFailedPermanently) {
+		t.Fatalf("redelivery: %+v, want dead-lettered as failed permanently earlier", v)
+	}
+	check("after a redelivery", 2, 1)
+	hist, err := dl.DeadLetterHistory(ctx, orig.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := hist[0]; e.State != driver.DeadLetterParked || e.Actor != driver.RefailActor || !strings.Contains(e.Outcome, "failed permanently earlier") {
+		t.Fatalf("history entry of the redelivery: %+v", e)
+	}
+	// Its group still selects it; replayed, it fails the same way (made
+	// claimable again where the driver can, or found failed for good).
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Fingerprint: orig.Fingerprint}, "ops"); err != nil || n != 1 {
+		t.Fatalf("RequestReplay by the group %q: %d, %v; want 1", orig.Fingerprint, n, err)
+	}
+	if res, err := c.Replay(ctx); err != nil || res.Parked != 1 {
+		t.Fatalf("replay: %+v, %v; want it parked again", res, err)
+	}
+	d := deadLetters(t, dl, &driver.DeadLetterFilter{Handler: "mailer"})
+	if len(d) != 1 || d[0].Fingerprint != orig.Fingerprint {
+		t.Fatalf("after the replay: %+v, want the group %q kept", d, orig.Fingerprint)
+	}
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Fingerprint: orig.Fingerprint}, "ops"); err != nil || n != 1 {
+		t.Fatalf("RequestReplay by the group after a replay: %d, %v; want 1", n, err)
 	}
 }

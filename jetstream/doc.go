@@ -9,5 +9,5 @@
 // ack lost in a crash, an AckWait that ran out, a Nak): those are what idem
 // turns into Duplicate outcomes.
 //
-// See docs/jetstream.md for the configuration and what is guaranteed.
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/jetstream.md
 package jetstream

@@ -73,6 +73,10 @@ type Config struct {
 	// not), else New refuses it. Their effects commit in one transaction.
 	// Each message is still settled on its own verdict. Default 1: one
 	// message at a time.
+	// On Redis keep it below redisstore's Config.MaxWatchedKeys (2,000 by
+	// default, counting a sequence per aggregate under an ordering guard
+	// too): a larger batch is refused, never split, and its messages are
+	// decided one by one.
 	Batch int
 	// BatchWait bounds how long a fetch waits to fill a batch: the extra
 	// latency a batch may add when messages trickle in. It must be below

@@ -14,5 +14,5 @@
 // its next record or batch; when they happen, nothing unprocessed has been
 // committed.
 //
-// See docs/kafka.md.
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/kafka.md
 package kafka

@@ -50,6 +50,10 @@ type Config struct {
 	// as a single record's retry does; offsets are committed only up to
 	// the first record of a partition not settled. Default 1: one record
 	// at a time.
+	// On Redis keep it below redisstore's Config.MaxWatchedKeys (2,000 by
+	// default, counting a sequence per aggregate under an ordering guard
+	// too): a larger batch is refused, never split, and its messages are
+	// decided one by one.
 	Batch int
 	// Concurrency, above 1, handles up to that many partitions of a poll
 	// at once, each in its own goroutine; within a partition records are

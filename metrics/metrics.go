@@ -44,6 +44,8 @@
 //
 // Counting costs a map lookup and an atomic add per message, on the
 // processing goroutine.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/operations.md#prometheus-metrics
 package metrics
 
 import (

@@ -15,5 +15,7 @@
 // aggregate ID, or the message ID for a message without one) in the store,
 // with a lease: while a claim lives, no other relay publishes that key's
 // rows, so one aggregate's rows go out in order, one relay at a time, and
-// different aggregates spread across relays. See docs/outbox.md.
+// different aggregates spread across relays.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/outbox.md
 package outbox

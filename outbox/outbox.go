@@ -102,6 +102,11 @@ func newRow(m *idem.Message) (driver.OutboxRow, error) {
 // sequence gives a valid ID of at most 255 bytes. The allocator
 // locks the aggregate's row until tx ends, so concurrent writers of one
 // aggregate add their rows in sequence order. It returns the message.
+//
+// stream is the message's destination, its Stream: the Kafka topic or the
+// JetStream subject, such as "orders.placed". It is not the name of a
+// JetStream stream; that stream is yours to create, with subjects that
+// cover this one.
 func (o *Outbox[TTx]) AddNext(ctx context.Context, tx TTx, stream, aggregateID, typ string, payload []byte) (*idem.Message, error) {
 	if o.versions == nil {
 		return nil, fmt.Errorf("%w: the driver has no sequence allocator", idem.ErrInvalidConfig)

@@ -2,6 +2,7 @@ package postgres
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -39,6 +40,7 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 }
 
 func (d *Driver) putTx(ctx context.Context, tx pgx.Tx, dl *driver.DeadLetter) (int64, error) {
+	hash := hex.EncodeToString(dl.PayloadHash)
 	var (
 		id  int64
 		was string
@@ -46,8 +48,13 @@ func (d *Driver) putTx(ctx context.Context, tx pgx.Tx, dl *driver.DeadLetter) (i
 	)
 	switch {
 	case dl.MessageID != "":
-		err = tx.QueryRow(ctx, `SELECT id, state FROM `+d.t.deadLetters+` WHERE handler = $1 AND message_id = $2 FOR UPDATE`,
-			dl.Handler, dl.MessageID).Scan(&id, &was)
+		// Its own row, or one written before payload hashes were
+		// stored that holds the same payload (the hash is filled in
+		// below).
+		err = tx.QueryRow(ctx, `SELECT id, state FROM `+d.t.deadLetters+`
+WHERE handler = $1 AND message_id = $2 AND (payload_hash = $3 OR (payload_hash = '' AND raw IS NOT DISTINCT FROM $4))
+ORDER BY payload_hash DESC LIMIT 1 FOR UPDATE`,
+			dl.Handler, dl.MessageID, hash, dl.Raw).Scan(&id, &was)
 	case dl.Source != "":
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`,
 			"idem-dead-letter:"+d.t.deadLetters+"|"+dl.Handler+"|"+dl.Source); err != nil {
@@ -59,27 +66,34 @@ ORDER BY id LIMIT 1 FOR UPDATE`, dl.Handler, dl.Source, dl.Raw, dl.Error).Scan(&
 	}
 	if errors.Is(err, pgx.ErrNoRows) {
 		// A new dead letter; a concurrent first write of the same key
-		// meets it here and updates it instead.
-		err = tx.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+`
-(handler, message_id, envelope, raw, source, error, class, fingerprint, attempts)
-VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (handler, message_id) WHERE message_id <> '' DO UPDATE SET
-  envelope = excluded.envelope, raw = excluded.raw, source = excluded.source, error = excluded.error,
-  class = excluded.class, fingerprint = excluded.fingerprint, attempts = excluded.attempts,
-  last_failed_at = now(), state = 'parked'
-RETURNING id`, dl.Handler, dl.MessageID, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts).Scan(&id)
+		// meets it here and updates it instead (keeping, for a Repeat,
+		// the error the first write stored).
+		err = tx.QueryRow(ctx, `INSERT INTO `+d.t.deadLetters+` AS dl
+(handler, message_id, payload_hash, envelope, raw, source, error, class, fingerprint, attempts)
+VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (handler, message_id, payload_hash) WHERE message_id <> '' DO UPDATE SET
+  envelope = excluded.envelope, raw = excluded.raw, source = excluded.source,
+  error = CASE WHEN $11 THEN dl.error ELSE excluded.error END,
+  class = CASE WHEN $11 THEN dl.class ELSE excluded.class END,
+  fingerprint = CASE WHEN $11 THEN dl.fingerprint ELSE excluded.fingerprint END,
+  attempts = excluded.attempts, last_failed_at = now(), state = 'parked'
+RETURNING id`, dl.Handler, dl.MessageID, hash, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint,
+			dl.Attempts, dl.Repeat).Scan(&id)
 		return id, err
 	}
 	if err != nil {
 		return 0, err
 	}
 	if _, err := tx.Exec(ctx, `UPDATE `+d.t.deadLetters+` SET
-  envelope = $2::jsonb, raw = $3, source = $4, error = $5, class = $6, fingerprint = $7, attempts = $8,
-  last_failed_at = now(), state = 'parked'
-WHERE id = $1`, id, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts); err != nil {
+  payload_hash = $10, envelope = $2::jsonb, raw = $3, source = $4,
+  error = CASE WHEN $9 THEN error ELSE $5 END,
+  class = CASE WHEN $9 THEN class ELSE $6 END,
+  fingerprint = CASE WHEN $9 THEN fingerprint ELSE $7 END,
+  attempts = $8, last_failed_at = now(), state = 'parked'
+WHERE id = $1`, id, envelopeArg(dl.Envelope), dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, dl.Repeat, hash); err != nil {
 		return 0, err
 	}
-	if was != driver.DeadLetterParked {
+	if was != driver.DeadLetterParked || dl.Repeat {
 		actor, outcome := driver.RefailLog(dl)
 		if _, err := tx.Exec(ctx, `INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome) VALUES ($1, $2, $3, $4)`,
 			id, driver.DeadLetterParked, actor, outcome); err != nil {
@@ -123,8 +137,15 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 		if !f.Until.IsZero() {
 			add("last_failed_at < $?", f.Until)
 		}
+		if f.AfterID > 0 {
+			add("id > $?", f.AfterID)
+		}
 	}
-	q := `SELECT id, handler, message_id, envelope::text, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state
+	bodies := `envelope::text, raw`
+	if f != nil && f.Summary {
+		bodies = `NULL::text, NULL::bytea`
+	}
+	q := `SELECT id, handler, message_id, payload_hash, ` + bodies + `, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state
 FROM ` + d.t.deadLetters + ` WHERE ` + strings.Join(where, " AND ") + ` ORDER BY id`
 	if f != nil && f.Limit > 0 {
 		q += fmt.Sprintf(" LIMIT %d", f.Limit)
@@ -135,13 +156,19 @@ FROM ` + d.t.deadLetters + ` WHERE ` + strings.Join(where, " AND ") + ` ORDER BY
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (driver.DeadLetter, error) {
 		var (
-			dl  driver.DeadLetter
-			env *string
+			dl   driver.DeadLetter
+			env  *string
+			hash string
 		)
-		err := r.Scan(&dl.ID, &dl.Handler, &dl.MessageID, &env, &dl.Raw, &dl.Source, &dl.Error, &dl.Class,
+		err := r.Scan(&dl.ID, &dl.Handler, &dl.MessageID, &hash, &env, &dl.Raw, &dl.Source, &dl.Error, &dl.Class,
 			&dl.Fingerprint, &dl.Attempts, &dl.FirstFailed, &dl.LastFailed, &dl.State)
 		if env != nil {
 			dl.Envelope = []byte(*env)
+		}
+		if err == nil && hash != "" {
+			if dl.PayloadHash, err = hex.DecodeString(hash); err != nil {
+				err = fmt.Errorf("payload hash of %d: %w", dl.ID, err)
+			}
 		}
 		return dl, err
 	})

@@ -21,6 +21,8 @@
 // or SERIALIZABLE it would fail with a serialization error instead. In a
 // transaction of your own (ProcessTx) the level is yours, with that
 // consequence.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md#drivers
 package postgres
 
 import (
@@ -220,6 +222,9 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{versions}}", d.t.versions,
 		"{{dead_letters}}", d.t.deadLetters,
 		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
+		"{{dead_letters_key_qualified}}", sqlident.Qualified(d.schema, d.prefix+"dead_letters_key"),
+		"{{dead_letters_payload_key}}", sqlident.Quote(d.prefix+"dead_letters_payload_key"),
+		"{{dead_letters_state_check}}", sqlident.Quote(d.prefix+"dead_letters_state_check"),
 		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
 		"{{dead_letters_source}}", sqlident.Quote(d.prefix+"dead_letters_source"),
 		"{{dead_letter_log}}", d.t.deadLetterLog,

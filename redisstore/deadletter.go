@@ -22,31 +22,48 @@ var (
 
 // Dead letters live under Prefix+"dl:": a counter "dl:seq" hands out IDs,
 // each dead letter is the hash "dl:<id>", the sorted set "dl:ids" lists
-// the IDs in order, the hash "dl:keys" maps "handler|message ID" to the ID
-// (so a second failure of a message updates its dead letter; a delivery
-// that did not decode is keyed by its source and a hash of its payload and
-// error),
-// and the list "dl:log:<id>" is a dead letter's history. Scripts keep each
-// change atomic. Listing reads every dead letter and filters in the
-// client: meant for the hundreds or thousands a store holds, not for
-// millions.
+// the IDs in order, the hash "dl:keys" maps "handler|message ID NUL
+// payload hash" to the ID (so a second failure of a message with the same
+// payload updates its dead letter, and one with another payload is a dead
+// letter of its own; a key without the hash, written before, is taken over
+// by the same payload; a delivery that did not decode is keyed by its
+// source and a hash of its payload and error), and the list "dl:log:<id>" is a dead letter's history. Scripts keep each
+// change atomic. Listing reads the dead letters in chunks and filters in
+// the client (a summary without their bodies): meant for the thousands a
+// store holds, not for millions.
 
 func (d *Driver) dlKey(suffix string) string { return d.prefix + "dl:" + suffix }
 
-// putScript stores a dead letter. KEYS: seq, ids, keys. ARGV: prefix of the
-// dead-letter hashes, key field ("" when the message ID is unknown), now in
-// µs, the log entry to add if it parks again a dead letter in another
-// state, then the fields as name/value pairs.
+// putScript stores a dead letter. KEYS: seq, ids, keys. ARGV: prefix of
+// the dead-letter hashes, key field ("" when the message ID is unknown),
+// now in µs, the log entry to add if it parks again a dead letter in
+// another state (or always, for a repeat), the key field written before
+// payload hashes were stored ("" if none), the raw payload, "1" for a
+// repeat, the error, class and fingerprint, then the other fields as
+// name/value pairs.
 var putScript = redis.NewScript(`
 local id = false
 if ARGV[2] ~= '' then id = redis.call('HGET', KEYS[3], ARGV[2]) end
+if not id and ARGV[5] ~= '' then
+  -- A dead letter keyed without its payload hash: the same one when it
+  -- holds the same payload, which takes the new key.
+  local old = redis.call('HGET', KEYS[3], ARGV[5])
+  if old and (redis.call('HGET', ARGV[1] .. old, 'raw') or '') == ARGV[6] then
+    id = old
+    redis.call('HDEL', KEYS[3], ARGV[5])
+    redis.call('HSET', KEYS[3], ARGV[2], id)
+  end
+end
+local repeat_ = ARGV[7] == '1'
 local h
+local keep = false
 if id then
   h = ARGV[1] .. id
   local was = redis.call('HGET', h, 'state')
-  if was and was ~= 'parked' then
+  if was and (was ~= 'parked' or repeat_) then
     redis.call('RPUSH', ARGV[1] .. 'log:' .. id, ARGV[4])
   end
+  keep = repeat_
 else
   id = redis.call('INCR', KEYS[1])
   h = ARGV[1] .. id
@@ -54,21 +71,24 @@ else
   if ARGV[2] ~= '' then redis.call('HSET', KEYS[3], ARGV[2], id) end
   redis.call('HSET', h, 'first', ARGV[3])
 end
-redis.call('HSET', h, 'last', ARGV[3], 'state', 'parked', unpack(ARGV, 5))
+if not keep then redis.call('HSET', h, 'error', ARGV[8], 'class', ARGV[9], 'fingerprint', ARGV[10]) end
+redis.call('HSET', h, 'last', ARGV[3], 'state', 'parked', 'raw', ARGV[6], unpack(ARGV, 11))
 return tonumber(id)
 `)
 
 // DeadLetterPut implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
-	field := ""
+	field, legacy := "", ""
+	hash := hex.EncodeToString(dl.PayloadHash)
 	switch {
 	case dl.MessageID != "":
-		field = dl.Handler + "|" + dl.MessageID
+		// A NUL never appears in a message ID.
+		legacy = dl.Handler + "|" + dl.MessageID
+		field = legacy + "\x00" + hash
 	case dl.Source != "":
 		// No ID to key on: the same failure of the same delivery again
 		// (its location, payload and error), redelivered after a crash
-		// before the ack, updates the dead letter it wrote. A NUL never
-		// appears in a message ID.
+		// before the ack, updates the dead letter it wrote.
 		h := sha256.New()
 		h.Write(dl.Raw)
 		h.Write([]byte{0})
@@ -81,16 +101,23 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 	if err != nil {
 		return 0, fmt.Errorf("redisstore: store dead letter: %w", err)
 	}
-	args := []any{d.dlKey(""), field, now, entry,
-		"handler", dl.Handler, "message_id", dl.MessageID, "envelope", dl.Envelope, "raw", dl.Raw,
-		"source", dl.Source, "error", dl.Error, "class", dl.Class, "fingerprint", dl.Fingerprint,
-		"attempts", dl.Attempts}
+	repeat := ""
+	if dl.Repeat {
+		repeat = "1"
+	}
+	args := []any{d.dlKey(""), field, now, entry, legacy, dl.Raw, repeat, dl.Error, dl.Class, dl.Fingerprint,
+		"handler", dl.Handler, "message_id", dl.MessageID, "payload_hash", hash, "envelope", dl.Envelope,
+		"source", dl.Source, "attempts", dl.Attempts}
 	id, err := putScript.Run(ctx, d.client, []string{d.dlKey("seq"), d.dlKey("ids"), d.dlKey("keys")}, args...).Int64()
 	if err != nil {
 		return 0, fmt.Errorf("redisstore: store dead letter: %w", err)
 	}
 	return id, nil
 }
+
+// deadLetterSummaryFields are the fields of a dead letter's hash but its
+// bodies, for a DeadLetterFilter.Summary.
+var deadLetterSummaryFields = []string{"handler", "message_id", "payload_hash", "source", "error", "class", "fingerprint", "attempts", "first", "last", "state"}
 
 // DeadLetterList implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter) ([]driver.DeadLetter, error) {
@@ -102,8 +129,9 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 		ids = slices.Clone(f.IDs)
 		slices.Sort(ids)
 		ids = slices.Compact(ids)
+		ids = slices.DeleteFunc(ids, func(id int64) bool { return id <= f.AfterID })
 	} else {
-		all, err := d.client.ZRange(ctx, d.dlKey("ids"), 0, -1).Result()
+		all, err := d.client.ZRangeByScore(ctx, d.dlKey("ids"), &redis.ZRangeBy{Min: "(" + strconv.FormatInt(f.AfterID, 10), Max: "+inf"}).Result()
 		if err != nil {
 			return nil, fmt.Errorf("redisstore: list dead letters: %w", err)
 		}
@@ -115,33 +143,65 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 			ids = append(ids, id)
 		}
 	}
-	pipe := d.client.Pipeline()
-	cmds := make([]*redis.MapStringStringCmd, len(ids))
-	for i, id := range ids {
-		cmds[i] = pipe.HGetAll(ctx, d.dlKey(strconv.FormatInt(id, 10)))
-	}
-	if len(ids) > 0 {
-		if _, err := pipe.Exec(ctx); err != nil {
-			return nil, fmt.Errorf("redisstore: list dead letters: %w", err)
-		}
-	}
+	// In chunks, so that a Limit stops the reading early.
 	var out []driver.DeadLetter
-	for i, id := range ids {
-		m := cmds[i].Val()
-		if len(m) == 0 {
-			continue // asked for by ID, and there is none
-		}
-		dl, err := decodeDeadLetter(id, m)
+	for len(ids) > 0 {
+		chunk := ids[:min(len(ids), 256)]
+		ids = ids[len(chunk):]
+		ms, err := d.readDeadLetters(ctx, chunk, f.Summary)
 		if err != nil {
 			return nil, fmt.Errorf("redisstore: list dead letters: %w", err)
 		}
-		if !matches(f, &dl) {
+		for i, id := range chunk {
+			if len(ms[i]) == 0 {
+				continue // asked for by ID, and there is none
+			}
+			dl, err := decodeDeadLetter(id, ms[i])
+			if err != nil {
+				return nil, fmt.Errorf("redisstore: list dead letters: %w", err)
+			}
+			if !matches(f, &dl) {
+				continue
+			}
+			out = append(out, dl)
+			if f.Limit > 0 && len(out) == f.Limit {
+				return out, nil
+			}
+		}
+	}
+	return out, nil
+}
+
+// readDeadLetters reads the hashes of ids in one round trip: every field,
+// or without the bodies when summary is set. A missing one is empty.
+func (d *Driver) readDeadLetters(ctx context.Context, ids []int64, summary bool) ([]map[string]string, error) {
+	pipe := d.client.Pipeline()
+	all := make([]*redis.MapStringStringCmd, len(ids))
+	some := make([]*redis.SliceCmd, len(ids))
+	for i, id := range ids {
+		key := d.dlKey(strconv.FormatInt(id, 10))
+		if summary {
+			some[i] = pipe.HMGet(ctx, key, deadLetterSummaryFields...)
+		} else {
+			all[i] = pipe.HGetAll(ctx, key)
+		}
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return nil, err
+	}
+	out := make([]map[string]string, len(ids))
+	for i := range ids {
+		if !summary {
+			out[i] = all[i].Val()
 			continue
 		}
-		out = append(out, dl)
-		if f.Limit > 0 && len(out) == f.Limit {
-			break
+		m := map[string]string{}
+		for j, v := range some[i].Val() {
+			if s, ok := v.(string); ok {
+				m[deadLetterSummaryFields[j]] = s
+			}
 		}
+		out[i] = m
 	}
 	return out, nil
 }
@@ -159,6 +219,13 @@ func decodeDeadLetter(id int64, m map[string]string) (driver.DeadLetter, error) 
 	dl := driver.DeadLetter{
 		ID: id, Handler: m["handler"], MessageID: m["message_id"], Source: m["source"],
 		Error: m["error"], Class: m["class"], Fingerprint: m["fingerprint"], State: m["state"],
+	}
+	if v := m["payload_hash"]; v != "" {
+		h, err := hex.DecodeString(v)
+		if err != nil {
+			return dl, fmt.Errorf("dead letter %d: payload hash %q", id, v)
+		}
+		dl.PayloadHash = h
 	}
 	if v := m["envelope"]; v != "" {
 		dl.Envelope = []byte(v)

@@ -3,6 +3,7 @@ package sqlite
 import (
 	"context"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -14,7 +15,12 @@ import (
 
 var _ driver.DeadLetterStore = (*Driver)(nil)
 
-const deadLetterColumns = `id, handler, message_id, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state`
+const (
+	deadLetterColumns = `id, handler, message_id, payload_hash, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state`
+	// deadLetterSummaryColumns are deadLetterColumns with NULL for the
+	// bodies, for a DeadLetterFilter.Summary.
+	deadLetterSummaryColumns = `id, handler, message_id, payload_hash, NULL, NULL, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state`
+)
 
 // DeadLetterPut implements driver.DeadLetterStore. The lookup of the row
 // it updates, the write and the log entry share one write transaction.
@@ -42,6 +48,7 @@ func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int6
 
 func (d *Driver) putTx(ctx context.Context, tx *sql.Tx, dl *driver.DeadLetter, now int64) (int64, error) {
 	unkeyed := dl.MessageID == ""
+	hash := hex.EncodeToString(dl.PayloadHash)
 	var (
 		id  int64
 		was string
@@ -49,8 +56,13 @@ func (d *Driver) putTx(ctx context.Context, tx *sql.Tx, dl *driver.DeadLetter, n
 	)
 	switch {
 	case !unkeyed:
-		err = tx.QueryRowContext(ctx, `SELECT id, state FROM `+d.tables.deadLetters+` WHERE handler = ? AND message_id = ?`,
-			dl.Handler, dl.MessageID).Scan(&id, &was)
+		// Its own row, or one written before payload hashes were
+		// stored that holds the same payload (the hash is filled in
+		// below).
+		err = tx.QueryRowContext(ctx, `SELECT id, state FROM `+d.tables.deadLetters+`
+WHERE handler = ? AND message_id = ? AND (payload_hash = ? OR (payload_hash = '' AND raw IS ?))
+ORDER BY payload_hash DESC LIMIT 1`,
+			dl.Handler, dl.MessageID, hash, dl.Raw).Scan(&id, &was)
 	case dl.Source != "":
 		err = tx.QueryRowContext(ctx, `SELECT id, state FROM `+d.tables.deadLetters+`
 WHERE handler = ? AND message_id = '' AND source = ? AND raw IS ? AND error = ? ORDER BY id LIMIT 1`,
@@ -58,22 +70,30 @@ WHERE handler = ? AND message_id = '' AND source = ? AND raw IS ? AND error = ? 
 	}
 	if errors.Is(err, sql.ErrNoRows) {
 		err = tx.QueryRowContext(ctx, `INSERT INTO `+d.tables.deadLetters+`
-(handler, message_id, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
-RETURNING id`, dl.Handler, dl.MessageID, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint,
+(handler, message_id, payload_hash, envelope, raw, source, error, class, fingerprint, attempts, first_failed_at, last_failed_at, state)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'parked')
+RETURNING id`, dl.Handler, dl.MessageID, hash, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint,
 			dl.Attempts, now, now).Scan(&id)
 		return id, err
 	}
 	if err != nil {
 		return 0, err
 	}
-	_, err = tx.ExecContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
-  envelope = ?, raw = ?, source = ?, error = ?, class = ?, fingerprint = ?, attempts = ?, last_failed_at = ?, state = 'parked'
-WHERE id = ?`, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, now, id)
+	if dl.Repeat {
+		// The failure recorded earlier, seen again: its error and group
+		// stay.
+		_, err = tx.ExecContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
+  payload_hash = ?, envelope = ?, raw = ?, source = ?, attempts = ?, last_failed_at = ?, state = 'parked'
+WHERE id = ?`, hash, dl.Envelope, dl.Raw, dl.Source, dl.Attempts, now, id)
+	} else {
+		_, err = tx.ExecContext(ctx, `UPDATE `+d.tables.deadLetters+` SET
+  payload_hash = ?, envelope = ?, raw = ?, source = ?, error = ?, class = ?, fingerprint = ?, attempts = ?, last_failed_at = ?, state = 'parked'
+WHERE id = ?`, hash, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprint, dl.Attempts, now, id)
+	}
 	if err != nil {
 		return 0, err
 	}
-	if was != driver.DeadLetterParked {
+	if was != driver.DeadLetterParked || dl.Repeat {
 		actor, outcome := driver.RefailLog(dl)
 		if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.deadLetterLog+` (dead_letter_id, at, state, actor, outcome) VALUES (?, ?, ?, ?, ?)`,
 			id, now, driver.DeadLetterParked, actor, outcome); err != nil {
@@ -124,8 +144,15 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 		if !f.Until.IsZero() {
 			where, args = append(where, "last_failed_at < ?"), append(args, f.Until.UnixMicro())
 		}
+		if f.AfterID > 0 {
+			where, args = append(where, "id > ?"), append(args, f.AfterID)
+		}
 	}
-	q := `SELECT ` + deadLetterColumns + ` FROM ` + d.tables.deadLetters + ` WHERE ` + strings.Join(where, " AND ") + ` ORDER BY id`
+	cols := deadLetterColumns
+	if f != nil && f.Summary {
+		cols = deadLetterSummaryColumns
+	}
+	q := `SELECT ` + cols + ` FROM ` + d.tables.deadLetters + ` WHERE ` + strings.Join(where, " AND ") + ` ORDER BY id`
 	if f != nil && f.Limit > 0 {
 		q += fmt.Sprintf(" LIMIT %d", f.Limit)
 	}
@@ -139,12 +166,18 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 		var (
 			dl          driver.DeadLetter
 			first, last int64
+			hash        string
 		)
-		if err := rows.Scan(&dl.ID, &dl.Handler, &dl.MessageID, &dl.Envelope, &dl.Raw, &dl.Source, &dl.Error, &dl.Class,
+		if err := rows.Scan(&dl.ID, &dl.Handler, &dl.MessageID, &hash, &dl.Envelope, &dl.Raw, &dl.Source, &dl.Error, &dl.Class,
 			&dl.Fingerprint, &dl.Attempts, &first, &last, &dl.State); err != nil {
 			return nil, fmt.Errorf("sqlite: list dead letters: %w", err)
 		}
 		dl.FirstFailed, dl.LastFailed = time.UnixMicro(first), time.UnixMicro(last)
+		if hash != "" {
+			if dl.PayloadHash, err = hex.DecodeString(hash); err != nil {
+				return nil, fmt.Errorf("sqlite: list dead letters: payload hash of %d: %w", dl.ID, err)
+			}
+		}
 		out = append(out, dl)
 	}
 	if err := rows.Err(); err != nil {

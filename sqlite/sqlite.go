@@ -17,6 +17,8 @@
 // so concurrent Process calls queue in Go rather than spin on SQLITE_BUSY;
 // a handler must therefore do all its work through the transaction it is
 // given, never through the *sql.DB (that would wait for itself).
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/atomic-mode.md#drivers
 package sqlite
 
 import (
@@ -176,6 +178,9 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{gaps}}", d.tables.gaps,
 		"{{versions}}", d.tables.versions,
 		"{{dead_letters}}", d.tables.deadLetters,
+		"{{dead_letters_new}}", sqlident.Quote(d.prefix+"dead_letters_new"),
+		"{{dead_letters_name}}", d.prefix+"dead_letters",
+		"{{dead_letters_new_name}}", d.prefix+"dead_letters_new",
 		"{{dead_letters_key}}", sqlident.Quote(d.prefix+"dead_letters_key"),
 		"{{dead_letters_state}}", sqlident.Quote(d.prefix+"dead_letters_state"),
 		"{{dead_letters_source}}", sqlident.Quote(d.prefix+"dead_letters_source"),

@@ -42,6 +42,8 @@
 // its span, with an error status. The Kafka and JetStream adapters'
 // default mappings copy the headers they do not read into Message.Headers,
 // so the context arrives without further work.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/operations.md#tracing
 package tracing
 
 import (

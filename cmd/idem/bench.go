@@ -252,9 +252,9 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 		}
 		return t, func() { t.Close() }, nil
 	case kindRedis:
-		ropts, err := redis.ParseURL(tg.dsn)
+		ropts, err := parseRedisDSN(tg.dsn)
 		if err != nil {
-			return nil, nil, usagef("DSN %q: %w", redactDSN(tg.dsn), err)
+			return nil, nil, err
 		}
 		ropts.PoolSize = max(ropts.PoolSize, cfg.workers+2)
 		ropts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled} // see docs/redis.md
@@ -266,9 +266,9 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 		}
 		return t, func() { t.Close(context.WithoutCancel(ctx)); client.Close() }, nil
 	default:
-		pcfg, err := pgxpool.ParseConfig(tg.dsn)
+		pcfg, err := parsePostgresDSN(tg.dsn)
 		if err != nil {
-			return nil, nil, usagef("DSN %q: %w", redactDSN(tg.dsn), err)
+			return nil, nil, err
 		}
 		pcfg.MaxConns = int32(cfg.workers + 2)
 		pool, err := pgxpool.NewWithConfig(ctx, pcfg)

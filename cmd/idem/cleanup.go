@@ -93,18 +93,22 @@ func (s *store) idemDriver() any {
 	return s.pgDrv
 }
 
-// cleanupReport is what cleanup prints with --json. With dry_run, deleted
-// and outbox_deleted count what a cleanup now would delete.
+// cleanupReport is what cleanup prints with --json. A dry run reports
+// what a cleanup now would delete (would_delete, outbox_would_delete, and
+// per handler in prunable) and nothing under the names of a real run's
+// counts; a real run reports what it deleted.
 type cleanupReport struct {
-	DryRun         bool             `json:"dry_run"`
-	Cutoff         time.Time        `json:"cutoff"`
-	Prunable       map[string]int64 `json:"prunable,omitempty"`
-	OldestMarker   *time.Time       `json:"oldest_marker,omitempty"`
-	Deleted        int              `json:"deleted"`
-	Batches        int              `json:"batches"`
-	OutboxDeleted  int              `json:"outbox_deleted"`
-	DurationMS     int64            `json:"duration_ms"`
-	LongestBatchMS int64            `json:"longest_batch_ms"`
+	DryRun            bool             `json:"dry_run"`
+	Cutoff            time.Time        `json:"cutoff"`
+	Prunable          map[string]int64 `json:"prunable,omitempty"`
+	OldestMarker      *time.Time       `json:"oldest_marker,omitempty"`
+	WouldDelete       *int             `json:"would_delete,omitempty"`
+	OutboxWouldDelete *int             `json:"outbox_would_delete,omitempty"`
+	Deleted           *int             `json:"deleted,omitempty"`
+	Batches           *int             `json:"batches,omitempty"`
+	OutboxDeleted     *int             `json:"outbox_deleted,omitempty"`
+	DurationMS        *int64           `json:"duration_ms,omitempty"`
+	LongestBatchMS    *int64           `json:"longest_batch_ms,omitempty"`
 }
 
 // runCleanup counts or deletes the markers past the retention.
@@ -119,6 +123,7 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 		return err
 	}
 	rep := cleanupReport{DryRun: dryRun}
+	var deleted, outboxDeleted int
 	if dryRun {
 		est, err := pr.Prunable(ctx)
 		if err != nil {
@@ -131,14 +136,16 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 			rep.OldestMarker = &o
 		}
 		for _, n := range est.Markers {
-			rep.Deleted += int(n)
+			deleted += int(n)
 		}
-		rep.OutboxDeleted = int(est.Outbox)
+		outboxDeleted = int(est.Outbox)
+		rep.WouldDelete, rep.OutboxWouldDelete = &deleted, &outboxDeleted
 	} else {
 		st, err := pr.Prune(ctx)
 		rep.Cutoff = st.Cutoff.UTC().Truncate(time.Second)
-		rep.Deleted, rep.Batches, rep.OutboxDeleted = st.Deleted, st.Batches, st.OutboxDeleted
-		rep.DurationMS, rep.LongestBatchMS = st.Duration.Milliseconds(), st.LongestBatch.Milliseconds()
+		deleted, outboxDeleted = st.Deleted, st.OutboxDeleted
+		batches, took, longest := st.Batches, st.Duration.Milliseconds(), st.LongestBatch.Milliseconds()
+		rep.Deleted, rep.Batches, rep.OutboxDeleted, rep.DurationMS, rep.LongestBatchMS = &deleted, &batches, &outboxDeleted, &took, &longest
 		if errors.Is(err, idem.ErrMaintenanceBusy) {
 			return fmt.Errorf("another cleanup is running on %s; nothing deleted", s)
 		}
@@ -151,10 +158,10 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 	}
 	if !dryRun {
 		fmt.Fprintf(e.stdout, "Deleted %s processed before %s in %d batch(es) (%s, slowest batch %s).\n",
-			plural(rep.Deleted, "marker"), rep.Cutoff.Format(time.RFC3339), rep.Batches,
-			time.Duration(rep.DurationMS)*time.Millisecond, time.Duration(rep.LongestBatchMS)*time.Millisecond)
-		if rep.OutboxDeleted > 0 {
-			fmt.Fprintf(e.stdout, "Deleted %s published before %s.\n", plural(rep.OutboxDeleted, "outbox row"), rep.Cutoff.Format(time.RFC3339))
+			plural(deleted, "marker"), rep.Cutoff.Format(time.RFC3339), *rep.Batches,
+			time.Duration(*rep.DurationMS)*time.Millisecond, time.Duration(*rep.LongestBatchMS)*time.Millisecond)
+		if outboxDeleted > 0 {
+			fmt.Fprintf(e.stdout, "Deleted %s published before %s.\n", plural(outboxDeleted, "outbox row"), rep.Cutoff.Format(time.RFC3339))
 		}
 		return nil
 	}
@@ -167,14 +174,14 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "HANDLER\tWOULD DELETE")
 	for _, h := range handlers {
-		fmt.Fprintf(tw, "%s\t%d\n", h, rep.Prunable[h])
+		fmt.Fprintf(tw, "%s\t%d\n", termText(h), rep.Prunable[h])
 	}
-	fmt.Fprintf(tw, "total\t%d\n", rep.Deleted)
+	fmt.Fprintf(tw, "total\t%d\n", deleted)
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if rep.OutboxDeleted > 0 {
-		fmt.Fprintf(e.stdout, "\nAnd %s published before then.\n", plural(rep.OutboxDeleted, "outbox row"))
+	if outboxDeleted > 0 {
+		fmt.Fprintf(e.stdout, "\nAnd %s published before then.\n", plural(outboxDeleted, "outbox row"))
 	}
 	if rep.OldestMarker != nil {
 		fmt.Fprintf(e.stdout, "\nOldest marker: %s\n", rep.OldestMarker.Format(time.RFC3339))

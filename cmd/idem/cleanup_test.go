@@ -26,14 +26,14 @@ func TestCleanupOnDemoDatabase(t *testing.T) {
 	}
 	code, out, errOut = runCLI(t, "cleanup", "--dsn", db, "--dry-run", "--retention", "1ns", "--json")
 	var dry cleanupReport
-	if code != exitOK || json.Unmarshal([]byte(out), &dry) != nil || !dry.DryRun || dry.Prunable["demo.balances"] != int64(dry.Deleted) || dry.Deleted < 2000*9/10 {
+	if code != exitOK || json.Unmarshal([]byte(out), &dry) != nil || !dry.DryRun || dry.WouldDelete == nil || dry.Deleted != nil || dry.Prunable["demo.balances"] != int64(*dry.WouldDelete) || *dry.WouldDelete < 2000*9/10 {
 		t.Fatalf("dry run, 1ns: exit %d\n%s%s", code, out, errOut)
 	}
 
 	code, out, errOut = runCLI(t, "cleanup", "--dsn", db, "--retention", "1ns", "--batch", "500", "--json")
 	var rep cleanupReport
-	if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil || rep.Deleted != dry.Deleted || rep.Batches != dry.Deleted/500+1 {
-		t.Fatalf("cleanup: exit %d, want %d deleted in %d batches\n%s%s", code, dry.Deleted, dry.Deleted/500+1, out, errOut)
+	if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil || rep.Deleted == nil || rep.WouldDelete != nil || *rep.Deleted != *dry.WouldDelete || *rep.Batches != *dry.WouldDelete/500+1 {
+		t.Fatalf("cleanup: exit %d, want %d deleted in %d batches\n%s%s", code, *dry.WouldDelete, *dry.WouldDelete/500+1, out, errOut)
 	}
 	code, out, _ = runCLI(t, "cleanup", "--dsn", db, "--dry-run")
 	if code != exitOK || !strings.Contains(out, "No markers stored.") {

@@ -81,8 +81,8 @@ func TestCleanupDryRunCountsTheOutbox(t *testing.T) {
 	if code != exitOK || json.Unmarshal([]byte(out), &real) != nil {
 		t.Fatalf("cleanup: exit %d\n%s%s", code, out, errOut)
 	}
-	if real.OutboxDeleted != 1 || dry.OutboxDeleted != real.OutboxDeleted {
-		t.Errorf("dry run says %d outbox row(s) would go; the cleanup then deleted %d", dry.OutboxDeleted, real.OutboxDeleted)
+	if dry.OutboxWouldDelete == nil || real.OutboxDeleted == nil || *real.OutboxDeleted != 1 || *dry.OutboxWouldDelete != *real.OutboxDeleted {
+		t.Fatalf("dry run says %v outbox row(s) would go; the cleanup then deleted %v", dry.OutboxWouldDelete, real.OutboxDeleted)
 	}
 }
 

@@ -147,7 +147,7 @@ func defineDLQFlags(fs *flag.FlagSet) *dlqFlags {
 	f := &dlqFlags{store: addStoreFlags(fs, "dlq", true)}
 	fs.StringVar(&f.handler, "handler", "", "only dead letters of this `handler`")
 	fs.StringVar(&f.group, "group", "", "only dead letters with this `fingerprint`")
-	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replayed, discarded or all (list only)")
+	fs.StringVar(&f.state, "state", driver.DeadLetterParked, "`state`: parked, replay_requested, replaying, replayed, discarded or all (list only)")
 	fs.StringVar(&f.since, "since", "", "only dead letters that last failed at or after `T`")
 	fs.StringVar(&f.until, "until", "", "only dead letters that last failed before `T`")
 	fs.IntVar(&f.limit, "limit", 100, "list at most `N` (0: all); replay or discard the oldest N (only when given)")
@@ -240,9 +240,9 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 		}
 		if f.state != "all" {
 			switch f.state {
-			case driver.DeadLetterParked, driver.DeadLetterReplayRequested, driver.DeadLetterReplayed, driver.DeadLetterDiscarded:
+			case driver.DeadLetterParked, driver.DeadLetterReplayRequested, driver.DeadLetterReplaying, driver.DeadLetterReplayed, driver.DeadLetterDiscarded:
 			default:
-				return nil, usagef("--state %q: want parked, replay_requested, replayed, discarded or all", f.state)
+				return nil, usagef("--state %q: want parked, replay_requested, replaying, replayed, discarded or all", f.state)
 			}
 			flt.State = f.state
 		}
@@ -330,13 +330,16 @@ func toJSON(d driver.DeadLetter, full bool) dlqJSON {
 }
 
 func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, asJSON bool) error {
-	// One more than the limit, to say whether the list was cut short.
+	// One more than the limit, to say whether the list was cut short;
+	// summaries only: a list shows no bodies, and their size is not
+	// bounded.
 	limit := f.Limit
+	g := *f
+	g.Summary = true
 	if limit > 0 {
-		g := *f
 		g.Limit = limit + 1
-		f = &g
 	}
+	f = &g
 	dls, err := dl.DeadLetterList(ctx, f)
 	if err != nil {
 		return err
@@ -360,8 +363,8 @@ func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tHANDLER\tMESSAGE\tCLASS\tATTEMPTS\tLAST FAILED\tSTATE\tERROR")
 	for _, d := range dls {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.Handler, orDash(d.MessageID), d.Class, d.Attempts,
-			d.LastFailed.UTC().Format(time.RFC3339), d.State, clip(d.Error, 60))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, termText(d.Handler), termText(orDash(d.MessageID)), termText(d.Class), d.Attempts,
+			d.LastFailed.UTC().Format(time.RFC3339), termText(d.State), termText(clip(d.Error, 60)))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -406,7 +409,7 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		{"Source", orDash(d.Source)}, {"Group", d.Fingerprint}, {"Error", d.Error},
 		{"Envelope", orDash(string(d.Envelope))}, {"Raw", strconv.Quote(clip(string(d.Raw), 400))},
 	} {
-		fmt.Fprintf(tw, "%s:\t%s\n", kv[0], kv[1])
+		fmt.Fprintf(tw, "%s:\t%s\n", kv[0], termText(kv[1]))
 	}
 	for i, h := range hist {
 		label := ""
@@ -417,7 +420,7 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		if h.Outcome != "" {
 			line += ": " + h.Outcome
 		}
-		fmt.Fprintf(tw, "%s\t%s\n", label, line)
+		fmt.Fprintf(tw, "%s\t%s\n", label, termText(line))
 	}
 	return tw.Flush()
 }

@@ -3,9 +3,13 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -110,4 +114,58 @@ func TestSubcommandHelp(t *testing.T) {
 			t.Errorf("idem %s: exit %d, %q %q; want the help and exit 0", strings.Join(args, " "), code, out, errOut)
 		}
 	}
+}
+
+// TestDLQReadsNoBodies: 'dlq list', 'dlq replay' and the serve page read
+// summaries, not the dead letters' envelopes and payloads, whose size has
+// no bound: what they allocate stays well below the bodies' total.
+func TestDLQReadsNoBodies(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "dlq.db")
+	_, drv := testenv.SQLite(t, path, nil)
+	const (
+		n    = 6
+		size = 4 << 20
+	)
+	body := []byte(strings.Repeat("x", size))
+	env := []byte(`{"ID":"m","Payload":"` + strings.Repeat("A", size) + `"}`)
+	for i := 1; i <= n; i++ {
+		if _, err := drv.DeadLetterPut(ctx, &driver.DeadLetter{Handler: "balances", MessageID: fmt.Sprintf("m-%d", i), Envelope: env, Raw: body,
+			Error: "boom", Class: idem.DeadLetterPermanent, Attempts: 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	allocated := func(what string, f func()) {
+		t.Helper()
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		f()
+		runtime.ReadMemStats(&after)
+		if got := after.TotalAlloc - before.TotalAlloc; got > 2*size {
+			t.Errorf("%s allocated %d MiB for %d dead letters of %d MiB; want less than one's bodies", what, got>>20, n, 2*size>>20)
+		}
+	}
+	envs := map[string]string{dsnEnv: path}
+	allocated("dlq list", func() {
+		if code, out, errOut := runCLIEnv(t, envs, "dlq", "list"); code != exitOK || !strings.Contains(out, "m-6") {
+			t.Fatalf("dlq list: exit %d\n%s%s", code, out, errOut)
+		}
+	})
+	s, err := openStore(ctx, path, storeOptions{Prefix: defaultPrefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	srv := httptest.NewServer(newServeMux(ctx, s, 0, 5*time.Second))
+	defer srv.Close()
+	allocated("the serve page", func() {
+		if code, page := get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(page, "m-6") {
+			t.Fatalf("serve page: %d\n%s", code, page)
+		}
+	})
+	allocated("dlq replay --all", func() {
+		if code, out, errOut := runCLIEnv(t, envs, "dlq", "replay", "--all"); code != exitOK || !strings.Contains(out, "6 dead letters marked") {
+			t.Fatalf("dlq replay: exit %d\n%s%s", code, out, errOut)
+		}
+	})
 }

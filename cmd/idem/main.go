@@ -28,6 +28,8 @@
 //
 // Every command parses its own flags (idem <command> --help lists them).
 // SIGINT and SIGTERM cancel the running command, which then exits with 1.
+//
+// Read the guide at https://github.com/idemhq/idem/blob/main/docs/operations.md
 package main
 
 import (
@@ -195,7 +197,7 @@ func runCommand(ctx context.Context, e *env, c *command, args []string) int {
 		return exitUsage
 	}
 	if ctx.Err() != nil {
-		fmt.Fprintf(e.stderr, "idem %s: interrupted: %v\n", c.name, err)
+		fmt.Fprintf(e.stderr, "idem %s: interrupted: %s\n", c.name, termBlock(err.Error()))
 		return exitFailed
 	}
 	fmt.Fprintf(e.stderr, "idem %s: %s\n", c.name, errorText(c.name, err))
@@ -206,7 +208,7 @@ func runCommand(ctx context.Context, e *env, c *command, args []string) int {
 // after it, the command's own name, which the line already starts with:
 // "idem import: read …", not "idem import: idem: import: read …".
 func errorText(command string, err error) string {
-	msg := err.Error()
+	msg := termBlock(err.Error())
 	if rest, ok := strings.CutPrefix(msg, "idem: "); ok {
 		msg = rest
 		if rest, ok := strings.CutPrefix(msg, command+": "); ok {

@@ -1,13 +1,17 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
+	"unicode/utf8"
 
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/sqlite"
@@ -192,7 +196,8 @@ func TestParseDSN(t *testing.T) {
 	}
 }
 
-// TestRedactDSN checks that passwords are hidden from messages.
+// TestRedactDSN checks that passwords are hidden from messages, whatever
+// characters they hold.
 func TestRedactDSN(t *testing.T) {
 	t.Parallel()
 	for in, want := range map[string]string{
@@ -201,11 +206,19 @@ func TestRedactDSN(t *testing.T) {
 		"sqlite:x.db":                                "sqlite:x.db",
 		"postgres://u:p@ss@h/db":                     "postgres://u:xxxxx@h/db",
 		"postgres://u:pa/ss@h/db":                    "postgres://u:xxxxx@h/db",
-		"postgres://h/db?user=u&password=secret&x=1": "postgres://h/db?user=u&password=xxxxx&x=1",
-		"redis://:secret@h:6379/0":                   "redis://:xxxxx@h:6379/0",
+		"postgres://u:pa?ss@h/db":                    "postgres://u:xxxxx@h/db",
+		"postgres://u:pa#ss@h/db?sslmode=disable":    "postgres://u:xxxxx@h/db?sslmode=disable",
+		"redis://:se?cr#et@h:6379/0":                 "redis://:xxxxx@h:6379/0",
+		"rediss://app:a%40b@h:6380":                  "rediss://app:xxxxx@h:6380",
+		"sqlite://u:pw@/tmp/x.db":                    "sqlite://u:xxxxx@/tmp/x.db",
+		"postgres://h/db?user=u&password=secret&x=1": "postgres://h/db?user=u&password=xxxxx",
+		"postgres://h/db?sslpassword=a&b#c":          "postgres://h/db?sslpassword=xxxxx",
 		"host=db user=u password=secret dbname=app":  "host=db user=u password=xxxxx dbname=app",
 		"host=db PASSWORD = 'se cr\\'et' port=5432":  "host=db PASSWORD = xxxxx port=5432",
+		"host=db password=se\\ cr#et&x port=5432":    "host=db password=xxxxx port=5432",
+		"host=db sslpassword=k password=p":           "host=db sslpassword=xxxxx password=xxxxx",
 		"host=db mypassword=x":                       "host=db mypassword=x",
+		"postgres://h:5432/db?application_name=a@b":  "postgres://h:xxxxx@b",
 	} {
 		if got := redactDSN(in); got != want {
 			t.Errorf("redactDSN(%q) = %q, want %q", in, got, want)
@@ -213,29 +226,78 @@ func TestRedactDSN(t *testing.T) {
 	}
 }
 
-// FuzzRedactDSN: whatever the password of a URL DSN or a key/value one, the
-// redacted DSN keeps the rest and shows none of it.
+// FuzzRedactDSN: whatever the password, in whatever shape of DSN (a URL's
+// userinfo raw or percent-encoded, a URL's query, a key/value DSN quoted or
+// with backslash escapes; postgres, redis, rediss, sqlite and file
+// schemes), nothing the command line prints for it (the redacted DSN, the
+// errors of dlq list and bench, which parse and connect) holds the
+// password or a piece of it. The password is the fuzzer's string twice:
+// as it is between two markers, and with a marker after every rune, so
+// that a leaked piece of at least 7 bytes carries a marker.
 //
 //	go test ./cmd/idem -run '^$' -fuzz FuzzRedactDSN -fuzztime 30s
 func FuzzRedactDSN(f *testing.F) {
-	f.Add("u", "secret", "h:5432/db")
-	f.Add("u", "p@ss/w:rd", "h/db")
-	f.Add("", "s", "h")
-	f.Fuzz(func(t *testing.T, user, pass, host string) {
-		if pass == "" || strings.ContainsAny(user, ":@/?#") || strings.ContainsAny(host, "@?#") || strings.ContainsAny(pass, "?# \t'\\") ||
-			strings.HasPrefix(host, "/") {
-			t.Skip()
+	for i, s := range []string{"secret", "p@ss/w:rd", "", "a?b#c", "%zz", "50%", "x y'z\\", "12/ss", "12?ss", "@", "password=x", "\x1b[2J", "\xff"} {
+		for shape := i % 5; shape < dsnShapes; shape += 5 {
+			f.Add(uint8(shape), s)
 		}
-		url := "postgres://" + user + ":" + pass + "@" + host
-		if got, want := redactDSN(url), "postgres://"+user+":xxxxx@"+host; got != want && !strings.Contains(strings.ToLower(host), "password") {
-			t.Fatalf("redactDSN(%q) = %q, want %q", url, got, want)
+	}
+	f.Fuzz(func(t *testing.T, shape uint8, raw string) {
+		var pieces []string
+		for i := 0; i < len(raw); {
+			_, n := utf8.DecodeRuneInString(raw[i:])
+			pieces = append(pieces, raw[i:i+n])
+			i += n
 		}
-		if strings.ContainsAny(pass, " &") {
-			return
-		}
-		kv := "host=" + strings.ReplaceAll(host, " ", "") + " password=" + pass + " dbname=app"
-		if got := redactDSN(kv); strings.Contains(got, "password="+pass+" ") && pass != "xxxxx" {
-			t.Fatalf("redactDSN(%q) = %q shows the password", kv, got)
+		for _, pass := range []string{fuzzMarker + raw + fuzzMarker, fuzzMarker + strings.Join(pieces, fuzzMarker) + fuzzMarker} {
+			dsn := fuzzDSN(shape, pass)
+			outs := []string{redactDSN(dsn)}
+			if _, err := parseDSN(dsn); err != nil {
+				outs = append(outs, err.Error())
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			for _, args := range [][]string{{"dlq", "list"}, {"bench", "--cases", "per-message", "--rounds", "1", "--round", "1ms"}} {
+				var out, errOut bytes.Buffer
+				e := &env{stdout: &out, stderr: &errOut, getenv: func(string) string { return "" }}
+				if code := runEnv(ctx, e, append(args, "--dsn", dsn)); code == exitOK {
+					t.Errorf("idem %s --dsn %q succeeded", args[0], dsn)
+				}
+				outs = append(outs, out.String()+errOut.String())
+			}
+			cancel()
+			for _, out := range outs {
+				if strings.Contains(out, pass) || strings.Contains(out, fuzzMarker) {
+					t.Fatalf("DSN %q (shape %d): the output shows the password or a piece of it:\n%s", dsn, shape%dsnShapes, out)
+				}
+			}
 		}
 	})
+}
+
+// fuzzMarker is a piece of every password FuzzRedactDSN tries, and of no
+// other text the command line prints.
+const fuzzMarker = "zQ"
+
+// dsnShapes is how many DSN shapes fuzzDSN builds.
+const dsnShapes = 15
+
+// fuzzDSN builds a DSN of the given shape carrying pass, for a server that
+// refuses connections (127.0.0.1:1) or a SQLite file that does not exist.
+func fuzzDSN(shape uint8, pass string) string {
+	const host = "127.0.0.1:1"
+	schemes := []string{"postgres", "postgresql", "redis", "rediss", "sqlite", "file"}
+	switch s := int(shape % dsnShapes); {
+	case s < 6: // the password raw in the userinfo, as people type it
+		return schemes[s] + "://app:" + pass + "@" + host + "/0"
+	case s < 12: // percent-encoded, as a URL should be
+		return schemes[s-6] + "://" + url.UserPassword("app", pass).String() + "@" + host + "/0"
+	case s == 12: // in the query
+		return "postgres://app@" + host + "/db?sslmode=disable&password=" + url.QueryEscape(pass) + "&application_name=x"
+	case s == 13: // key/value, quoted, which idem refuses as unrecognised
+		q := strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(pass)
+		return "host=127.0.0.1 port=1 user=app password='" + q + "' dbname=db"
+	default: // key/value, unquoted with backslash escapes
+		q := strings.NewReplacer(`\`, `\\`, `'`, `\'`, " ", `\ `, "\t", "\\\t").Replace(pass)
+		return "host=127.0.0.1 port=1 user=app password=" + q + " dbname=db"
+	}
 }

@@ -210,3 +210,43 @@ func TestServeStopsWhileAReadWaits(t *testing.T) {
 		t.Fatal("serve did not stop while a read waited")
 	}
 }
+
+// TestServePageMarkerEstimate: on PostgreSQL the page adds the planner's
+// estimate of all markers, read on each view and named an estimate, while
+// its per-handler counts stay the cached reading.
+func TestServePageMarkerEstimate(t *testing.T) {
+	ctx := context.Background()
+	schema, _ := migratedSchema(t)
+	pool := testenv.PostgresPool(t, 2)
+	table := `"` + schema + `"."idem_processed"`
+	if _, err := pool.Exec(ctx, `INSERT INTO `+table+` (handler, message_id, payload_hash, processed_at, status)
+		SELECT 'est', 'm-' || g, '\x00', now(), 'done' FROM generate_series(1, 1500) g`); err != nil {
+		t.Fatal(err)
+	}
+	s, err := openStore(ctx, testenv.PostgresDSN(), storeOptions{Schema: schema, Prefix: defaultPrefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	srv := httptest.NewServer(newServeMux(context.Background(), s, time.Hour, 5*time.Second))
+	defer srv.Close()
+	if _, err := pool.Exec(ctx, `ANALYZE `+table); err != nil {
+		t.Fatal(err)
+	}
+	code, body := get(t, srv.URL+"/")
+	if code != http.StatusOK || !strings.Contains(body, "about 1500 in all (PostgreSQL") || !strings.Contains(body, "<td>est</td><td>1500</td>") {
+		t.Fatalf("/: %d, want the estimate and the exact count\n%s", code, body)
+	}
+	// More markers: the estimate follows at the next analysis, the cached
+	// count does not.
+	if _, err := pool.Exec(ctx, `INSERT INTO `+table+` (handler, message_id, payload_hash, processed_at, status)
+		SELECT 'est', 'n-' || g, '\x00', now(), 'done' FROM generate_series(1, 500) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `ANALYZE `+table); err != nil {
+		t.Fatal(err)
+	}
+	if code, body = get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, "about 2000 in all") || !strings.Contains(body, "<td>est</td><td>1500</td>") {
+		t.Fatalf("/ after 500 more: %d\n%s", code, body)
+	}
+}

@@ -182,7 +182,7 @@ func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now
 	fmt.Fprintf(w, "failing         %d\n", rep.Failing)
 	if rep.LastError != "" {
 		// A multi-line error keeps its column.
-		fmt.Fprintf(w, "last error      %s\n", strings.ReplaceAll(strings.TrimRight(rep.LastError, "\n"), "\n", "\n                "))
+		fmt.Fprintf(w, "last error      %s\n", strings.ReplaceAll(termBlock(strings.TrimRight(rep.LastError, "\n")), "\n", "\n                "))
 	}
 	fmt.Fprintf(w, "published       %d (kept until 'idem cleanup' prunes them)\n", rep.Published)
 	if rep.Notify != nil {

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -125,6 +126,9 @@ func TestServeEndpoints(t *testing.T) {
 	if code, body = get(t, srv.URL+"/"); code != http.StatusServiceUnavailable || !strings.Contains(body, "could not be read") {
 		t.Fatalf("/ with the store closed: %d", code)
 	}
+	if !strings.Contains(body, "Outage in progress") || !strings.Contains(body, "has not answered since") {
+		t.Fatalf("/ with the store closed does not show the outage:\n%s", body)
+	}
 }
 
 // TestServeHealthNeedsTables: a store that answers but holds no idem
@@ -195,7 +199,7 @@ func TestServeMetricsRefresh(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	c := newStoreCollector(context.Background(), s, time.Hour, 5*time.Second)
+	c := newStoreCollector(newReadingCache(context.Background(), s, time.Hour, 5*time.Second))
 	scrape := func() string {
 		t.Helper()
 		reg := prometheus.NewPedanticRegistry()
@@ -219,8 +223,78 @@ func TestServeMetricsRefresh(t *testing.T) {
 	if again := scrape(); again != first || strings.Contains(again, `"late"`) {
 		t.Fatal("a scrape within the refresh interval read the store again")
 	}
-	c.refresh = 0
+	c.cache.ttl = 0
 	if !strings.Contains(scrape(), `value:"late"`) {
 		t.Fatal("a scrape after the refresh interval did not read the store")
 	}
+}
+
+// TestServeMetricsBadHandlerName: a marker row whose handler is not UTF-8,
+// written with raw SQL as a tool outside idem could, and another whose
+// name spells that one's escape, do not fail the scrape: /metrics answers
+// 200 with idem_store_up 1 and a distinct, valid label for each.
+func TestServeMetricsBadHandlerName(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "bad.db")
+	db, _ := testenv.SQLite(t, path, nil)
+	for _, q := range []string{
+		`INSERT INTO idem_processed (handler, message_id, payload_hash, processed_at) VALUES (CAST(x'ff62616c' AS TEXT), 'm1', x'00', 1)`,
+		`INSERT INTO idem_processed (handler, message_id, payload_hash, processed_at) VALUES ('\xffbal', 'm1', x'00', 1)`,
+		`INSERT INTO idem_processed (handler, message_id, payload_hash, processed_at) VALUES ('ok', 'm1', x'00', 1)`,
+	} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s, err := openStore(context.Background(), path, storeOptions{Prefix: defaultPrefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	srv := httptest.NewServer(newServeMux(context.Background(), s, 0, 5*time.Second))
+	defer srv.Close()
+	code, body := get(t, srv.URL+"/metrics")
+	if code != http.StatusOK {
+		t.Fatalf("/metrics: %d\n%s", code, body)
+	}
+	for _, line := range []string{
+		"idem_store_up 1",
+		`idem_store_markers{handler="\\xffbal"} 1`,
+		`idem_store_markers{handler="\\xffbal#2"} 1`,
+		`idem_store_markers{handler="ok"} 1`,
+	} {
+		if !strings.Contains(body, line) {
+			t.Errorf("/metrics lacks %q:\n%s", line, body)
+		}
+	}
+	if code, body := get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, `\xffbal`) {
+		t.Errorf("/: %d, want 200 showing the escaped name\n%s", code, body)
+	}
+}
+
+// FuzzMetricLabel: any stored handler name becomes a valid label value,
+// itself when it is UTF-8, and handlerLabels never repeats a label.
+//
+//	go test ./cmd/idem -run '^$' -fuzz FuzzMetricLabel -fuzztime 30s
+func FuzzMetricLabel(f *testing.F) {
+	f.Add("ok", "\xffbal")
+	f.Add(`\xff`, "\xff")
+	f.Add("a#2", "a")
+	f.Fuzz(func(t *testing.T, a, b string) {
+		l := metricLabel(a)
+		if !utf8.ValidString(l) || (utf8.ValidString(a) != (l == a)) {
+			t.Fatalf("metricLabel(%q) = %q", a, l)
+		}
+		if _, err := prometheus.NewConstMetric(prometheus.NewDesc("x", "x", []string{"handler"}, nil), prometheus.GaugeValue, 1, l); err != nil {
+			t.Fatalf("metricLabel(%q) = %q: %v", a, l, err)
+		}
+		list := []*handlerStats{{Handler: a}, {Handler: b}, {Handler: a + "#2"}, {Handler: b}}
+		labels := handlerLabels(list)
+		seen := map[string]bool{}
+		for _, l := range labels {
+			if seen[l] {
+				t.Fatalf("handlerLabels(%q, %q) = %q: %q twice", a, b, labels, l)
+			}
+			seen[l] = true
+		}
+	})
 }

@@ -2,11 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"sort"
 	"text/tabwriter"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // statsCommand returns the "stats" subcommand: per-handler figures from
@@ -81,7 +84,7 @@ func runStats(ctx context.Context, e *env, s *store, asJSON bool) error {
 		if st.OldestMarker != nil {
 			old = st.OldestMarker.Format(time.RFC3339)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", st.Handler, st.Applied, st.Duplicates, st.Stale, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d / %d\t%d\t%s\n", termText(st.Handler), st.Applied, st.Duplicates, st.Stale, st.InFlight, st.Failed, st.DeadParked, st.DeadTotal, st.Conflicts, old)
 	}
 	return tw.Flush()
 }
@@ -199,4 +202,26 @@ func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...an
 		}
 	}
 	return rows.Err()
+}
+
+// markerEstimate returns PostgreSQL's estimate of the rows in the marker
+// table (pg_class.reltuples, kept by autovacuum and ANALYZE): a catalog
+// read, free however many markers there are, where counting them scans the
+// table. ok is false on other stores, and before the table was first
+// analysed.
+func (s *store) markerEstimate(ctx context.Context) (n int64, ok bool, err error) {
+	if s.kind != kindPostgres {
+		return 0, false, nil
+	}
+	var est *float64
+	if err := s.pgPool.QueryRow(ctx, `SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)`, s.table("processed")).Scan(&est); err != nil {
+		if errors.Is(err, pgx.ErrNoRows) {
+			return 0, false, nil
+		}
+		return 0, false, fmt.Errorf("read the marker estimate: %w", err)
+	}
+	if est == nil || *est < 0 {
+		return 0, false, nil // never analysed
+	}
+	return int64(*est), true, nil
 }

@@ -107,43 +107,63 @@ func parseDSN(dsn string) (target, error) {
 // sqliteTarget checks the path part of a SQLite DSN.
 func sqliteTarget(dsn, path string) (target, error) {
 	if path == "" {
-		return target{}, usagef("DSN %q names no SQLite file\n%s", dsn, dsnHelp)
+		return target{}, usagef("DSN %q names no SQLite file\n%s", redactDSN(dsn), dsnHelp)
 	}
-	if strings.ContainsRune(path, '?') {
-		return target{}, usagef("DSN %q: query parameters are not supported for SQLite; idem sets the pragmas it relies on itself", dsn)
+	if r := redactDSN(dsn); r != dsn {
+		// The driver's errors would print the path, password and all.
+		return target{}, usagef("DSN %q: a SQLite file takes no user name or password", r)
+	}
+	if before, _, ok := strings.Cut(dsn, "?"); ok {
+		// The query is not printed: it may hold a key or a password.
+		return target{}, usagef("DSN %q: query parameters are not supported for SQLite; idem sets the pragmas it relies on itself", redactDSN(before)+"?…")
 	}
 	return target{kind: kindSQLite, path: path}, nil
 }
 
-// redactDSN hides the passwords in a DSN before it is printed: a URL's
-// userinfo password, up to the last '@' before any query (so a raw '@' or
-// '/' in the password does not leak its tail; a path holding an '@' is
-// masked too), and any password=… setting, in a URL's query or a
-// key/value DSN.
+// redactDSN hides the passwords in a DSN before it is printed, whatever
+// its shape. In a URL (anything with "://", so also redis://, rediss:// and
+// sqlite://) the userinfo password runs up to the last '@' of the whole
+// string: a raw '@', '/', '?' or '#' in a password ends it earlier for a URL
+// parser, but hiding too much beats printing a password's tail. A
+// password=… or sslpassword=… setting in a URL's query is hidden with the
+// rest of the query, since a raw '&' or '#' in its value leaves its end
+// unknown. In a key/value DSN (host=… password=…) the value ends as libpq
+// ends it: a quoted value at its closing quote, an unquoted one at the first
+// unescaped space.
 func redactDSN(dsn string) string {
-	out := dsn
-	if scheme, rest, ok := strings.Cut(dsn, "://"); ok {
-		end := len(rest)
-		if i := strings.IndexAny(rest, "?#"); i >= 0 {
-			end = i
-		}
-		if at := strings.LastIndex(rest[:end], "@"); at >= 0 {
-			if user, _, hasPass := strings.Cut(rest[:at], ":"); hasPass {
-				out = scheme + "://" + user + ":xxxxx" + rest[at:]
-			}
+	scheme, rest, isURL := strings.Cut(dsn, "://")
+	if !isURL {
+		return redactPasswordSettings(dsn, false)
+	}
+	if at := strings.LastIndex(rest, "@"); at >= 0 {
+		if user, _, hasPass := strings.Cut(rest[:at], ":"); hasPass {
+			rest = user + ":xxxxx" + rest[at:]
 		}
 	}
-	return redactPasswordSettings(out)
+	return scheme + "://" + redactPasswordSettings(rest, true)
 }
 
-// redactPasswordSettings masks the value of every password=… setting: in a
-// URL query (up to & or #) or a key/value DSN (a quoted value, or up to the
-// next space). A setting starts the string or follows a space, ? or &.
-func redactPasswordSettings(s string) string {
-	const key = "password"
+// passwordKeys are the settings whose values redactPasswordSettings hides:
+// libpq's password and sslpassword (the client key's passphrase).
+var passwordKeys = [...]string{"password", "sslpassword"}
+
+// redactPasswordSettings masks the value of every password setting (see
+// passwordKeys): in a URL's query (inURL), where it hides everything up to
+// the end, or in a key/value DSN, where the value is quoted ('…', with
+// backslash escapes) or runs to the first space or tab not escaped by a
+// backslash. A setting starts the string or follows a space, tab, ? or &.
+func redactPasswordSettings(s string, inURL bool) string {
 	var b strings.Builder
 	for i := 0; i < len(s); {
-		if !(i == 0 || strings.ContainsRune(" \t?&", rune(s[i-1]))) || len(s)-i < len(key) || !strings.EqualFold(s[i:i+len(key)], key) {
+		key := ""
+		if i == 0 || strings.ContainsRune(" \t?&", rune(s[i-1])) {
+			for _, k := range passwordKeys {
+				if len(s)-i >= len(k) && strings.EqualFold(s[i:i+len(k)], k) {
+					key = k
+				}
+			}
+		}
+		if key == "" {
 			b.WriteByte(s[i])
 			i++
 			continue
@@ -163,17 +183,23 @@ func redactPasswordSettings(s string) string {
 		}
 		b.WriteString(s[i:j])
 		k := j
-		if k < len(s) && s[k] == '\'' {
+		switch {
+		case inURL:
+			k = len(s)
+		case k < len(s) && s[k] == '\'':
 			for k++; k < len(s) && s[k] != '\''; k++ {
 				if s[k] == '\\' {
 					k++
 				}
 			}
 			k = min(k+1, len(s))
-		} else {
-			for k < len(s) && !strings.ContainsRune(" \t&#", rune(s[k])) {
-				k++
+		default:
+			for ; k < len(s) && s[k] != ' ' && s[k] != '\t'; k++ {
+				if s[k] == '\\' {
+					k++
+				}
 			}
+			k = min(k, len(s))
 		}
 		if k > j {
 			b.WriteString("xxxxx")
@@ -181,6 +207,82 @@ func redactPasswordSettings(s string) string {
 		i = k
 	}
 	return b.String()
+}
+
+// dsnError is a DSN that cannot be used, described without its secrets.
+// A parser's own message may quote the raw DSN (net/url's does) or a piece
+// of it (an "invalid port" that is a password's head, a database name that
+// is its tail), so it is kept for errors.Is and errors.As but never
+// printed.
+type dsnError struct {
+	// kind is the store the DSN is for.
+	kind storeKind
+	// redacted is the DSN with its passwords hidden.
+	redacted string
+	// reason says what is wrong, in words that quote nothing of the DSN.
+	reason string
+	// err is the parser's error, if any.
+	err error
+}
+
+// Error implements error.
+func (e *dsnError) Error() string {
+	return fmt.Sprintf("bad %s DSN %s: %s", e.kind, e.redacted, e.reason)
+}
+
+// Unwrap returns the parser's error.
+func (e *dsnError) Unwrap() error { return e.err }
+
+// dsnEncodingHint ends the reason of a DSN that does not parse as a URL.
+const dsnEncodingHint = "percent-encode the reserved characters in the user name and password (@ as %40, / as %2F, ? as %3F, # as %23, % as %25, : in the user name as %3A)"
+
+// checkURLDSN refuses a URL DSN whose meaning is ambiguous: an '@' after
+// the host (in the path, query or fragment) means a password held a raw
+// '/', '?' or '#', so the URL parser has taken part of the password for
+// the host, the database or a setting, and would print it in its errors.
+func checkURLDSN(kind storeKind, dsn string) error {
+	_, rest, _ := strings.Cut(dsn, "://")
+	if end := strings.IndexAny(rest, "/?#"); end >= 0 && strings.Contains(rest[end:], "@") {
+		return usageErr(&dsnError{kind: kind, redacted: redactDSN(dsn), reason: "an '@' follows the host; " + dsnEncodingHint})
+	}
+	return nil
+}
+
+// usageErr wraps err as a *usageError.
+func usageErr(err error) error { return &usageError{err: err} }
+
+// parsePostgresDSN parses a PostgreSQL URL for pgx. Its errors never quote
+// the DSN's passwords.
+func parsePostgresDSN(dsn string) (*pgxpool.Config, error) {
+	if err := checkURLDSN(kindPostgres, dsn); err != nil {
+		return nil, err
+	}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return nil, usageErr(&dsnError{kind: kindPostgres, redacted: redactDSN(dsn), err: err,
+			reason: "it does not parse as postgres://user:password@host:port/database?setting=value; " + dsnEncodingHint})
+	}
+	for _, h := range append([]string{cfg.ConnConfig.Host}, fallbackHosts(cfg)...) {
+		if strings.Contains(h, "@") {
+			// The host is then a password's tail, and would be printed.
+			return nil, usageErr(&dsnError{kind: kindPostgres, redacted: redactDSN(dsn), reason: "its host holds an '@'; " + dsnEncodingHint})
+		}
+	}
+	return cfg, nil
+}
+
+// parseRedisDSN parses a Redis URL for go-redis. Its errors never quote the
+// DSN's passwords.
+func parseRedisDSN(dsn string) (*redis.Options, error) {
+	if err := checkURLDSN(kindRedis, dsn); err != nil {
+		return nil, err
+	}
+	opts, err := redis.ParseURL(dsn)
+	if err != nil {
+		return nil, usageErr(&dsnError{kind: kindRedis, redacted: redactDSN(dsn), err: err,
+			reason: "it does not parse as redis://[user:password@]host:port/db; " + dsnEncodingHint})
+	}
+	return opts, nil
 }
 
 // storeFlags are the flags shared by every command that opens a store.
@@ -319,7 +421,7 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 	case kindSQLite:
 		if !opts.Create {
 			if _, err := os.Stat(t.path); errors.Is(err, os.ErrNotExist) {
-				return nil, fmt.Errorf("SQLite database %s does not exist (idem migrate creates it)", t.path)
+				return nil, fmt.Errorf("%s does not exist (idem migrate creates it)", s)
 			}
 		}
 		if s.sqliteDB, err = sqlite.Open(t.path, nil); err != nil {
@@ -330,16 +432,9 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 			return nil, fmt.Errorf("SQLite driver: %w", err)
 		}
 	case kindPostgres:
-		cfg, err := pgxpool.ParseConfig(t.dsn)
+		cfg, err := parsePostgresDSN(t.dsn)
 		if err != nil {
-			return nil, usagef("bad PostgreSQL DSN: %w", err)
-		}
-		for _, h := range append([]string{cfg.ConnConfig.Host}, fallbackHosts(cfg)...) {
-			if strings.Contains(h, "@") {
-				// A raw '@' in the password: the URL's host is then the
-				// password's tail, and would be printed.
-				return nil, usagef("bad PostgreSQL DSN %s: percent-encode '@' in the user name or password as %%40", redactDSN(t.dsn))
-			}
+			return nil, err
 		}
 		// A command waiting on a lock (a table another session locked, a
 		// migration behind busy transactions) fails after this, naming
@@ -362,9 +457,9 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 			return nil, fmt.Errorf("PostgreSQL driver: %w", err)
 		}
 	case kindRedis:
-		ropts, err := redis.ParseURL(t.dsn)
+		ropts, err := parseRedisDSN(t.dsn)
 		if err != nil {
-			return nil, usagef("bad Redis DSN: %w", err)
+			return nil, err
 		}
 		ropts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled} // see docs/redis.md
 		s.redisClient = redis.NewClient(ropts)

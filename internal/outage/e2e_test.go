@@ -49,8 +49,10 @@ const (
 	maxWarnLines  = 10
 	maxNewPerLane = 1
 	lanes         = 4
-	events        = 1500 // per source
-	outboxRows    = 600
+	// events is how many messages each source carries on Postgres;
+	// SQLite, one writer at a time, gets a third of them (smallEvents).
+	events      = 1500
+	smallEvents = 500
 	// leaseTTL outlasts the outage, so a mark of done that fails meanwhile
 	// is written once it ends and no effect repeats; and it is short, so
 	// a claim whose answer the outage cut off (the row is held, by whom
@@ -62,9 +64,12 @@ const (
 type store struct {
 	drv  any          // driver.Driver, LeaseDriver, DeadLetterStore, OutboxRelayStore
 	logs *logRecorder // every component logs here
-	dl   driver.DeadLetterStore
-	down func() // starts the outage
-	up   func() // ends it, returning once the store answers
+	// events is how many intended events each source carries; the
+	// outbox gets events*2/5 rows.
+	events int
+	dl     driver.DeadLetterStore
+	down   func() // starts the outage
+	up     func() // ends it, returning once the store answers
 	// process and lease build the consumers' handlers.
 	consumer      func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler
 	leaseConsumer func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler
@@ -116,7 +121,7 @@ func TestOutagePostgres(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := &store{
-		drv: drv, dl: drv, down: c.Crash, up: c.Start, logs: logs,
+		drv: drv, dl: drv, down: c.Crash, up: c.Start, logs: logs, events: events,
 		consumer: func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
 			h := &idem.Handler[postgres.Tx]{Name: name, Apply: func(ctx context.Context, tx postgres.Tx, m *idem.Message) error {
 				acct, amt, err := idemtest.DecodeCredit(m.Payload)
@@ -221,7 +226,7 @@ func TestOutageSQLite(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := &store{
-		drv: drv, dl: drv, logs: logs,
+		drv: drv, dl: drv, logs: logs, events: smallEvents,
 		down: func() {
 			var err error
 			if lock, err = locker.Conn(ctx); err != nil {
@@ -310,6 +315,7 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	defer cancel()
 	logs := s.logs
 	logger := slog.New(logs)
+	events, outboxRows := s.events, s.events*2/5
 	evs := idemtest.Events(events)
 
 	// JetStream: one stream, two durables (atomic and lease), every
@@ -363,9 +369,22 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	}
 	run(lease, jsl.Run)
 
+	// Producers send four fifths of their messages, then wait for the
+	// outage to end before the rest: every component has work pending
+	// while the store is down, and more when it answers again.
+	upCh := make(chan struct{})
+	half := func(i, n int) {
+		if i == n*4/5 {
+			select {
+			case <-upCh:
+			case <-ctx.Done():
+			}
+		}
+	}
 	var produce []func()
 	produce = append(produce, func() {
 		for i, e := range evs {
+			half(i, len(evs))
 			m := e.Message()
 			msg := &nats.Msg{Subject: "credits." + e.Account, Data: m.Payload, Header: nats.Header{jetstream.HeaderID: {e.ID}, jetstream.HeaderAggregate: {e.Account}}}
 			for range 1 + btoi(i%7 == 0) {
@@ -398,6 +417,7 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 		t.Cleanup(cl.Close)
 		produce = append(produce, func() {
 			for i, e := range evs {
+				half(i, len(evs))
 				rec := &kgo.Record{Key: []byte(e.Account), Value: e.Message().Payload, Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(e.ID)}}}
 				for range 1 + btoi(i%7 == 0) {
 					if err := cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
@@ -425,6 +445,7 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	run(relayC, relay.Run)
 	produce = append(produce, func() {
 		for lo := 0; lo < outboxRows; lo += 10 {
+			half(lo/10, outboxRows/10)
 			var msgs []*idem.Message
 			for i := lo; i < lo+10; i++ {
 				agg := fmt.Sprintf("order-%02d", i%20)
@@ -446,7 +467,7 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	}
 
 	// Mid-stream: every consumer has applied a third of its messages.
-	waitFor(t, "a third of the stream", 60*time.Second, func() bool {
+	waitFor(t, "a third of the stream", 120*time.Second, func() bool {
 		for _, c := range comps {
 			if c.acks() < events/3 && !c.relay || c.relay && c.acks() < outboxRows/3 {
 				return false
@@ -459,10 +480,11 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	time.Sleep(outageFor)
 	s.up()
 	upAt := time.Now()
+	close(upCh)
 	t.Logf("store down for %s", upAt.Sub(downAt).Round(time.Millisecond))
 
 	// Everything reaches its end state.
-	waitFor(t, "every message applied", 90*time.Second, func() bool {
+	waitFor(t, "every message applied", 180*time.Second, func() bool {
 		if n, err := s.markers(ctx, "js-balances"); err != nil || n < events {
 			return false
 		}

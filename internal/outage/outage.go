@@ -21,6 +21,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -69,6 +70,8 @@ type Watch struct {
 	p   Prober
 	cfg Config
 
+	isDown atomic.Bool // down, read without the lock on every delivery
+
 	mu      sync.Mutex
 	down    bool
 	since   time.Time
@@ -105,12 +108,7 @@ func New(p Prober, cfg Config) *Watch {
 
 // Down reports whether an outage is in progress.
 func (w *Watch) Down() bool {
-	if w == nil {
-		return false
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.down
+	return w != nil && w.isDown.Load()
 }
 
 // Outages counts the outages seen so far.
@@ -177,6 +175,7 @@ func (w *Watch) start(cause, probeErr error) {
 		return
 	}
 	w.down, w.since, w.cause, w.up = true, time.Now(), cause, make(chan struct{})
+	w.isDown.Store(true)
 	w.outages++
 	w.mu.Unlock()
 	w.cfg.Logger.Warn("idem: store unreachable; pausing until it answers (deliveries are held, not counted as attempts)",
@@ -190,7 +189,7 @@ func (w *Watch) start(cause, probeErr error) {
 // until a probe succeeds (nil), ctx ends (ctx's error) or stop closes
 // (ErrStopped). While anyone waits, one goroutine probes the store.
 func (w *Watch) Wait(ctx context.Context, stop <-chan struct{}) error {
-	if w == nil {
+	if !w.Down() {
 		return nil
 	}
 	w.mu.Lock()
@@ -237,6 +236,7 @@ func (w *Watch) probeLoop(up chan struct{}) {
 		w.mu.Lock()
 		cause, took := w.cause, time.Since(w.since)
 		w.down, w.probing, w.cause = false, false, nil
+		w.isDown.Store(false)
 		close(up)
 		w.mu.Unlock()
 		w.cfg.Logger.Info("idem: store answers again; resuming", slog.String("component", w.cfg.Component),
