@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	natsjs "github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -24,6 +25,7 @@ import (
 	"github.com/idemhq/idem/kafka"
 	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/postgres"
+	"github.com/idemhq/idem/rabbitmq"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -296,6 +298,73 @@ func (b *kafkaBroker) publisher(t testing.TB) outbox.Publisher {
 func (b *kafkaBroker) consume(t testing.TB, ctx context.Context, h idem.DeliveryHandler) func() {
 	c, err := kafka.New(&kafka.Config{Brokers: b.addrs, Group: "ledger-view", Topics: []string{kafkaTopic}, Handler: h,
 		Options: []kgo.Opt{kgo.SessionTimeout(6 * time.Second), kgo.RebalanceTimeout(6 * time.Second)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return runBackground(ctx, c.Run)
+}
+
+// rabbitBroker is a fresh quorum queue on the RabbitMQ server at
+// IDEM_RABBITMQ_URL, fed through the default exchange: Stream is the
+// queue's name.
+type rabbitBroker struct {
+	queue string
+}
+
+func newRabbitBroker(t testing.TB) *rabbitBroker {
+	t.Helper()
+	conn, name := testenv.RabbitMQ(t)
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name, true, false, false, false, amqp.Table{"x-queue-type": rabbitmq.QueueQuorum}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn, err := amqp.Dial(testenv.RabbitMQURL())
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer conn.Close()
+		ch, err := conn.Channel()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		for _, q := range append([]string{name}, retryQueues(name)...) {
+			if _, err := ch.QueueDelete(q, false, false, false); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	})
+	return &rabbitBroker{queue: name}
+}
+
+// retryQueues names every retry queue of queue.
+func retryQueues(queue string) []string {
+	var out []string
+	for _, tier := range rabbitmq.RetryTiers() {
+		out = append(out, rabbitmq.RetryQueueName(queue, tier))
+	}
+	return out
+}
+
+func (b *rabbitBroker) stream() string { return b.queue }
+
+func (b *rabbitBroker) publisher(t testing.TB) outbox.Publisher {
+	p, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: testenv.RabbitMQURL()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func (b *rabbitBroker) consume(t testing.TB, ctx context.Context, h idem.DeliveryHandler) func() {
+	c, err := rabbitmq.New(&rabbitmq.Config{URL: testenv.RabbitMQURL(), Queue: b.queue, Handler: h, Logger: testenv.Logger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -569,6 +569,7 @@ func TestRelayCrashEndToEnd(t *testing.T) {
 	brokers := map[string]func(testing.TB) broker{
 		"jetstream": func(t testing.TB) broker { return newNATSBroker(t) },
 		"kafka":     func(t testing.TB) broker { return newKafkaBroker(t) },
+		"rabbitmq":  func(t testing.TB) broker { return newRabbitBroker(t) },
 	}
 	for store, open := range producers() {
 		for bname, newBroker := range brokers {

@@ -85,7 +85,10 @@ one durable through idem.Consumer; two consumers are killed mid-stream by
 closing their connections, and JetStream redelivers what they had not
 acknowledged to the others and to their replacements. --broker kafka does the
 same over an in-process Kafka-protocol cluster, where the killed group
-members crash after processing and before committing. Each message is its own
+members crash after processing and before committing. --broker rabbitmq uses
+the RabbitMQ server at IDEM_RABBITMQ_URL (default amqp://guest:guest@127.0.0.1:5672/)
+and a quorum queue of its own, deleted afterwards; killed consumers have their
+TCP connections cut. Each message is its own
 transaction (synchronous=FULL, so expect a few thousand per second).
 
 With --broker none, --workers goroutines process batches of --batch messages
@@ -117,7 +120,7 @@ every commit is durable, which is why the demo batches.`,
 				cfg.events, eventsSet = n, true
 				return nil
 			})
-			fs.StringVar(&cfg.broker, "broker", "nats", "`broker`: nats (an embedded NATS JetStream server), kafka (an in-process Kafka-protocol cluster), or none (batches handed to workers directly); with a broker, consumers are killed mid-stream")
+			fs.StringVar(&cfg.broker, "broker", "nats", "`broker`: nats (an embedded NATS JetStream server), kafka (an in-process Kafka-protocol cluster), rabbitmq (the RabbitMQ server at IDEM_RABBITMQ_URL, default amqp://guest:guest@127.0.0.1:5672/), or none (batches handed to workers directly); with a broker, consumers are killed mid-stream")
 			fs.Float64Var(&cfg.dupRate, "dup-rate", 0.10, "fraction of events redelivered later in the stream, 0 to 1")
 			fs.IntVar(&cfg.conflicts, "conflicts", 5, "deliveries that reuse an existing ID with a different payload")
 			fs.IntVar(&cfg.accounts, "accounts", 1000, "number of `accounts`")
@@ -154,7 +157,7 @@ every commit is durable, which is why the demo batches.`,
 					return runLeaseDemo(ctx, e, cfg)
 				case cfg.shuffle:
 					return runShuffleDemo(ctx, e, cfg)
-				case cfg.broker == "nats", cfg.broker == "kafka":
+				case cfg.broker == "nats", cfg.broker == "kafka", cfg.broker == "rabbitmq":
 					return runBrokerDemo(ctx, e, cfg)
 				}
 				return runDemo(ctx, e, cfg)
@@ -166,8 +169,8 @@ every commit is durable, which is why the demo batches.`,
 // check validates the flags; problems are usage errors.
 func (c *demoConfig) check() error {
 	switch {
-	case c.broker != "nats" && c.broker != "kafka" && c.broker != "none":
-		return usagef("--broker must be nats, kafka or none, got %q", c.broker)
+	case c.broker != "nats" && c.broker != "kafka" && c.broker != "rabbitmq" && c.broker != "none":
+		return usagef("--broker must be nats, kafka, rabbitmq or none, got %q", c.broker)
 	case c.events < 1:
 		return usagef("--events must be at least 1, got %d", c.events)
 	case c.accounts < 1:
@@ -179,7 +182,7 @@ func (c *demoConfig) check() error {
 	case c.window < 1:
 		return usagef("--window must be at least 1, got %d", c.window)
 	case c.lease && (c.broker == "none" || c.shuffle):
-		return usagef("--lease runs over a broker (--broker nats or kafka), without --shuffle")
+		return usagef("--lease runs over a broker (--broker nats, kafka or rabbitmq), without --shuffle")
 	case math.IsNaN(c.dupRate) || c.dupRate < 0 || c.dupRate > 1:
 		return usagef("--dup-rate must be between 0 and 1, got %v", c.dupRate)
 	case c.conflicts < 0 || c.conflicts > c.events:

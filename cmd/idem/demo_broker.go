@@ -219,9 +219,12 @@ func setUpBrokerDemo(ctx context.Context, cfg *demoConfig, ddl string) (*brokerD
 	if s.path == "" {
 		s.path = filepath.Join(dir, "demo.db")
 	}
-	if cfg.broker == "kafka" {
+	switch cfg.broker {
+	case "kafka":
 		s.b, err = newKafkaDemo()
-	} else {
+	case "rabbitmq":
+		s.b, err = newRabbitDemo()
+	default:
 		s.b, err = newNATSDemo(filepath.Join(dir, "jetstream"))
 	}
 	if err != nil {

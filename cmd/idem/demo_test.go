@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
 )
 
 // tableValue returns the value printed on the demo table row label.
@@ -365,14 +366,34 @@ func TestDemoOverKafkaCrashesMembers(t *testing.T) {
 	}
 }
 
-// TestDemoLease runs the lease-mode demo over both brokers: two consumers
+// TestDemoOverRabbitMQ runs the demo over the RabbitMQ server at
+// IDEM_RABBITMQ_URL: two consumers have their TCP connections cut, and the
+// balances still verify exactly.
+func TestDemoOverRabbitMQ(t *testing.T) {
+	t.Parallel()
+	testenv.RabbitMQ(t) // skip loudly (or fail in CI) when it is down
+	code, out, errOut := runCLI(t, "demo", "--broker", "rabbitmq", "--events", "2000", "--accounts", "20", "--conflicts", "2")
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s%s", code, out, errOut)
+	}
+	for _, want := range []string{"RabbitMQ server at", "consumers killed                2", "dead-lettered                   2", "verification: OK"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+// TestDemoLease runs the lease-mode demo over the brokers: two consumers
 // killed, a tenth of the signups published twice, a mail service refusing
 // some calls; every signup must get exactly one email.
 func TestDemoLease(t *testing.T) {
 	t.Parallel()
-	for _, broker := range []string{"nats", "kafka"} {
+	for _, broker := range []string{"nats", "kafka", "rabbitmq"} {
 		t.Run(broker, func(t *testing.T) {
 			t.Parallel()
+			if broker == "rabbitmq" {
+				testenv.RabbitMQ(t)
+			}
 			code, out, errOut := runCLI(t, "demo", "--lease", "--broker", broker, "--events", "600")
 			if code != exitOK {
 				t.Fatalf("exit %d\n%s%s", code, out, errOut)

@@ -62,7 +62,19 @@ func NewEnv(t testing.TB) *Env {
 
 func newEnv(t testing.TB, synchronous string) *Env {
 	t.Helper()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "idem.db"), &sqlite.OpenOptions{Synchronous: synchronous})
+	return openEnv(t, filepath.Join(t.TempDir(), "idem.db"), synchronous)
+}
+
+// OpenEnv is NewEnv on the SQLite file at path, created if need be: a
+// store that a test shares with a child process it kills.
+func OpenEnv(t testing.TB, path string) *Env {
+	t.Helper()
+	return openEnv(t, path, "NORMAL")
+}
+
+func openEnv(t testing.TB, path, synchronous string) *Env {
+	t.Helper()
+	db, err := sqlite.Open(path, &sqlite.OpenOptions{Synchronous: synchronous})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,7 +87,7 @@ func newEnv(t testing.TB, synchronous string) *Env {
 	if err := e.Drv.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.Exec(`CREATE TABLE balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL)`); err != nil {
+	if _, err := db.Exec(`CREATE TABLE IF NOT EXISTS balances (account TEXT PRIMARY KEY, amount INTEGER NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
 	if e.Proc, err = idem.NewProcessor(e.Drv, nil); err != nil {

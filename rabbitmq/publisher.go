@@ -1,0 +1,234 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemhq/idem"
+)
+
+// confirmChunk bounds how many messages a Publish sends before it waits
+// for their confirms: the returns they may cause must fit the channel's
+// buffer (see pubChannel).
+const confirmChunk = 256
+
+// PublisherConfig configures a Publisher.
+type PublisherConfig struct {
+	// URL is the broker's AMQP URI. Required.
+	URL string
+	// AMQP configures the connection; its Properties["connection_name"]
+	// defaults to "idem publisher". Its Recovery must be nil: the
+	// publisher connects again itself, at the next Publish after a
+	// failure.
+	AMQP amqp.Config
+	// Exchange is the exchange messages are published to, with the
+	// message's Stream as the routing key. Default "", the default
+	// exchange, which routes to the queue named by the routing key.
+	Exchange string
+}
+
+// Publisher publishes messages to RabbitMQ and returns only once the
+// broker has confirmed every one of them: the outbox relay's Publisher
+// (see idem's outbox package). Messages go to PublisherConfig.Exchange
+// with their Stream as the routing key, persistent, with the mandatory
+// flag: a message no queue takes is returned by the broker, and Publish
+// fails with ErrUnroutable rather than report a success for a message
+// that went nowhere. The ID travels in the message-id property, the type
+// in the type property; the aggregate, sequence and time in the headers
+// DefaultMap reads, with the message's own Headers.
+//
+// A Publish sends its messages in order on one channel and waits for
+// their confirms together (up to 256 at a time), so one aggregate's
+// messages keep their order. Publish may be called concurrently: each
+// call takes a channel of its own.
+type Publisher struct {
+	cfg   PublisherConfig
+	mu    sync.Mutex
+	conn  *amqp.Connection
+	idle  []*pubChannel
+	close bool
+}
+
+// pubChannel is a channel in confirm mode with its returns.
+type pubChannel struct {
+	ch      *amqp.Channel
+	returns chan amqp.Return
+}
+
+// NewPublisher returns a Publisher. It connects at the first Publish.
+func NewPublisher(cfg *PublisherConfig) (*Publisher, error) {
+	switch {
+	case cfg == nil || cfg.URL == "":
+		return nil, fmt.Errorf("%w: rabbitmq: PublisherConfig.URL is required", idem.ErrInvalidConfig)
+	case cfg.AMQP.Recovery != nil:
+		return nil, fmt.Errorf("%w: rabbitmq: PublisherConfig.AMQP.Recovery must be nil", idem.ErrInvalidConfig)
+	}
+	if _, err := amqp.ParseURI(cfg.URL); err != nil {
+		return nil, fmt.Errorf("%w: rabbitmq: PublisherConfig.URL: %w", idem.ErrInvalidConfig, err)
+	}
+	p := &Publisher{cfg: *cfg}
+	props := amqp.Table{}
+	for k, v := range cfg.AMQP.Properties {
+		props[k] = v
+	}
+	if _, ok := props["connection_name"]; !ok {
+		props["connection_name"] = "idem publisher"
+	}
+	p.cfg.AMQP.Properties = props
+	return p, nil
+}
+
+// Close closes the publisher's connection.
+func (p *Publisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.close = true
+	p.idle = nil
+	if p.conn == nil {
+		return nil
+	}
+	err := p.conn.Close()
+	p.conn = nil
+	if errors.Is(err, amqp.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+// channel takes an idle channel, or opens one (connecting first if need
+// be).
+func (p *Publisher) channel() (*pubChannel, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.close {
+		return nil, fmt.Errorf("rabbitmq: publisher: %w", amqp.ErrClosed)
+	}
+	for len(p.idle) > 0 {
+		pc := p.idle[len(p.idle)-1]
+		p.idle = p.idle[:len(p.idle)-1]
+		if !pc.ch.IsClosed() {
+			return pc, nil
+		}
+	}
+	if p.conn == nil || p.conn.IsClosed() {
+		conn, err := amqp.DialConfig(p.cfg.URL, p.cfg.AMQP)
+		if err != nil {
+			return nil, fmt.Errorf("rabbitmq: publisher: connect: %w", err)
+		}
+		p.conn, p.idle = conn, nil
+	}
+	ch, err := p.conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: publisher: open channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		ch.Close()
+		return nil, fmt.Errorf("rabbitmq: publisher: confirm mode: %w", err)
+	}
+	// Returns come before their publish's confirm; waiting for the
+	// confirms of at most confirmChunk messages, the buffer holds all
+	// the returns they can cause.
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk))}, nil
+}
+
+// release gives pc back, or closes it after a failure.
+func (p *Publisher) release(pc *pubChannel, failed bool) {
+	if failed {
+		pc.ch.Close()
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.close {
+		return
+	}
+	p.idle = append(p.idle, pc)
+}
+
+// Publish sends msgs in order and returns nil once the broker confirmed
+// them all. It refuses the call, sending nothing, if any message is
+// invalid (Message.ValidatePublish; Stream is the routing key). A message
+// returned unroutable fails the call with ErrUnroutable, one the broker
+// refused with ErrNacked; the messages before it may have been stored
+// (the relay sends them again, and the consumers take them as
+// duplicates).
+func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
+	for _, m := range msgs {
+		if err := m.ValidatePublish(); err != nil {
+			return fmt.Errorf("rabbitmq: publish: %w", err)
+		}
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	pc, err := p.channel()
+	if err != nil {
+		return err
+	}
+	err = p.publish(ctx, pc, msgs)
+	p.release(pc, err != nil)
+	return err
+}
+
+// publish sends msgs on pc, waiting for the confirms of each chunk.
+func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Message) error {
+	for lo := 0; lo < len(msgs); lo += confirmChunk {
+		chunk := msgs[lo:min(lo+confirmChunk, len(msgs))]
+		dcs := make([]*amqp.DeferredConfirmation, len(chunk))
+		for i, m := range chunk {
+			dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, m.Stream, true, false, publishing(m))
+			if err != nil {
+				return fmt.Errorf("rabbitmq: publish %q to %q: %w", m.ID, m.Stream, err)
+			}
+			dcs[i] = dc
+		}
+		for i, dc := range dcs {
+			ok, err := dc.WaitContext(ctx)
+			if err != nil {
+				return fmt.Errorf("rabbitmq: confirm of %q: %w", chunk[i].ID, err)
+			}
+			if !ok {
+				if pc.ch.IsClosed() {
+					return fmt.Errorf("rabbitmq: confirm of %q: %w", chunk[i].ID, amqp.ErrClosed)
+				}
+				return fmt.Errorf("%w: %q to %q", ErrNacked, chunk[i].ID, chunk[i].Stream)
+			}
+		}
+		select {
+		case r, open := <-pc.returns:
+			if !open {
+				return fmt.Errorf("rabbitmq: publish: %w", amqp.ErrClosed)
+			}
+			return fmt.Errorf("%w: %q to exchange %q with routing key %q: %d %s", ErrUnroutable, r.MessageId, r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
+		default:
+		}
+	}
+	return nil
+}
+
+// publishing is m as DefaultMap reads it back.
+func publishing(m *idem.Message) amqp.Publishing {
+	h := amqp.Table{}
+	for k, v := range m.Headers {
+		h[k] = v
+	}
+	if m.AggregateID != "" {
+		h[HeaderAggregate] = m.AggregateID
+	}
+	if m.Seq > 0 {
+		h[HeaderSeq] = m.Seq
+	}
+	if !m.Time.IsZero() {
+		h[HeaderTime] = m.Time.Format(time.RFC3339Nano)
+	}
+	pub := amqp.Publishing{Headers: h, MessageId: m.ID, Type: m.Type, DeliveryMode: amqp.Persistent, Body: m.Payload}
+	if !m.Time.IsZero() {
+		pub.Timestamp = m.Time
+	}
+	return pub
+}

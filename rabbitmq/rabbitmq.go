@@ -1,0 +1,578 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/verdicts"
+)
+
+// Queue types Config.QueueType accepts.
+const (
+	QueueQuorum  = "quorum"
+	QueueClassic = "classic"
+)
+
+// ErrConsumerCancelled ends Run when the server cancels its consumer: the
+// queue was deleted, or (quorum) lost its leader for good. Whatever
+// supervises Run should recreate the queue or alert; nothing was acked
+// that was not decided.
+var ErrConsumerCancelled = errors.New("rabbitmq: the server cancelled the consumer")
+
+// ErrTopology ends Run when the server refuses the topology: a queue that
+// exists with other arguments (PRECONDITION_FAILED), a queue that does not
+// exist under Config.Passive (NOT_FOUND), or no permission to use it
+// (ACCESS_REFUSED). Reconnecting would not help.
+var ErrTopology = errors.New("rabbitmq: topology refused")
+
+// ErrRefused ends Run when the broker refuses the connection for good:
+// credentials, the SASL mechanism, or the virtual host (ACCESS_REFUSED
+// when connecting). A broker that cannot be reached is no such refusal:
+// Run keeps trying.
+var ErrRefused = errors.New("rabbitmq: connection refused by the broker")
+
+// Config configures a Consumer.
+type Config struct {
+	// URL is the broker's AMQP URI, for example
+	// amqp://guest:guest@127.0.0.1:5672/. Required.
+	URL string
+	// AMQP configures the connection (TLS, heartbeat, client properties).
+	// Its Properties["connection_name"], default "idem <Queue>", names the
+	// connection in the management UI and in rabbitmqctl. Its Recovery
+	// must be nil: the consumer reconnects itself, since the delivery tags
+	// of a lost channel cannot be acknowledged on another one.
+	AMQP amqp.Config
+	// Queue is the work queue to consume. Required. Run declares it
+	// (durable, of QueueType) unless Passive; bind it to your exchanges
+	// yourself.
+	Queue string
+	// QueueType is the type Run declares the work queue and its retry
+	// queues with: QueueQuorum (the default, replicated, and counting
+	// redeliveries in x-delivery-count) or QueueClassic.
+	QueueType string
+	// Passive makes Run check that the work queue exists (a passive
+	// declare) instead of declaring it: for queues your deployment
+	// creates with arguments of its own. Retry queues are declared all the
+	// same.
+	Passive bool
+	// Handler decides every delivery. Required.
+	Handler idem.DeliveryHandler
+	// Map turns a delivery into an idem message; an error makes the
+	// delivery a decode failure (dead-lettered with the reason, never
+	// dropped). Default: DefaultMap.
+	Map func(d *amqp.Delivery) (*idem.Message, error)
+	// MaxDeliver marks the delivery whose attempt reaches it LastAttempt,
+	// so that a failure is dead-lettered instead of retried. 0, the
+	// default, sets no limit: idem.ConsumerConfig.MaxAttempts (unlimited
+	// by default) alone decides when a failure becomes a dead letter. The
+	// broker never drops a message for this consumer: retries are
+	// republished copies. If you give the queue a delivery-limit (quorum)
+	// set MaxDeliver no higher, or the broker drops what idem would have
+	// dead-lettered.
+	MaxDeliver int
+	// Batch, above 1, hands up to that many deliveries of a lane at a
+	// time to the Handler's HandleDeliveries; the Handler must be an
+	// idem.BatchDeliveryHandler (idem.Consumer is, a LeaseConsumer is
+	// not), else New refuses it. Their effects commit in one transaction;
+	// each delivery is still settled on its own verdict. Default 1.
+	Batch int
+	// BatchWait bounds how long a lane waits to fill a batch: the extra
+	// latency a batch may add when messages trickle in. Default 50 ms.
+	BatchWait time.Duration
+	// Concurrency, above 1, decides up to that many messages (or, with
+	// Batch, batches) at once. Deliveries are spread over Concurrency
+	// lanes by key: the mapped message's AggregateID (as the Handler's
+	// ordering guard sees it, when the Handler is an idem.AggregateKeyer),
+	// or the routing key when it has none. Each lane decides its
+	// deliveries one after another in delivery order, so two messages of
+	// one aggregate are never decided at once. The Handler must be safe
+	// for concurrent use (idem.Consumer is). Default 1.
+	Concurrency int
+	// Prefetch is the channel's QoS prefetch count: how many
+	// unacknowledged deliveries the broker pushes to this consumer. It
+	// must cover what the lanes work on, Concurrency × Batch. Default
+	// Concurrency × Batch + 32, so that the next messages are on their
+	// way while those are decided.
+	Prefetch int
+	// Reconnect spaces the attempts to connect again after the
+	// connection was lost (and the first one, when the broker is down at
+	// start): Base doubling up to Max, jittered. Defaults 100 ms and 5 s.
+	// Its Retries is not used: the consumer tries until Run's context
+	// ends.
+	Reconnect idem.Backoff
+	// Logger receives lost connections, reconnections and failures to
+	// settle. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// Consumer consumes one queue with manual acknowledgements and carries
+// out its Handler's verdicts: Ack once the outcome (or its dead letter) is
+// committed; a retry is republished to a retry queue that hands it back
+// after the verdict's delay, and the delivery acked once the broker
+// confirmed the copy. Run several, in one process or many, to share a
+// queue.
+type Consumer struct {
+	cfg  Config
+	seed maphash.Seed // spreads keys over lanes
+	// sessions counts the connections Run consumed on, and conn is the
+	// current one: for tests.
+	sessions atomic.Int64
+	conn     atomic.Pointer[amqp.Connection]
+}
+
+// New returns a Consumer. It connects when Run starts.
+func New(cfg *Config) (*Consumer, error) {
+	switch {
+	case cfg == nil:
+		return nil, fmt.Errorf("%w: rabbitmq: no Config", idem.ErrInvalidConfig)
+	case cfg.URL == "":
+		return nil, fmt.Errorf("%w: rabbitmq: Config.URL is required", idem.ErrInvalidConfig)
+	case cfg.Queue == "":
+		return nil, fmt.Errorf("%w: rabbitmq: Config.Queue is required", idem.ErrInvalidConfig)
+	case cfg.Handler == nil:
+		return nil, fmt.Errorf("%w: rabbitmq: Config.Handler is required", idem.ErrInvalidConfig)
+	case cfg.AMQP.Recovery != nil:
+		return nil, fmt.Errorf("%w: rabbitmq: Config.AMQP.Recovery must be nil: the consumer reconnects itself", idem.ErrInvalidConfig)
+	}
+	if _, err := amqp.ParseURI(cfg.URL); err != nil {
+		return nil, fmt.Errorf("%w: rabbitmq: Config.URL: %w", idem.ErrInvalidConfig, err)
+	}
+	c := &Consumer{cfg: *cfg, seed: maphash.MakeSeed()}
+	if c.cfg.Map == nil {
+		c.cfg.Map = DefaultMap
+	}
+	switch c.cfg.QueueType {
+	case "":
+		c.cfg.QueueType = QueueQuorum
+	case QueueQuorum, QueueClassic:
+	default:
+		return nil, fmt.Errorf("%w: rabbitmq: QueueType %q must be %q or %q", idem.ErrInvalidConfig, c.cfg.QueueType, QueueQuorum, QueueClassic)
+	}
+	if c.cfg.MaxDeliver < 0 || c.cfg.Batch < 0 || c.cfg.BatchWait < 0 || c.cfg.Concurrency < 0 || c.cfg.Prefetch < 0 {
+		return nil, fmt.Errorf("%w: rabbitmq: MaxDeliver, Batch, BatchWait, Concurrency and Prefetch must not be negative", idem.ErrInvalidConfig)
+	}
+	if _, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); !ok && c.cfg.Batch > 1 {
+		return nil, fmt.Errorf("%w: rabbitmq: Batch %d needs a Handler that implements idem.BatchDeliveryHandler (idem.Consumer does; %T decides one message at a time)", idem.ErrInvalidConfig, c.cfg.Batch, c.cfg.Handler)
+	}
+	c.cfg.Batch = max(c.cfg.Batch, 1)
+	c.cfg.Concurrency = max(c.cfg.Concurrency, 1)
+	if c.cfg.BatchWait == 0 {
+		c.cfg.BatchWait = 50 * time.Millisecond
+	}
+	if c.cfg.Prefetch == 0 {
+		c.cfg.Prefetch = c.cfg.Concurrency*c.cfg.Batch + 32
+	}
+	if c.cfg.Prefetch < c.cfg.Concurrency*c.cfg.Batch {
+		return nil, fmt.Errorf("%w: rabbitmq: Prefetch %d is below Concurrency × Batch (%d): the lanes could never fill", idem.ErrInvalidConfig, c.cfg.Prefetch, c.cfg.Concurrency*c.cfg.Batch)
+	}
+	if c.cfg.Reconnect.Base <= 0 {
+		c.cfg.Reconnect.Base = 100 * time.Millisecond
+	}
+	if c.cfg.Reconnect.Max <= 0 {
+		c.cfg.Reconnect.Max = 5 * time.Second
+	}
+	if c.cfg.Logger == nil {
+		c.cfg.Logger = slog.Default()
+	}
+	props := amqp.Table{}
+	for k, v := range c.cfg.AMQP.Properties {
+		props[k] = v
+	}
+	if _, ok := props["connection_name"]; !ok {
+		props["connection_name"] = "idem " + c.cfg.Queue
+	}
+	c.cfg.AMQP.Properties = props
+	return c, nil
+}
+
+// Run consumes until ctx is done, the server cancels the consumer (the
+// queue deleted: ErrConsumerCancelled), refuses the topology
+// (ErrTopology) or the connection (ErrRefused), and returns ctx's error or that failure. A lost
+// connection is not the end: Run connects again, backing off
+// (Config.Reconnect), and the deliveries the lost channel held come back
+// from the queue (a decided one as a Duplicate). When ctx ends, the
+// deliveries being decided are finished and settled first, and those
+// received but not started are returned to the queue (nack with requeue).
+func (c *Consumer) Run(ctx context.Context) error {
+	failures := 0
+	for {
+		connected, err := c.session(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, ErrConsumerCancelled) || errors.Is(err, ErrTopology) || errors.Is(err, ErrRefused) {
+			return err
+		}
+		if connected {
+			failures = 0
+		}
+		if failures == 0 {
+			c.cfg.Logger.Warn("rabbitmq: no connection; connecting again", slog.String("queue", c.cfg.Queue), slog.Any("error", err))
+		}
+		d := c.cfg.Reconnect.Delay(failures)
+		failures++
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// refused wraps err in ErrTopology when it is the server refusing a
+// declare for good.
+func refused(what string, err error) error {
+	var ae *amqp.Error
+	if errors.As(err, &ae) && (ae.Code == amqp.PreconditionFailed || ae.Code == amqp.NotFound || ae.Code == amqp.AccessRefused) {
+		return fmt.Errorf("%w: %s: %w", ErrTopology, what, err)
+	}
+	return fmt.Errorf("rabbitmq: %s: %w", what, err)
+}
+
+// session runs one connection until ctx ends or the connection, channel
+// or consumer does. connected reports whether it got as far as consuming.
+func (c *Consumer) session(ctx context.Context) (connected bool, err error) {
+	conn, err := amqp.DialConfig(c.cfg.URL, c.cfg.AMQP)
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
+		return false, fmt.Errorf("%w: %w", ErrRefused, err)
+	}
+	if err != nil {
+		return false, fmt.Errorf("rabbitmq: connect: %w", err)
+	}
+	defer conn.Close()
+	c.conn.Store(conn)
+	ch, err := conn.Channel()
+	if err != nil {
+		return false, fmt.Errorf("rabbitmq: open channel: %w", err)
+	}
+	if err := c.declareQueue(ch); err != nil {
+		return false, err
+	}
+	rt, err := newRetrier(conn, c.cfg.Queue, c.cfg.QueueType)
+	if err != nil {
+		return false, err
+	}
+	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
+		return false, fmt.Errorf("rabbitmq: qos: %w", err)
+	}
+	tag := "idem-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	cancelled := ch.NotifyCancel(make(chan string, 1))
+	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+	msgs, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
+	if err != nil {
+		return false, refused("consume "+c.cfg.Queue, err)
+	}
+	c.sessions.Add(1)
+
+	s := &session{c: c, ch: ch, rt: rt, stopping: make(chan struct{})}
+	// The first of ctx's end, the consumer's cancel and the channel's
+	// close stops the session: stopping is closed, so that a lane held
+	// by a store outage gives up, and a full lane stops taking more.
+	var (
+		end     error
+		stopped bool
+	)
+	go func() {
+		select {
+		case <-ctx.Done():
+			stopped = true
+		case <-cancelled:
+			end = fmt.Errorf("%w: queue %q (deleted?)", ErrConsumerCancelled, c.cfg.Queue)
+		case e := <-closed:
+			end = fmt.Errorf("rabbitmq: channel closed: %w", amqpErr(e))
+		}
+		close(s.stopping)
+	}()
+	s.startLanes()
+loop:
+	for {
+		select {
+		case <-s.stopping:
+			break loop
+		case m, ok := <-msgs:
+			if !ok {
+				// The deliveries end before the cancel or the close
+				// is told: wait for the reason.
+				<-s.stopping
+				break loop
+			}
+			s.add(&m)
+		}
+	}
+	if stopped {
+		// Stop the broker pushing more; what it pushed meanwhile is
+		// put back with the rest.
+		if err := ch.Cancel(tag, false); err != nil {
+			c.cfg.Logger.Debug("rabbitmq: cancel consumer on stop", slog.Any("error", err))
+		}
+		for m := range msgs {
+			s.putBack(&m)
+		}
+	}
+	s.closeLanes()
+	// Nothing not started is left unsettled on a live channel: nack
+	// with requeue (a closed channel requeues them on its own).
+	for _, p := range s.leftover {
+		s.requeue(p)
+	}
+	if stopped {
+		return true, ctx.Err()
+	}
+	return true, end
+}
+
+// amqpErr returns e as an error, or a generic one when the channel closed
+// without a reason (a clean close).
+func amqpErr(e *amqp.Error) error {
+	if e == nil {
+		return amqp.ErrClosed
+	}
+	return e
+}
+
+// declareQueue declares the work queue, or checks it exists (Passive).
+func (c *Consumer) declareQueue(ch *amqp.Channel) error {
+	if c.cfg.Passive {
+		if _, err := ch.QueueDeclarePassive(c.cfg.Queue, true, false, false, false, nil); err != nil {
+			return refused("queue "+c.cfg.Queue, err)
+		}
+		return nil
+	}
+	if _, err := ch.QueueDeclare(c.cfg.Queue, true, false, false, false, amqp.Table{"x-queue-type": c.cfg.QueueType}); err != nil {
+		return refused("declare queue "+c.cfg.Queue, err)
+	}
+	return nil
+}
+
+// pending is a delivery received and mapped but not settled.
+type pending struct {
+	m *amqp.Delivery
+	d *idem.Delivery
+}
+
+// session is one connection's consuming: lanes deciding deliveries in
+// order per key.
+type session struct {
+	c        *Consumer
+	ch       *amqp.Channel
+	rt       *retrier
+	stopping chan struct{} // closed when the session stops consuming
+	lanes    []chan pending
+	wg       sync.WaitGroup
+	mu       sync.Mutex
+	leftover []pending // received, not started when the session stopped
+}
+
+// startLanes starts Concurrency lanes.
+func (s *session) startLanes() {
+	s.lanes = make([]chan pending, s.c.cfg.Concurrency)
+	for i := range s.lanes {
+		s.lanes[i] = make(chan pending, s.c.cfg.Batch)
+		s.wg.Go(func() { s.runLane(s.lanes[i]) })
+	}
+}
+
+// closeLanes waits for the lanes to finish what they decide.
+func (s *session) closeLanes() {
+	for _, l := range s.lanes {
+		close(l)
+	}
+	s.wg.Wait()
+}
+
+// add maps m and queues it on its lane, waiting while the lane is full
+// (or until the session stops: then it is put back).
+func (s *session) add(m *amqp.Delivery) {
+	p := pending{m: m, d: s.c.delivery(m, s.stopping)}
+	select {
+	case s.lanes[s.c.lane(m, p.d)] <- p:
+	case <-s.stopping:
+		s.putBack(m)
+	}
+}
+
+// putBack keeps p to be returned to the queue.
+func (s *session) putBack(m *amqp.Delivery) {
+	s.mu.Lock()
+	s.leftover = append(s.leftover, pending{m: m})
+	s.mu.Unlock()
+}
+
+// stopped reports whether the session stopped consuming.
+func (s *session) stopped() bool {
+	select {
+	case <-s.stopping:
+		return true
+	default:
+		return false
+	}
+}
+
+// runLane decides the lane's deliveries in order, up to Batch at a time.
+func (s *session) runLane(in chan pending) {
+	bh, batched := s.c.cfg.Handler.(idem.BatchDeliveryHandler)
+	batched = batched && s.c.cfg.Batch > 1
+	var batch []pending
+	for p := range in {
+		batch = append(batch[:0], p)
+		if batched {
+			batch = s.fill(in, batch)
+		}
+		if s.stopped() {
+			s.mu.Lock()
+			s.leftover = append(s.leftover, batch...)
+			s.mu.Unlock()
+			continue
+		}
+		// Decided and settled even if Run's context ends now: the
+		// effects may commit.
+		ctx := context.Background()
+		if !batched {
+			v := s.c.cfg.Handler.HandleDelivery(ctx, p.d)
+			s.settle(p, v)
+			continue
+		}
+		ds := make([]*idem.Delivery, len(batch))
+		for i, p := range batch {
+			ds[i] = p.d
+		}
+		vs := verdicts.Check(bh.HandleDeliveries(ctx, ds), len(ds), s.c.cfg.Logger, "rabbitmq")
+		for i, p := range batch {
+			s.settle(p, vs[i])
+		}
+	}
+}
+
+// fill adds to batch what comes on in within BatchWait, up to Batch.
+func (s *session) fill(in chan pending, batch []pending) []pending {
+	var t *time.Timer
+	defer func() {
+		if t != nil {
+			t.Stop()
+		}
+	}()
+	for len(batch) < s.c.cfg.Batch {
+		select {
+		case p, ok := <-in:
+			if !ok {
+				return batch
+			}
+			batch = append(batch, p)
+			continue
+		default:
+		}
+		if t == nil {
+			t = time.NewTimer(s.c.cfg.BatchWait)
+		}
+		select {
+		case p, ok := <-in:
+			if !ok {
+				return batch
+			}
+			batch = append(batch, p)
+		case <-t.C:
+			return batch
+		case <-s.stopping:
+			return batch
+		}
+	}
+	return batch
+}
+
+// settle carries out v for p: ack; or, for a retry, a copy to the retry
+// queue and then the ack.
+func (s *session) settle(p pending, v idem.Verdict) {
+	log := s.c.cfg.Logger
+	if v.Ack {
+		if err := p.m.Ack(false); err != nil {
+			// The message comes back when the channel closes; its
+			// outcome is durable, so that delivery is a Duplicate.
+			log.Warn("rabbitmq: ack failed; the message will be delivered again", slog.String("source", p.d.Source), slog.Any("error", err))
+		}
+		return
+	}
+	if errors.Is(v.Err, idem.ErrStoreUnavailable) && s.stopped() {
+		// Held while the store was down and the session stopped: no
+		// attempt of the message. Back to the queue as it was.
+		s.requeue(p)
+		return
+	}
+	err := s.rt.republish(p.m, p.d.Attempt+1, v.RetryAfter)
+	if err == nil {
+		if err := p.m.Ack(false); err != nil {
+			// The copy is in the retry queue and the original comes
+			// back when the channel closes: two deliveries of one
+			// message, which idem tells apart (a Duplicate).
+			log.Warn("rabbitmq: ack after the retry copy failed; the message will be delivered again", slog.String("source", p.d.Source), slog.Any("error", err))
+		}
+		return
+	}
+	// No copy: hand the message back after its delay rather than at
+	// once, so that a broken retry queue does not turn into a hot loop.
+	log.Warn("rabbitmq: retry copy not confirmed; returning the message to its queue after the delay", slog.String("source", p.d.Source), slog.Duration("retry_after", v.RetryAfter), slog.Any("error", err))
+	t := time.NewTimer(v.RetryAfter)
+	select {
+	case <-t.C:
+	case <-s.stopping:
+		t.Stop()
+	}
+	s.requeue(p)
+}
+
+// requeue returns p to its queue.
+func (s *session) requeue(p pending) {
+	if err := p.m.Nack(false, true); err != nil {
+		s.c.cfg.Logger.Debug("rabbitmq: nack on stop failed; the channel's close returns the message", slog.Any("error", err))
+	}
+}
+
+// delivery maps m; stopping is closed when its session ends.
+func (c *Consumer) delivery(m *amqp.Delivery, stopping <-chan struct{}) *idem.Delivery {
+	d := &idem.Delivery{Raw: m.Body, Stopping: stopping, Attempt: attemptOf(m.Headers, m.Redelivered)}
+	d.Source = "rabbitmq:" + c.cfg.Queue + "/" + m.RoutingKey
+	if rk, _ := textHeader(m.Headers, HeaderRoutingKey); rk != "" {
+		d.Source = "rabbitmq:" + c.cfg.Queue + "/" + rk
+	}
+	if m.MessageId != "" {
+		d.Source += "#" + m.MessageId
+	}
+	d.LastAttempt = c.cfg.MaxDeliver > 0 && d.Attempt >= c.cfg.MaxDeliver
+	d.Msg, d.DecodeErr = c.cfg.Map(m)
+	if d.DecodeErr != nil {
+		d.Msg = nil
+	}
+	return d
+}
+
+// key returns what orders m, mapped to d: its aggregate as the Handler's
+// ordering guard sees it (idem.AggregateKeyer), else its routing key.
+func (c *Consumer) key(m *amqp.Delivery, d *idem.Delivery) string {
+	if d.Msg != nil && d.Msg.AggregateID != "" {
+		if k, ok := c.cfg.Handler.(idem.AggregateKeyer); ok {
+			return k.AggregateKey(d.Msg.AggregateID)
+		}
+		return d.Msg.AggregateID
+	}
+	return m.RoutingKey
+}
+
+// lane returns the lane of m, mapped to d.
+func (c *Consumer) lane(m *amqp.Delivery, d *idem.Delivery) int {
+	if c.cfg.Concurrency == 1 {
+		return 0
+	}
+	return int(maphash.String(c.seed, c.key(m, d)) % uint64(c.cfg.Concurrency))
+}
