@@ -1,7 +1,6 @@
 package watermill_test
 
 import (
-	"os"
 	"testing"
 	"time"
 
@@ -15,16 +14,9 @@ import (
 	"github.com/idemhq/idem/internal/testenv"
 )
 
-// DefaultAMQPURL is used when IDEM_AMQP_URL is unset.
-const DefaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
-
-// amqpURL returns IDEM_AMQP_URL or the default.
-func amqpURL() string {
-	if u := os.Getenv("IDEM_AMQP_URL"); u != "" {
-		return u
-	}
-	return DefaultAMQPURL
-}
+// amqpURL returns IDEM_RABBITMQ_URL or its default, as the rabbitmq
+// package's tests use.
+func amqpURL() string { return testenv.RabbitMQURL() }
 
 // broker is one Watermill pub/sub on a real server: a publisher, and
 // subscribers that share the topic's messages (competing consumers).
