@@ -71,8 +71,8 @@ type store struct {
 	down   func() // starts the outage
 	up     func() // ends it, returning once the store answers
 	// process and lease build the consumers' handlers.
-	consumer      func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler
-	leaseConsumer func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler
+	consumer func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler
+	lease    *idem.LeaseProcessor
 	// balances reads handler's balances; markers counts its markers.
 	balances func(ctx context.Context, handler string) (map[string]int64, error)
 	markers  func(ctx context.Context, handler string) (int, error)
@@ -137,31 +137,14 @@ func TestOutagePostgres(t *testing.T) {
 			}
 			return cons
 		},
-		leaseConsumer: func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
-			cons, err := idem.NewLeaseConsumer(lp, &idem.LeaseHandler{Name: name, Call: call}, drv, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return cons
-		},
+		lease: lp,
 		balances: func(ctx context.Context, handler string) (map[string]int64, error) {
 			rows, err := pool.Query(ctx, `SELECT account, amount FROM app.balances WHERE handler = $1`, handler)
 			if err != nil {
 				return nil, err
 			}
 			defer rows.Close()
-			m := map[string]int64{}
-			for rows.Next() {
-				var (
-					a string
-					n int64
-				)
-				if err := rows.Scan(&a, &n); err != nil {
-					return nil, err
-				}
-				m[a] = n
-			}
-			return m, rows.Err()
+			return scanBalances(rows)
 		},
 		markers: func(ctx context.Context, handler string) (n int, err error) {
 			// Atomic markers have their own table since migration 11.
@@ -265,31 +248,14 @@ func TestOutageSQLite(t *testing.T) {
 			}
 			return cons
 		},
-		leaseConsumer: func(t *testing.T, name string, call func(ctx context.Context, l *idem.Lease, m *idem.Message) error, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
-			cons, err := idem.NewLeaseConsumer(lp, &idem.LeaseHandler{Name: name, Call: call}, drv, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return cons
-		},
+		lease: lp,
 		balances: func(ctx context.Context, handler string) (map[string]int64, error) {
 			rows, err := db.QueryContext(ctx, `SELECT account, amount FROM balances WHERE handler = ?`, handler)
 			if err != nil {
 				return nil, err
 			}
 			defer rows.Close()
-			m := map[string]int64{}
-			for rows.Next() {
-				var (
-					a string
-					n int64
-				)
-				if err := rows.Scan(&a, &n); err != nil {
-					return nil, err
-				}
-				m[a] = n
-			}
-			return m, rows.Err()
+			return scanBalances(rows)
 		},
 		markers: func(ctx context.Context, handler string) (n int, err error) {
 			err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_processed WHERE handler = ?`, handler).Scan(&n)
@@ -360,11 +326,14 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 
 	var effects sync.Map // idempotency key → *atomic.Int64
 	lease := &component{name: "lease"}
-	lease.next = s.leaseConsumer(t, "notify", func(_ context.Context, l *idem.Lease, _ *idem.Message) error {
+	notify := &idem.LeaseHandler{Name: "notify", Call: func(_ context.Context, l *idem.Lease, _ *idem.Message) error {
 		n, _ := effects.LoadOrStore(l.IdempotencyKey, new(atomic.Int64))
 		n.(*atomic.Int64).Add(1)
 		return nil
-	}, consumerCfg(lease))
+	}}
+	if lease.next, err = idem.NewLeaseConsumer(s.lease, notify, s.dl, consumerCfg(lease)); err != nil {
+		t.Fatal(err)
+	}
 	jsl, err := jetstream.New(js, &jetstream.Config{Stream: "CREDITS", Durable: "notify", Handler: lease, MaxDeliver: 3, Concurrency: lanes, Logger: logger})
 	if err != nil {
 		t.Fatal(err)
@@ -599,6 +568,26 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	if len(published) != outboxRows {
 		t.Errorf("%d distinct outbox messages on the stream, want %d", len(published), outboxRows)
 	}
+}
+
+// scanBalances reads (account, amount) rows.
+func scanBalances(rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+}) (map[string]int64, error) {
+	m := map[string]int64{}
+	for rows.Next() {
+		var (
+			a string
+			n int64
+		)
+		if err := rows.Scan(&a, &n); err != nil {
+			return nil, err
+		}
+		m[a] = n
+	}
+	return m, rows.Err()
 }
 
 // countEffects counts the keys called at least once.
