@@ -189,7 +189,7 @@ func (c *deliveries) storeDown(ctx context.Context, stop <-chan struct{}, err er
 	if err == nil || IsPermanent(err) || errors.As(err, &recorded) || !c.watch.Suspect(err) {
 		return false
 	}
-	if c.watch.Check(ctx, err) {
+	if c.watch.Confirm(ctx, err) {
 		return true
 	}
 	if !*again || ctx.Err() != nil || closed(stop) {
@@ -217,19 +217,6 @@ func (c *deliveries) held(d *Delivery, waitErr, last error) Verdict {
 		attempt = d.Attempt
 	}
 	return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(attempt-1, 0)), Err: err}
-}
-
-// logFailure writes a failure line, or counts it when a line of its kind
-// was written less than logEvery ago.
-func (c *deliveries) logFailure(level slog.Level, msg, kind string, attrs ...slog.Attr) {
-	ok, n := c.logs.Allow(msg + "\x00" + kind)
-	if !ok {
-		return
-	}
-	if n > 0 {
-		attrs = append(attrs, slog.Int("similar_not_logged", n))
-	}
-	c.cfg.Logger.LogAttrs(context.Background(), level, msg, attrs...)
 }
 
 // NewConsumer returns a Consumer applying h through p, with dead letters in
@@ -345,7 +332,7 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		// it; the host's may be ahead or behind).
 		delay = min(delay, max(ge.Remaining, 0))
 	}
-	c.logFailure(slog.LevelWarn, "idem: delivery failed; will retry", Fingerprint(err), slog.String("handler", c.name),
+	c.logs.Warn(c.cfg.Logger, Fingerprint(err), "idem: delivery failed; will retry", slog.String("handler", c.name),
 		slog.String("message_id", d.Msg.ID), slog.Int("attempt", d.Attempt), slog.Duration("retry_after", delay), slog.Any("error", err))
 	return Verdict{RetryAfter: delay, Outcome: out, Err: err}
 }
@@ -513,7 +500,7 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 		}
 		return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), Outcome: out, Err: err}
 	}
-	c.logFailure(slog.LevelWarn, "idem: dead-lettered", class+"\x00"+dl.Fingerprint, slog.String("handler", c.name), slog.String("message_id", dl.MessageID),
+	c.logs.Warn(c.cfg.Logger, class+"\x00"+dl.Fingerprint, "idem: dead-lettered", slog.String("handler", c.name), slog.String("message_id", dl.MessageID),
 		slog.Int64("dead_letter", id), slog.String("class", class), slog.String("fingerprint", dl.Fingerprint), slog.Any("error", cause))
 	return Verdict{Ack: true, DeadLettered: true, DeadLetterClass: class, Outcome: out, Err: cause}
 }

@@ -772,13 +772,8 @@ func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Mes
 		}
 		// Every worker's mark fails while the store is down, in ways
 		// that change as it stops and starts: one line every 10 s says so.
-		if ok, n := p.logs.Allow("done"); ok {
-			attrs := []any{slog.String("handler", h.Name), slog.String("message_id", msg.ID), slog.Duration("retry_after", pause), slog.Any("error", err)}
-			if n > 0 {
-				attrs = append(attrs, slog.Int("similar_not_logged", n))
-			}
-			p.cfg.Logger.Warn("idem: marking a lease done failed; trying again while the lease lasts", attrs...)
-		}
+		p.logs.Warn(p.cfg.Logger, "", "idem: marking a lease done failed; trying again while the lease lasts",
+			slog.String("handler", h.Name), slog.String("message_id", msg.ID), slog.Duration("retry_after", pause), slog.Any("error", err))
 		time.Sleep(pause)
 	}
 }
@@ -971,10 +966,8 @@ func (k *keeper) run() {
 		case err != nil:
 			// Every worker's heartbeat fails while the store is down:
 			// one line every 10 s says so.
-			if ok, n := k.p.logs.Allow("heartbeat"); ok {
-				k.p.cfg.Logger.Warn("idem: lease heartbeat failed; retrying at the next interval",
-					slog.String("handler", k.handler), slog.String("message_id", k.id), slog.Any("error", err), slog.Int("similar_not_logged", n))
-			}
+			k.p.logs.Warn(k.p.cfg.Logger, "", "idem: lease heartbeat failed; retrying at the next interval",
+				slog.String("handler", k.handler), slog.String("message_id", k.id), slog.Any("error", err))
 		case !res.OK:
 			fe := fencedError("heartbeat", k.handler, k.id, k.lease.Token, res.Current)
 			k.cancel(fe)

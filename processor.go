@@ -909,9 +909,7 @@ func (p *Processor[TTx]) rollback(ctx context.Context, tx TTx) {
 	if err := p.drv.Rollback(context.WithoutCancel(ctx), tx); err != nil {
 		// A rollback fails when the connection broke, which the failed
 		// call reports already: one line per kind every 10 s.
-		if ok, n := p.logs.Allow(Fingerprint(err)); ok {
-			p.logger.Warn("idem: rollback failed", slog.Any("error", err), slog.Int("similar_not_logged", n))
-		}
+		p.logs.Warn(p.logger, Fingerprint(err), "idem: rollback failed", slog.Any("error", err))
 	}
 }
 

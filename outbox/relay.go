@@ -418,7 +418,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			// release): back off the whole relay.
 			wait = r.cfg.Backoff.Delay(failures)
 			failures++
-			r.logFailure("outbox: relay cycle failed; retrying", err, slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
+			// A broker or store refusing every cycle fails each alike:
+			// one line per kind of failure every 10 s.
+			r.logs.Warn(r.cfg.Logger, idem.Fingerprint(err), "outbox: relay cycle failed; retrying", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Duration("retry_after", wait), slog.Any("error", err))
 		case err != nil:
 			// Keys failed to publish and wait out their own backoff, held
@@ -428,7 +430,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			// the broker refuses (and if the broker refuses everything,
 			// each key backs off on its own).
 			failures = 0
-			r.logFailure("outbox: some keys failed; they are retried after their backoff", err, slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
+			r.logs.Warn(r.cfg.Logger, idem.Fingerprint(err), "outbox: some keys failed; they are retried after their backoff", slog.String("owner", r.cfg.Owner), slog.Int("published", res.Published),
 				slog.Int("failed", res.Failed), slog.Any("error", err))
 			// More may be waiting, and keys left unheld (their turn came
 			// too late in the claim) are pending already: go on at once
@@ -473,20 +475,6 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 		}
 	}
-}
-
-// logFailure writes a WARN line, or counts it when a line of its kind
-// (msg and err's fingerprint) was written less than 10 s ago: a broker
-// refusing every publish fails every cycle alike.
-func (r *Relay) logFailure(msg string, err error, attrs ...any) {
-	ok, n := r.logs.Allow(msg + "\x00" + idem.Fingerprint(err))
-	if !ok {
-		return
-	}
-	if n > 0 {
-		attrs = append(attrs, slog.Int("similar_not_logged", n))
-	}
-	r.cfg.Logger.Warn(msg, attrs...)
 }
 
 // Stats reports the outbox: pending and published rows, the oldest pending

@@ -8,6 +8,8 @@
 package lograte
 
 import (
+	"context"
+	"log/slog"
 	"sync"
 	"time"
 )
@@ -60,6 +62,20 @@ func (l *Limiter) Allow(key string) (ok bool, suppressed int) {
 	n := k.suppressed
 	k.last, k.suppressed = now, 0
 	return true, n
+}
+
+// Warn writes msg with attrs at WARN on logger, unless a line of the same
+// msg and kind was written less than the interval ago; then it only counts
+// it. The next line written carries the count as similar_not_logged.
+func (l *Limiter) Warn(logger *slog.Logger, kind, msg string, attrs ...slog.Attr) {
+	ok, n := l.Allow(msg + "\x00" + kind)
+	if !ok {
+		return
+	}
+	if n > 0 {
+		attrs = append(attrs, slog.Int("similar_not_logged", n))
+	}
+	logger.LogAttrs(context.Background(), slog.LevelWarn, msg, attrs...)
 }
 
 // forgetOldest drops the kind written longest ago.

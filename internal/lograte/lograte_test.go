@@ -1,7 +1,9 @@
 package lograte
 
 import (
+	"log/slog"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -55,5 +57,23 @@ func TestZeroIntervalWritesEverything(t *testing.T) {
 		if ok, _ := l.Allow("x"); !ok {
 			t.Fatal("zero interval held a line back")
 		}
+	}
+}
+
+func TestWarnCarriesTheCount(t *testing.T) {
+	t.Parallel()
+	var out strings.Builder
+	logger := slog.New(slog.NewTextHandler(&out, nil))
+	l := New(10 * time.Second)
+	now := time.Unix(1000, 0)
+	l.now = func() time.Time { return now }
+	for range 3 {
+		l.Warn(logger, "kind", "failed")
+	}
+	now = now.Add(10 * time.Second)
+	l.Warn(logger, "kind", "failed")
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if len(lines) != 2 || strings.Contains(lines[0], "similar_not_logged") || !strings.Contains(lines[1], "similar_not_logged=2") || !strings.Contains(lines[1], "level=WARN") {
+		t.Fatalf("lines:\n%s", out.String())
 	}
 }

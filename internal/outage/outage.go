@@ -125,7 +125,14 @@ func (w *Watch) Outages() int {
 // like an outage (Suspect) and a probe of the store fails too. The first
 // confirmation starts an outage. It never reports true for nil.
 func (w *Watch) Check(ctx context.Context, err error) bool {
-	if w == nil || err == nil || !w.Suspect(err) {
+	return w.Suspect(err) && w.Confirm(ctx, err)
+}
+
+// Confirm reports whether the store is down, err being an error Suspect
+// took for an outage: one is under way, or a probe fails now and starts
+// one.
+func (w *Watch) Confirm(ctx context.Context, err error) bool {
+	if w == nil {
 		return false
 	}
 	if w.Down() {
