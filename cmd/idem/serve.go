@@ -253,6 +253,11 @@ type pageData struct {
 	Limit       int
 }
 
+// down records an outage that began at since.
+func (d *pageData) down(since time.Time) {
+	d.DownSince, d.DownFor = since.UTC().Truncate(time.Second), time.Since(since).Round(time.Second)
+}
+
 func servePage(w http.ResponseWriter, r *http.Request, s *store, cache *readingCache, timeout time.Duration) {
 	ctx, cancel := context.WithTimeout(r.Context(), timeout)
 	defer cancel()
@@ -264,7 +269,7 @@ func servePage(w http.ResponseWriter, r *http.Request, s *store, cache *readingC
 	}
 	d.Handlers, d.Outbox = rd.handlers, rd.outbox
 	if !rd.downSince.IsZero() {
-		d.DownSince, d.DownFor = rd.downSince.UTC().Truncate(time.Second), time.Since(rd.downSince).Round(time.Second)
+		d.down(rd.downSince)
 	}
 	err := rd.err
 	if dl, ok := s.idemDriver().(driver.DeadLetterStore); ok && err == nil {
@@ -275,7 +280,7 @@ func servePage(w http.ResponseWriter, r *http.Request, s *store, cache *readingC
 		if rd.err == nil && ctx.Err() == nil {
 			// The counts came from the cache; the store failed now.
 			since := cache.failed()
-			d.DownSince, d.DownFor = since.UTC().Truncate(time.Second), time.Since(since).Round(time.Second)
+			d.down(since)
 		}
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
