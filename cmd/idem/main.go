@@ -20,6 +20,8 @@
 //	          markers
 //	bench     measure idem's throughput as a ratio of the same
 //	          transactions without it
+//	chaos     kill consumers, relays and broker nodes at random and
+//	          verify every effect happened once
 //	serve     serve the store's state as Prometheus metrics and a
 //	          read-only admin page
 //	help      show help for idem or for one command
@@ -113,6 +115,7 @@ func commands() []*command {
 		cleanupCommand(),
 		importCommand(),
 		benchCommand(),
+		chaosCommand(),
 		serveCommand(),
 	}
 }

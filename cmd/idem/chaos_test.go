@@ -1,0 +1,211 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/outbox"
+	"github.com/idemhq/idem/postgres"
+)
+
+// TestChaos builds idem (without -race: a dozen instrumented processes
+// would measure the race detector) and runs a seeded chaos run on each
+// broker: every kind of process is SIGKILLed at random and restarted, and
+// the run must verify every effect against the intended events and exit 0.
+func TestChaos(t *testing.T) {
+	if testing.Short() {
+		t.Skip("chaos runs take half a minute; skipped with -short")
+	}
+	testenv.PostgresPool(t, 1) // skips loudly, or fails under IDEM_REQUIRE_SERVICES=1
+	bin := buildIdem(t)
+	cases := []struct {
+		broker, duration string
+		kinds            []string
+	}{
+		{"nats", "30s", []string{"consumer", "relay", "node"}},
+		{"kafka", "15s", []string{"consumer", "relay"}},
+	}
+	for _, c := range cases {
+		t.Run(c.broker, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, "chaos", "--broker", c.broker, "--duration", c.duration, "--seed", "1",
+				"--kill-every", "1s", "--rate", "50", "--dsn", testenv.PostgresDSN())
+			var out bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &out, &out
+			err := cmd.Run()
+			t.Logf("idem chaos --broker %s:\n%s", c.broker, out.String())
+			if err != nil {
+				t.Fatalf("idem chaos: %v", err)
+			}
+			if !strings.Contains(out.String(), "\nverification: OK") {
+				t.Fatal("no 'verification: OK' in the summary")
+			}
+			kills := chaosKillCounts(t, out.String())
+			for _, k := range c.kinds {
+				if kills[k] == 0 {
+					t.Errorf("no %s was killed (kills %v)", k, kills)
+				}
+			}
+		})
+	}
+}
+
+// chaosKillCounts reads the kills line of a chaos summary.
+func chaosKillCounts(t *testing.T, out string) map[string]int {
+	t.Helper()
+	line := regexp.MustCompile(`(?m)^  kills +\d+: (.*)$`).FindStringSubmatch(out)
+	if line == nil {
+		t.Fatal("no kills line in the summary")
+	}
+	kills := map[string]int{}
+	for _, m := range regexp.MustCompile(`(consumer|relay|node) (\d+)`).FindAllStringSubmatch(line[1], -1) {
+		kills[m[1]], _ = strconv.Atoi(m[2])
+	}
+	return kills
+}
+
+// buildIdem builds this command into a temporary directory.
+func buildIdem(t *testing.T) string {
+	t.Helper()
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		goBin = filepath.Join(os.Getenv("GOROOT"), "bin", "go")
+	}
+	bin := filepath.Join(t.TempDir(), "idem")
+	cmd := exec.Command(goBin, "build", "-o", bin, ".")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// TestChaosVerifyCatches checks that the run's verification fails on what
+// it is there to catch: a balance applied twice, an account applied out of
+// order, an event the sink never saw, a sink key of no event, a dead letter
+// and an unpublished outbox row.
+func TestChaosVerifyCatches(t *testing.T) {
+	ctx := context.Background()
+	pool := testenv.PostgresPool(t, 2)
+	schema := testenv.FreshSchema(t, pool)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sink, err := newChaosSink()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sink.close()
+	h := &chaosHarness{cfg: &chaosConfig{}, pool: pool, drv: drv, schema: schema, tables: newChaosTables(schema),
+		sink: sink, procs: &chaosProcs{}}
+	for _, q := range h.tables.ddl() {
+		if _, err := pool.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.events = []chaosEvent{
+		{id: "e1", account: "a", amount: 5, seq: 1},
+		{id: "e2", account: "a", amount: 7, seq: 2},
+		{id: "e3", account: "b", amount: -3, seq: 1},
+	}
+	call := func(id string) {
+		sink.mu.Lock()
+		key := idem.IdempotencyKey(chaosSinkHandler, id)
+		sink.keys[key] = &chaosKey{calls: 1, effects: 1, token: 1}
+		sink.applied++
+		sink.mu.Unlock()
+	}
+	sqlExec := func(q string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, q, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Right: every event applied once, in order; the sink saw each.
+	sqlExec(`INSERT INTO ` + h.tables.balances + ` VALUES ('a', 12, 2), ('b', -3, 1)`)
+	sqlExec(`INSERT INTO ` + h.tables.ordered + ` VALUES ('a', 2, 2, 0), ('b', 1, 1, 0)`)
+	for _, ev := range h.events {
+		call(ev.id)
+	}
+	res := &chaosResult{events: len(h.events)}
+	if err := h.verify(ctx, res); err != nil {
+		t.Fatal(err)
+	}
+	if len(res.problems) != 0 {
+		t.Fatalf("a right state fails verification: %v", res.problems)
+	}
+
+	// Wrong: e2 applied twice, b out of order, e3 missing at the sink
+	// and a stray key there, a dead letter, a pending outbox row.
+	sqlExec(`UPDATE ` + h.tables.balances + ` SET amount = 19, n = 3 WHERE account = 'a'`)
+	sqlExec(`UPDATE ` + h.tables.ordered + ` SET bad = 1 WHERE account = 'b'`)
+	sink.mu.Lock()
+	delete(sink.keys, idem.IdempotencyKey(chaosSinkHandler, "e3"))
+	sink.mu.Unlock()
+	call("e9")
+	consumer, err := idem.NewConsumer(mustProcessor(t, drv), &idem.Handler[postgres.Tx]{Name: "x", Apply: func(context.Context, postgres.Tx, *idem.Message) error {
+		return idem.Permanent(errors.New("refused"))
+	}}, drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := consumer.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "d1"}, Attempt: 1}); !v.DeadLettered {
+		t.Fatalf("setup: no dead letter: %+v", v)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Add(ctx, tx, &idem.Message{ID: "m1", Stream: "chaos.events", Payload: []byte("{}")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res = &chaosResult{events: len(h.events)}
+	if err := h.verify(ctx, res); err != nil {
+		t.Fatal(err)
+	}
+	got := strings.Join(res.problems, "\n")
+	for _, want := range []string{
+		"a: balance 19 from 3 events, want 12 from 2",
+		"b: ordered handler at sequence 1 after 1 writes, 1 out of order",
+		"the sink has no effect for 1 events: e3",
+		"the sink was called with 1 keys of no intended event",
+		"1 outbox rows unpublished",
+		"dead letters: x d1",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("verification does not report %q; it reports:\n%s", want, got)
+		}
+	}
+}
+
+func mustProcessor(t *testing.T, drv *postgres.Driver) *idem.Processor[postgres.Tx] {
+	t.Helper()
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
