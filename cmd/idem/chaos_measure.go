@@ -22,35 +22,45 @@ func runChaosMeasure(ctx context.Context, e *env, cfg *chaosConfig) error {
 	fmt.Fprintf(e.stdout, "idem chaos --measure: %d events a run, %d runs per consumer count, broker %s\n", cfg.events, cfg.runs, cfg.broker)
 	fmt.Fprintf(e.stdout, "  each event: an atomic balance, an ordered (GapWait) write and a lease-mode HTTP call; the relays fill the stream first\n")
 	type row struct {
-		n           int
-		rates       []float64
-		loadBefore  string
-		loadAfter   string
-		description string
+		n          int
+		rates      map[string][]float64
+		loadBefore string
+		loadAfter  string
 	}
 	var rows []row
+	desc := ""
 	for _, n := range counts {
-		r := row{n: n, loadBefore: loadAverage()}
+		r := row{n: n, rates: map[string][]float64{}, loadBefore: loadAverage()}
 		for run := range cfg.runs {
-			rate, desc, err := measureChaosRun(ctx, cfg, n, logger)
+			rates, d, err := measureChaosRun(ctx, cfg, n, logger)
 			if err != nil {
 				return fmt.Errorf("chaos: measure %d consumers, run %d: %w", n, run+1, err)
 			}
-			r.rates, r.description = append(r.rates, rate), desc
-			fmt.Fprintf(e.stdout, "  %d consumer processes, run %d: %.0f events/s\n", n, run+1, rate)
+			desc = d
+			var parts []string
+			for _, name := range chaosHandlers {
+				r.rates[name] = append(r.rates[name], rates[name])
+				parts = append(parts, fmt.Sprintf("%s %.0f", strings.TrimPrefix(name, "chaos."), rates[name]))
+			}
+			fmt.Fprintf(e.stdout, "  %d consumer processes, run %d: events/s %s\n", n, run+1, strings.Join(parts, ", "))
 		}
 		r.loadAfter = loadAverage()
 		rows = append(rows, r)
 	}
-	fmt.Fprintf(e.stdout, "\n  on %s\n", rows[0].description)
-	fmt.Fprintf(e.stdout, "  %-10s %12s %22s  %s\n", "consumers", "events/s", "spread (min–max)", "load average before → after")
-	base := 0.0
-	for i, r := range rows {
-		med := median(r.rates)
-		if i == 0 {
-			base = med
+	fmt.Fprintf(e.stdout, "\n  on %s\n", desc)
+	fmt.Fprintf(e.stdout, "  median events/s of %d runs (min–max), each handler timed from its first applied event to its last:\n", cfg.runs)
+	fmt.Fprintf(e.stdout, "  %-10s", "consumers")
+	for _, name := range chaosHandlers {
+		fmt.Fprintf(e.stdout, " %-22s", strings.TrimPrefix(name, "chaos."))
+	}
+	fmt.Fprintf(e.stdout, " %s\n", "load average before → after")
+	for _, r := range rows {
+		fmt.Fprintf(e.stdout, "  %-10d", r.n)
+		for _, name := range chaosHandlers {
+			xs := r.rates[name]
+			fmt.Fprintf(e.stdout, " %-22s", fmt.Sprintf("%.0f (%.0f–%.0f)", median(xs), slices.Min(xs), slices.Max(xs)))
 		}
-		fmt.Fprintf(e.stdout, "  %-10d %12.0f %13.0f–%-8.0f  %s → %s   (%.2f× the first)\n", r.n, med, slices.Min(r.rates), slices.Max(r.rates), r.loadBefore, r.loadAfter, med/base)
+		fmt.Fprintf(e.stdout, " %s → %s\n", r.loadBefore, r.loadAfter)
 	}
 	return nil
 }
@@ -58,34 +68,61 @@ func runChaosMeasure(ctx context.Context, e *env, cfg *chaosConfig) error {
 // measureChaosRun runs one measurement: a fresh store and broker, the
 // events written and relayed, then n consumers timed until every handler
 // has applied every event.
-func measureChaosRun(ctx context.Context, cfg *chaosConfig, n int, logger *slog.Logger) (float64, string, error) {
+func measureChaosRun(ctx context.Context, cfg *chaosConfig, n int, logger *slog.Logger) (map[string]float64, string, error) {
 	h, err := newChaosHarness(ctx, cfg, logger)
 	if err != nil {
-		return 0, "", err
+		return nil, "", err
 	}
 	defer h.close(ctx, true)
 	h.started = time.Now()
 	if err := h.produce(ctx, time.Time{}, cfg.events); err != nil {
-		return 0, "", err
+		return nil, "", err
 	}
 	if err := h.startRelays(); err != nil {
-		return 0, "", err
+		return nil, "", err
 	}
 	if err := h.waitOutboxEmpty(ctx); err != nil {
-		return 0, "", err
+		return nil, "", err
 	}
 	for _, p := range h.relays {
 		p.stop()
 	}
-	start := time.Now()
 	if err := h.startConsumers(n); err != nil {
-		return 0, "", err
+		return nil, "", err
 	}
-	if err := h.waitDrained(ctx, cfg.drainTimeout); err != nil {
-		return 0, "", err
+	// Each handler is timed from its first applied event to its last, so
+	// that the processes' start (a connection, a durable or a group join)
+	// is left out: rate = events applied in that time / the time.
+	first, last := map[string]time.Time{}, map[string]time.Time{}
+	base := map[string]int64{}
+	deadline := time.Now().Add(cfg.drainTimeout)
+	for len(last) < len(chaosHandlers) {
+		p, err := h.progress(ctx)
+		if err != nil {
+			return nil, "", err
+		}
+		now := time.Now()
+		for _, name := range chaosHandlers {
+			if _, ok := first[name]; !ok && p.applied[name] > 0 {
+				first[name], base[name] = now, p.applied[name]
+			}
+			if _, ok := last[name]; !ok && p.applied[name] >= int64(cfg.events) {
+				last[name] = now
+			}
+		}
+		if now.After(deadline) {
+			return nil, "", fmt.Errorf("not done within %s: %v of %d", cfg.drainTimeout, p.applied, cfg.events)
+		}
+		sleepCtx(ctx, 20*time.Millisecond)
+		if err := ctx.Err(); err != nil {
+			return nil, "", err
+		}
 	}
-	elapsed := time.Since(start)
-	return float64(cfg.events) / elapsed.Seconds(), h.broker.describe(), nil
+	rates := map[string]float64{}
+	for _, name := range chaosHandlers {
+		rates[name] = float64(int64(cfg.events)-base[name]) / max(last[name].Sub(first[name]).Seconds(), 1e-3)
+	}
+	return rates, h.broker.describe(), nil
 }
 
 // waitOutboxEmpty waits until the relays have published every row.
