@@ -218,21 +218,20 @@ func runChaos(ctx context.Context, e *env, cfg *chaosConfig) error {
 	} else {
 		fmt.Fprintf(e.stdout, "  producing %d events/s for %s, SIGKILLing %s about every %s\n", cfg.rate, cfg.duration, kinds, cfg.killEvery)
 	}
-	if err := h.startAll(ctx, cfg.consumers); err != nil {
+	if err := h.startAll(cfg.consumers); err != nil {
 		return err
 	}
 	res, err := h.run(ctx, e.stdout)
+	if err == nil && printChaosSummary(e.stdout, cfg, res) {
+		failed = false
+		return nil
+	}
+	fmt.Fprintf(e.stdout, "replay with: %s\n", cfg.replayCommand())
+	fmt.Fprintf(e.stdout, "the processes' logs are kept in %s\n", h.dir)
 	if err != nil {
-		fmt.Fprintf(e.stdout, "replay with: %s\n", cfg.replayCommand())
 		return err
 	}
-	if !printChaosSummary(e.stdout, cfg, res) {
-		fmt.Fprintf(e.stdout, "replay with: %s\n", cfg.replayCommand())
-		fmt.Fprintf(e.stdout, "the processes' logs are kept in %s\n", h.dir)
-		return errors.New("verification failed: see the summary above")
-	}
-	failed = false
-	return nil
+	return errors.New("verification failed: see the summary above")
 }
 
 // chaosRNG returns the run's random source for a purpose: the events and

@@ -84,7 +84,6 @@ func freePorts(n int) ([]int, error) {
 // chaosNATS is the run's JetStream cluster: three node processes and the
 // run's own connection to them.
 type chaosNATS struct {
-	procs      *chaosProcs
 	nodeProcs  []*chaosProc
 	clientURLs []string
 	nc         *nats.Conn
@@ -99,14 +98,14 @@ func newChaosNATS(ctx context.Context, procs *chaosProcs) (*chaosNATS, error) {
 	if err != nil {
 		return nil, fmt.Errorf("chaos: ports for the cluster: %w", err)
 	}
-	c := &chaosNATS{procs: procs, streamName: chaosStream}
+	c := &chaosNATS{streamName: chaosStream}
 	clientPorts, routePorts := ports[:chaosClusterNodes], ports[chaosClusterNodes:]
 	for i := range chaosClusterNodes {
 		c.clientURLs = append(c.clientURLs, fmt.Sprintf("nats://127.0.0.1:%d", clientPorts[i]))
 	}
 	for i := range chaosClusterNodes {
 		name := fmt.Sprintf("node-%d", i)
-		p := procs.newProc("node", chaosChild{Role: "node", Name: name, Broker: "nats", Index: i,
+		p := procs.newProc(chaosChild{Role: "node", Name: name, Broker: "nats", Index: i,
 			ClientPorts: clientPorts, RoutePorts: routePorts, StoreDir: filepath.Join(procs.dir, name)})
 		if err := procs.start(p); err != nil {
 			c.close()

@@ -45,9 +45,9 @@ type chaosChild struct {
 // chaosProc is one child process of a chaos run, which the run kills and
 // starts again.
 type chaosProc struct {
-	kind, name string
-	spec       chaosChild
-	logPath    string
+	name    string
+	spec    chaosChild
+	logPath string
 
 	mu      sync.Mutex
 	cmd     *exec.Cmd
@@ -67,8 +67,8 @@ type chaosProcs struct {
 }
 
 // newProc describes a child; start runs it.
-func (ps *chaosProcs) newProc(kind string, spec chaosChild) *chaosProc {
-	return &chaosProc{kind: kind, name: spec.Name, spec: spec, logPath: filepath.Join(ps.dir, spec.Name+".log")}
+func (ps *chaosProcs) newProc(spec chaosChild) *chaosProc {
+	return &chaosProc{name: spec.Name, spec: spec, logPath: filepath.Join(ps.dir, spec.Name+".log")}
 }
 
 // start runs p, its output appended to its log, its standard input a pipe

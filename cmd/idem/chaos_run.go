@@ -165,7 +165,7 @@ func (h *chaosHarness) childSpec(role, name string) chaosChild {
 // startRelays starts the relay processes.
 func (h *chaosHarness) startRelays() error {
 	for i := range h.cfg.relays {
-		p := h.procs.newProc("relay", h.childSpec("relay", fmt.Sprintf("relay-%d", i)))
+		p := h.procs.newProc(h.childSpec("relay", fmt.Sprintf("relay-%d", i)))
 		if err := h.procs.start(p); err != nil {
 			return err
 		}
@@ -177,7 +177,7 @@ func (h *chaosHarness) startRelays() error {
 // startConsumers starts n consumer processes.
 func (h *chaosHarness) startConsumers(n int) error {
 	for i := range n {
-		p := h.procs.newProc("consumer", h.childSpec("consumer", fmt.Sprintf("consumer-%d", i)))
+		p := h.procs.newProc(h.childSpec("consumer", fmt.Sprintf("consumer-%d", i)))
 		if err := h.procs.start(p); err != nil {
 			return err
 		}
@@ -187,7 +187,7 @@ func (h *chaosHarness) startConsumers(n int) error {
 }
 
 // startAll starts the relays and n consumers.
-func (h *chaosHarness) startAll(_ context.Context, n int) error {
+func (h *chaosHarness) startAll(n int) error {
 	if err := h.startRelays(); err != nil {
 		return err
 	}
@@ -480,21 +480,20 @@ func (h *chaosHarness) waitDrained(ctx context.Context, timeout time.Duration) e
 
 // chaosResult is what a run did and what its check found.
 type chaosResult struct {
-	events    int
-	accounts  int
-	elapsed   time.Duration
-	drained   time.Duration
-	kills     []chaosKill
-	deferred  int
-	stalls    []chaosStall
-	counts    map[string]chaosCountsJSON
-	calls     int64
-	effects   int64
-	repeated  int // keys called more than once
-	fenced    int64
-	overlaps  int64
-	problems  []string
-	consumers int
+	events   int
+	accounts int
+	elapsed  time.Duration
+	drained  time.Duration
+	kills    []chaosKill
+	deferred int
+	stalls   []chaosStall
+	counts   map[string]chaosCountsJSON
+	calls    int64
+	effects  int64
+	repeated int // keys called more than once
+	fenced   int64
+	overlaps int64
+	problems []string
 }
 
 // run produces and kills for the run's duration, drains, and verifies.
@@ -525,7 +524,7 @@ func (h *chaosHarness) run(ctx context.Context, out io.Writer) (*chaosResult, er
 	for _, p := range slices.Concat(h.consumers, h.relays) {
 		p.stop() // the consumers send their last counts
 	}
-	res := &chaosResult{events: len(h.events), accounts: h.cfg.accounts, elapsed: time.Since(h.started), drained: drained, consumers: len(h.consumers)}
+	res := &chaosResult{events: len(h.events), accounts: h.cfg.accounts, elapsed: time.Since(h.started), drained: drained}
 	h.mu.Lock()
 	res.kills, res.deferred, res.stalls = h.kills, h.deferred, h.stalls
 	h.mu.Unlock()
