@@ -95,11 +95,11 @@ spread and the machine's load.`,
 			fs.IntVar(&cfg.consumers, "consumers", 4, "consumer `processes`")
 			fs.IntVar(&cfg.relays, "relays", 2, "relay `processes`")
 			fs.DurationVar(&cfg.killEvery, "kill-every", 5*time.Second, "mean `interval` between kills")
-			fs.IntVar(&cfg.rate, "rate", 100, "events produced per second")
+			fs.IntVar(&cfg.rate, "rate", 50, "events produced per second")
 			fs.IntVar(&cfg.accounts, "accounts", 200, "number of `accounts` (aggregates)")
 			fs.StringVar(&cfg.dsn, "dsn", "", "PostgreSQL `DSN` (default IDEM_POSTGRES_DSN, else postgres://postgres@127.0.0.1:5432/test)")
 			fs.BoolVar(&cfg.keep, "keep", false, "keep the schema and the processes' logs")
-			fs.DurationVar(&cfg.drainTimeout, "drain-timeout", 2*time.Minute, "how long to wait for everything produced to be consumed once killing stops")
+			fs.DurationVar(&cfg.drainTimeout, "drain-timeout", 5*time.Minute, "how long to wait for everything produced to be consumed once killing stops")
 			fs.BoolVar(&cfg.noKill, "no-kill", false, "kill nothing (a baseline)")
 			fs.BoolVar(&cfg.measure, "measure", false, "measure events/s for each consumer count in --scale instead")
 			fs.StringVar(&cfg.scale, "scale", "1,2,4", "with --measure: consumer `counts`")
@@ -224,6 +224,9 @@ func runChaos(ctx context.Context, e *env, cfg *chaosConfig) error {
 	res, err := h.run(ctx, e.stdout)
 	if err == nil && printChaosSummary(e.stdout, cfg, res) {
 		failed = false
+		if cfg.keep {
+			fmt.Fprintf(e.stdout, "kept: schema %s, the processes' logs in %s\n", h.schema, h.dir)
+		}
 		return nil
 	}
 	fmt.Fprintf(e.stdout, "replay with: %s\n", cfg.replayCommand())

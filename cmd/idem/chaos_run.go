@@ -324,8 +324,8 @@ func (h *chaosHarness) progress(ctx context.Context) (chaosProgress, error) {
 }
 
 // monitor polls the progress until ctx ends, records every stall (a
-// handler making no progress while behind) and prints a line every 10
-// seconds.
+// handler making no progress while behind, once it has applied its first
+// event) and prints a line every 10 seconds.
 func (h *chaosHarness) monitor(ctx context.Context, out io.Writer) {
 	last := map[string]int64{}
 	since := map[string]time.Time{}
@@ -345,6 +345,9 @@ func (h *chaosHarness) monitor(ctx context.Context, out io.Writer) {
 		now := time.Now()
 		for _, name := range chaosHandlers {
 			n := p.applied[name]
+			if n == 0 {
+				continue // starting: the processes connect, the durables are made
+			}
 			if s, ok := since[name]; !ok || n != last[name] || n >= p.produced {
 				if ok && n != last[name] && now.Sub(s) >= 200*time.Millisecond {
 					h.mu.Lock()
