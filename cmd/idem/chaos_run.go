@@ -683,12 +683,16 @@ func printChaosSummary(w io.Writer, cfg *chaosConfig, r *chaosResult) bool {
 		return strings.Join(parts, ", ")
 	}
 	longest, byKindStall := chaosLongestStalls(r)
+	redeliveries := per(func(c chaosCountsJSON) int64 { return c.Redeliveries }) + "  (JetStream's delivery count)"
+	if cfg.broker == "kafka" {
+		redeliveries = "-  (Kafka counts none: a replay after a rebalance shows as duplicates)"
+	}
 	fmt.Fprintln(w)
 	printRows(w, [][2]string{
 		{"events intended", fmt.Sprintf("%d over %d accounts", r.events, r.accounts)},
 		{"kills", kills},
 		{"deliveries", per(func(c chaosCountsJSON) int64 { return c.Deliveries })},
-		{"redeliveries", per(func(c chaosCountsJSON) int64 { return c.Redeliveries }) + "  (as the broker counts them)"},
+		{"redeliveries", redeliveries},
 		{"duplicates absorbed", per(func(c chaosCountsJSON) int64 { return c.Duplicates + c.Stale })},
 		{"retried", per(func(c chaosCountsJSON) int64 { return c.Retried }) + "  (ordered: waits for an earlier sequence)"},
 		{"dead-lettered", per(func(c chaosCountsJSON) int64 { return c.Dead })},
