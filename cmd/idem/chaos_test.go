@@ -42,7 +42,10 @@ func TestChaos(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 			defer cancel()
 			cmd := exec.CommandContext(ctx, bin, "chaos", "--broker", c.broker, "--duration", c.duration, "--seed", "1",
-				"--kill-every", "1s", "--rate", "50", "--dsn", testenv.PostgresDSN())
+				"--kill-every", "1s", "--rate", "50", "--drain-timeout", "3m", "--dsn", testenv.PostgresDSN())
+			// Interrupted, the run stops its processes and drops its schema.
+			cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
+			cmd.WaitDelay = 30 * time.Second
 			var out bytes.Buffer
 			cmd.Stdout, cmd.Stderr = &out, &out
 			err := cmd.Run()
