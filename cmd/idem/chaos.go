@@ -210,9 +210,9 @@ func runChaos(ctx context.Context, e *env, cfg *chaosConfig) error {
 	defer func() { h.close(ctx, !failed && !cfg.keep) }()
 	fmt.Fprintf(e.stdout, "idem chaos: %s; %d consumer processes, %d relays; Postgres schema %s; seed %d\n",
 		h.broker.describe(), cfg.consumers, cfg.relays, h.schema, cfg.seed)
-	kinds := "consumers, relays"
+	kinds := "consumers and relays"
 	if cfg.broker == "nats" {
-		kinds += " and JetStream nodes"
+		kinds = "consumers, relays and JetStream nodes"
 	}
 	if cfg.noKill {
 		fmt.Fprintf(e.stdout, "  producing %d events/s for %s, killing nothing\n", cfg.rate, cfg.duration)
