@@ -42,6 +42,18 @@
 // the ordering guard and write-side versions hold a number that must be
 // read, so each has a lock key beside it, taken the same way by a script.
 //
+// # Handlers that only write
+//
+// With Config.WriteOnly, Process of a handler without an ordering guard
+// takes no hold: the handler runs first, and the commit is one script
+// call that reads the marker and, if the message is new, writes the
+// marker and runs the queued commands. One round trip where the path
+// above takes two. Of two concurrent deliveries the first to commit
+// applies and the other is a Duplicate; a marker held by a transaction
+// of the path above is waited for. The handler then runs for
+// redeliveries too (its writes are dropped), so it must not read through
+// its transaction: a read makes the commit fail with ErrReadInWriteOnly.
+//
 // # What Redis does and does not promise
 //
 // MULTI/EXEC is atomic with respect to other clients, but Redis does not
