@@ -100,6 +100,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -201,6 +202,10 @@ type Driver struct {
 	markerTTL time.Duration
 	maxKeys   int
 	writeOnly bool
+	// commands is the server's command table, read by the first
+	// write-only commit (see scriptable).
+	commandsMu sync.Mutex
+	commands   map[string]*redis.CommandInfo
 }
 
 var _ driver.Driver[*Tx] = (*Driver)(nil)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"time"
 
@@ -22,6 +23,13 @@ var _ driver.CommitMarkerInserter[*Tx] = (*Driver)(nil)
 // It wraps idem.ErrInvalidConfig: the handler reads, so it needs a driver
 // without WriteOnly.
 var ErrReadInWriteOnly = fmt.Errorf("%w: redisstore: a handler read through its transaction on a WriteOnly driver (Tx.Conn, Tx.Watch or a version); use a driver without WriteOnly for it", idem.ErrInvalidConfig)
+
+// ErrNotScriptable matches a commit on the write-only path whose queued
+// commands include one that cannot run inside a script (EVALSHA, MULTI,
+// SUBSCRIBE…: Redis flags them noscript) or one the server does not know.
+// Nothing was sent. It wraps idem.ErrInvalidConfig: such a handler needs a
+// driver without WriteOnly.
+var ErrNotScriptable = fmt.Errorf("%w: redisstore: a queued command cannot run inside a script; use a driver without WriteOnly for this handler", idem.ErrInvalidConfig)
 
 // maxScriptArgs bounds the arguments of one queued command on the
 // write-only path: the script hands them to redis.call with Lua's unpack,
@@ -109,6 +117,9 @@ func (d *Driver) commitAt(ctx context.Context, tx *Tx) error {
 		return fmt.Errorf("redisstore: commit: the handler took Tx.Conn: %w", ErrReadInWriteOnly)
 	}
 	cmds := tx.queue.Cmds()
+	if err := d.scriptable(ctx, cmds); err != nil {
+		return fmt.Errorf("redisstore: commit: %w", err)
+	}
 	args := []any{tx.at.applied, d.markerTTL.Milliseconds()}
 	for _, c := range cmds {
 		a := c.Args()
@@ -175,4 +186,42 @@ func partial(cmds []redis.Cmder, fails []any) error {
 		return fmt.Errorf("redisstore: commit: %w: %w", ErrExecPartial, first)
 	}
 	return nil
+}
+
+// scriptable returns ErrNotScriptable, naming the command, if one of cmds
+// cannot run inside a script. EXEC would refuse the same commands before
+// running any (an unknown one) or run them where the script cannot (a
+// command flagged noscript); the script would run the others and write the
+// marker. The server's command table is read once per driver, on the
+// first write-only commit.
+func (d *Driver) scriptable(ctx context.Context, cmds []redis.Cmder) error {
+	table, err := d.commandTable(ctx)
+	if err != nil {
+		return err
+	}
+	for _, c := range cmds {
+		info, ok := table[c.Name()]
+		switch {
+		case !ok:
+			return fmt.Errorf("%w: the server has no command %q", ErrNotScriptable, c.Name())
+		case slices.Contains(info.Flags, "noscript"):
+			return fmt.Errorf("%w: %s is refused inside a script", ErrNotScriptable, c.Name())
+		}
+	}
+	return nil
+}
+
+// commandTable returns the server's commands by name, read with COMMAND
+// on first use and kept; a failed read is tried again by the next commit.
+func (d *Driver) commandTable(ctx context.Context) (map[string]*redis.CommandInfo, error) {
+	d.commandsMu.Lock()
+	defer d.commandsMu.Unlock()
+	if d.commands == nil {
+		table, err := d.client.Command(ctx).Result()
+		if err != nil {
+			return nil, fmt.Errorf("read the server's commands: %w", err)
+		}
+		d.commands = table
+	}
+	return d.commands, nil
 }

@@ -289,3 +289,42 @@ func TestWriteOnlyCrash(t *testing.T) {
 func TestWriteOnlyCrashChild(t *testing.T) {
 	idemtest.AtomicCrashChild(t, writeOnlyCrashHarness(true, "TestWriteOnlyCrashChild"))
 }
+
+// A queued command that cannot run inside a script (one Redis flags
+// noscript, or one it does not know) fails the commit before anything is
+// sent: no marker, no effect, where the script would have run the others.
+func TestWriteOnlyRefusesUnscriptable(t *testing.T) {
+	t.Parallel()
+	s, c, _, drv, proc := openProc(t, &redisstore.Config{WriteOnly: true})
+	ctx := context.Background()
+	queue := map[string]func(ctx context.Context, q redis.Pipeliner){
+		"evalsha": func(ctx context.Context, q redis.Pipeliner) {
+			q.EvalSha(ctx, "0123456789012345678901234567890123456789", nil)
+		},
+		"unknown": func(ctx context.Context, q redis.Pipeliner) { q.Do(ctx, "nosuchcommand", "x") },
+	}
+	for name, add := range queue {
+		h := &idem.Handler[*redisstore.Tx]{Name: "unscriptable", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+			if err := s.Credit(ctx, tx, "acct", 1); err != nil {
+				return err
+			}
+			add(ctx, tx.Queue())
+			return nil
+		}}
+		msg := &idem.Message{ID: "u-" + name}
+		out, err := proc.Process(ctx, h, msg)
+		if out != idem.OutcomeNone || !errors.Is(err, redisstore.ErrNotScriptable) || !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Fatalf("%s: (%v, %v), want ErrNotScriptable", name, out, err)
+		}
+		if n := c.Exists(ctx, drv.MarkerKey("unscriptable", msg.ID)).Val(); n != 0 {
+			t.Fatalf("%s: a marker was written", name)
+		}
+	}
+	got, err := s.Balances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 0 {
+		t.Fatalf("balances %v, want none", got)
+	}
+}
