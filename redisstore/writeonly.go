@@ -21,15 +21,17 @@ var _ driver.CommitMarkerInserter[*Tx] = (*Driver)(nil)
 // write-only path (Config.WriteOnly): Tx.Watch, a version, or a commit
 // after the handler took Tx.Conn. Nothing of the transaction is applied.
 // It wraps idem.ErrInvalidConfig: the handler reads, so it needs a driver
-// without WriteOnly.
-var ErrReadInWriteOnly = fmt.Errorf("%w: redisstore: a handler read through its transaction on a WriteOnly driver (Tx.Conn, Tx.Watch or a version); use a driver without WriteOnly for it", idem.ErrInvalidConfig)
+// without WriteOnly. It is permanent (idem.IsPermanent): retrying cannot
+// help, so a Consumer dead-letters the message at once with this reason
+// instead of spending its attempts.
+var ErrReadInWriteOnly = idem.Permanent(fmt.Errorf("%w: redisstore: a handler read through its transaction on a WriteOnly driver (Tx.Conn, Tx.Watch or a version); use a driver without WriteOnly for it", idem.ErrInvalidConfig))
 
 // ErrNotScriptable matches a commit on the write-only path whose queued
 // commands include one that cannot run inside a script (EVALSHA, MULTI,
 // SUBSCRIBE…: Redis flags them noscript) or one the server does not know.
 // Nothing was sent. It wraps idem.ErrInvalidConfig: such a handler needs a
-// driver without WriteOnly.
-var ErrNotScriptable = fmt.Errorf("%w: redisstore: a queued command cannot run inside a script; use a driver without WriteOnly for this handler", idem.ErrInvalidConfig)
+// driver without WriteOnly. Like ErrReadInWriteOnly it is permanent.
+var ErrNotScriptable = idem.Permanent(fmt.Errorf("%w: redisstore: a queued command cannot run inside a script; use a driver without WriteOnly for this handler", idem.ErrInvalidConfig))
 
 // maxScriptArgs bounds the arguments of one queued command on the
 // write-only path: the script hands them to redis.call with Lua's unpack,

@@ -158,7 +158,7 @@ func TestWriteOnlyRefusesReads(t *testing.T) {
 		}}
 		msg := &idem.Message{ID: "read-" + name}
 		out, err := proc.Process(ctx, h, msg)
-		if out != idem.OutcomeNone || !errors.Is(err, redisstore.ErrReadInWriteOnly) || !errors.Is(err, idem.ErrInvalidConfig) {
+		if out != idem.OutcomeNone || !errors.Is(err, redisstore.ErrReadInWriteOnly) || !errors.Is(err, idem.ErrInvalidConfig) || !idem.IsPermanent(err) {
 			t.Fatalf("%s: (%v, %v), want ErrReadInWriteOnly", name, out, err)
 		}
 		if n := c.Exists(ctx, drv.MarkerKey("reader", msg.ID)).Val(); n != 0 {
@@ -313,7 +313,7 @@ func TestWriteOnlyRefusesUnscriptable(t *testing.T) {
 		}}
 		msg := &idem.Message{ID: "u-" + name}
 		out, err := proc.Process(ctx, h, msg)
-		if out != idem.OutcomeNone || !errors.Is(err, redisstore.ErrNotScriptable) || !errors.Is(err, idem.ErrInvalidConfig) {
+		if out != idem.OutcomeNone || !errors.Is(err, redisstore.ErrNotScriptable) || !errors.Is(err, idem.ErrInvalidConfig) || !idem.IsPermanent(err) {
 			t.Fatalf("%s: (%v, %v), want ErrNotScriptable", name, out, err)
 		}
 		if n := c.Exists(ctx, drv.MarkerKey("unscriptable", msg.ID)).Val(); n != 0 {
