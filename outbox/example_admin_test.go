@@ -134,4 +134,3 @@ func startJetStream(dir string) (natsjs.JetStream, func()) {
 	}
 	return js, func() { nc.Close(); ns.Shutdown() }
 }
-
