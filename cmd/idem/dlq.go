@@ -172,7 +172,7 @@ func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *
 		if n, _, err := s.schemaVersion(ctx); err != nil {
 			return err
 		} else if n == 0 {
-			return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+			return s.errNoTables(ctx)
 		}
 	}
 	actor := f.actor

@@ -251,7 +251,9 @@ const outboxSchemaVersion = 6
 func collectOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, error) {
 	if n, version, err := s.schemaVersion(ctx); err != nil {
 		return nil, err
-	} else if n == 0 || version < outboxSchemaVersion {
+	} else if n == 0 {
+		return nil, s.errNoTables(ctx)
+	} else if version < outboxSchemaVersion {
 		return nil, fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
 	}
 	return readOutbox(ctx, s, now)

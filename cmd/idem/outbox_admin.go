@@ -83,8 +83,10 @@ func outboxAdminSchema(k storeKind) int {
 
 // runOutboxAdmin runs list, retry, park or discard with f parsed.
 func runOutboxAdmin(ctx context.Context, e *env, s *store, sub string, f *outboxAdminFlags, asJSON bool) error {
-	if _, version, err := s.schemaVersion(ctx); err != nil {
+	if n, version, err := s.schemaVersion(ctx); err != nil {
 		return err
+	} else if n == 0 {
+		return s.errNoTables(ctx)
 	} else if version < outboxAdminSchema(s.kind) {
 		return fmt.Errorf("%s has no outbox administration yet (schema version %d): run 'idem migrate' first", s, version)
 	}
