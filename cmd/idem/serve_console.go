@@ -107,13 +107,15 @@ type view struct {
 	// and CSRF are the logged-in operator's.
 	ActionsOn   bool
 	Actor, CSRF string
-	Path        string
-	Page        any
+	// Path is the page's path; Here its path and query, where a login
+	// returns to.
+	Path, Here string
+	Page       any
 }
 
 // render writes the page name with its data p.
 func (c *console) render(w http.ResponseWriter, r *http.Request, code int, name, title string, p any) {
-	v := view{Title: title, Store: c.s.String(), Now: time.Now().UTC().Truncate(time.Second), ActionsOn: c.auth != nil, Path: r.URL.Path, Page: p}
+	v := view{Title: title, Store: c.s.String(), Now: time.Now().UTC().Truncate(time.Second), ActionsOn: c.auth != nil, Path: r.URL.Path, Here: r.URL.RequestURI(), Page: p}
 	if _, s := c.auth.session(r); s != nil {
 		v.Actor, v.CSRF = s.actor, s.csrf
 	}

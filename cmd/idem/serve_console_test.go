@@ -98,6 +98,7 @@ func seedConsoleStore(t *testing.T) *consoleSeed {
 	if err != nil {
 		t.Fatal(err)
 	}
+	addToOutbox(t, s.db, s.drv, "receipt-1", "receipt-2")
 	addMarkers(t, s.db, "billing", 0, 40)
 	addMarkers(t, s.db, "mailer", 0, 25)
 	return s

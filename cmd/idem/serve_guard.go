@@ -150,7 +150,10 @@ func guard(p *hostPolicy, next http.Handler) http.Handler {
 		h.Set("X-Content-Type-Options", "nosniff")
 		h.Set("X-Frame-Options", "DENY")
 		h.Set("Content-Security-Policy", serveCSP)
-		h.Set("Referrer-Policy", "no-referrer")
+		// same-origin, not no-referrer: under no-referrer a browser sends
+		// "Origin: null" with the console's own forms, and the console
+		// refuses a post whose origin is not its own.
+		h.Set("Referrer-Policy", "same-origin")
 		if !p.allows(r.Host) {
 			http.Error(w, fmt.Sprintf("idem serve does not answer host %q: add it with --allow-host if this is how you reach it", termText(r.Host)), http.StatusMisdirectedRequest)
 			return
