@@ -94,14 +94,18 @@ type OutboxPrunableCounter interface {
 
 // OutboxStats describes the outbox.
 type OutboxStats struct {
-	// Pending rows await the relay; Published rows await cleanup.
+	// Pending rows await the relay, parked ones included; Published rows
+	// await cleanup.
 	Pending, Published int64
-	// OldestPending is the creation time of the oldest pending row.
+	// OldestPending is the creation time of the oldest pending row that
+	// is not parked.
 	OldestPending time.Time
-	// Failing counts pending rows with at least one failed attempt;
-	// LastError is the most recent row's error text.
+	// Failing counts pending rows, not parked, with at least one failed
+	// attempt; LastError is the most recent such row's error text.
 	Failing   int64
 	LastError string
+	// Parked counts the rows an operator set aside (OutboxAdmin).
+	Parked int64
 }
 
 // OutboxNotifier is implemented by drivers that can wake a relay when rows

@@ -94,10 +94,11 @@ SELECT $1, $8::text || v.version, $3, $2, v.version, $4, $5, $6, $7 FROM v RETUR
 // database clock, so relays on skewed hosts agree on claim expiry.
 func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
 	// Candidate keys: the oldest pending rows whose key no other live
-	// claim holds.
+	// claim holds, and that no parked row of their key precedes.
 	rows, err := d.pool.Query(ctx, `SELECT o.ordering_key FROM `+d.t.outbox+` o
 WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM `+d.t.outboxClaims+` c
   WHERE c.ordering_key = o.ordering_key AND c.owner <> $1 AND c.claimed_until > clock_timestamp())
+AND `+d.notParked("o")+`
 ORDER BY o.id LIMIT $2`, owner, limit)
 	if err != nil {
 		return nil, fmt.Errorf("postgres: outbox candidates: %w", err)
@@ -129,8 +130,10 @@ RETURNING c.ordering_key`, keys, owner, ttl.Microseconds())
 	}
 	// Read the won keys' pending rows now, after the claim: anything
 	// another relay marked published before we won is not returned.
+	// A parked row and its key's later rows stay (an operator's park
+	// takes the key as a claim does, so none was parked after our claim).
 	rows, err = d.pool.Query(ctx, `SELECT id, destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash, created_at, attempts
-FROM `+d.t.outbox+` WHERE published_at IS NULL AND ordering_key = ANY($1) ORDER BY id LIMIT $2`, won, limit)
+FROM `+d.t.outbox+` o WHERE published_at IS NULL AND ordering_key = ANY($1) AND `+d.notParked("o")+` ORDER BY id LIMIT $2`, won, limit)
 	if err != nil {
 		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
 	}
@@ -143,6 +146,14 @@ FROM `+d.t.outbox+` WHERE published_at IS NULL AND ordering_key = ANY($1) ORDER 
 		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
 	}
 	return out, nil
+}
+
+// notParked is the condition that the outbox row aliased o is not parked
+// and no parked row of its key precedes it. The lookup reads the partial
+// index of parked rows, empty unless an operator parked some.
+func (d *Driver) notParked(o string) string {
+	return `NOT EXISTS (SELECT 1 FROM ` + d.t.outbox + ` p WHERE p.ordering_key = ` + o + `.ordering_key
+  AND p.parked_at IS NOT NULL AND p.published_at IS NULL AND p.id <= ` + o + `.id)`
 }
 
 func uniqueStrings(in []string) []string {
@@ -195,9 +206,11 @@ func (d *Driver) OutboxStats(ctx context.Context) (driver.OutboxStats, error) {
 		last   *string
 	)
 	err := d.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NOT NULL),
-min(created_at) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NULL AND attempts > 0),
-(SELECT last_error FROM `+d.t.outbox+` WHERE published_at IS NULL AND attempts > 0 ORDER BY id DESC LIMIT 1)
-FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &last)
+min(created_at) FILTER (WHERE published_at IS NULL AND parked_at IS NULL),
+count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NULL AND attempts > 0),
+count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NOT NULL),
+(SELECT last_error FROM `+d.t.outbox+` WHERE published_at IS NULL AND parked_at IS NULL AND attempts > 0 ORDER BY id DESC LIMIT 1)
+FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &s.Parked, &last)
 	if err != nil {
 		return s, fmt.Errorf("postgres: outbox stats: %w", err)
 	}

@@ -151,6 +151,7 @@ type tables struct {
 	deadLetters, deadLetterLog string
 	handlerStats               string
 	outbox, outboxClaims       string
+	outboxLog                  string
 }
 
 var (
@@ -199,6 +200,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 		handlerStats:  sqlident.Qualified(cfg.Schema, prefix+"handler_stats"),
 		outbox:        sqlident.Qualified(cfg.Schema, prefix+"outbox"),
 		outboxClaims:  sqlident.Qualified(cfg.Schema, prefix+"outbox_claims"),
+		outboxLog:     sqlident.Qualified(cfg.Schema, prefix+"outbox_log"),
 	}
 	d.markerSQL, d.legacySQL = newMarkerSQL(d.t)
 	d.deleteMarkers = `DELETE FROM ` + d.t.markers + ` WHERE handler_id = $1 AND message_key = ANY($2::bytea[])`
@@ -244,6 +246,8 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{outbox_notify_fn}}", sqlident.Qualified(d.schema, d.prefix+"outbox_notify"),
 		"{{outbox_notify}}", sqlident.Quote(d.prefix+"outbox_notify"),
 		"{{outbox_channel}}", d.outboxChannel(),
+		"{{outbox_parked}}", sqlident.Quote(d.prefix+"outbox_parked"),
+		"{{outbox_log}}", d.t.outboxLog,
 	))
 	if err != nil {
 		return fmt.Errorf("postgres: load migrations: %w", err)

@@ -75,6 +75,7 @@ func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl t
 	}
 	rows, err := tx.QueryContext(ctx, `SELECT DISTINCT ordering_key FROM (SELECT o.ordering_key FROM `+d.tables.outbox+` o
 WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM `+d.tables.outboxClaims+` c WHERE c.ordering_key = o.ordering_key AND c.owner <> ?)
+AND `+d.notParked("o")+`
 ORDER BY o.id LIMIT ?)`, owner, limit)
 	if err != nil {
 		return nil, err
@@ -112,7 +113,8 @@ ON CONFLICT (ordering_key) DO UPDATE SET claimed_until = excluded.claimed_until`
 	// list of keys: one ? per key would stop at SQLite's 32,766 bound
 	// variables, and a relay's batch is the user's to size).
 	rows, err = tx.QueryContext(ctx, `SELECT id, destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash, created_at, attempts
-FROM `+d.tables.outbox+` WHERE published_at IS NULL AND ordering_key IN (SELECT ordering_key FROM `+d.tables.outboxClaims+` WHERE owner = ? AND claimed_until = ?)
+FROM `+d.tables.outbox+` o WHERE published_at IS NULL AND ordering_key IN (SELECT ordering_key FROM `+d.tables.outboxClaims+` WHERE owner = ? AND claimed_until = ?)
+AND `+d.notParked("o")+`
 ORDER BY id LIMIT ?`, owner, until, limit)
 	if err != nil {
 		return nil, err
@@ -134,6 +136,14 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 		return nil, err
 	}
 	return out, tx.Commit()
+}
+
+// notParked is the condition that the outbox row aliased o is not parked
+// and no parked row of its key precedes it, read from the partial index
+// of parked rows.
+func (d *Driver) notParked(o string) string {
+	return `NOT EXISTS (SELECT 1 FROM ` + d.tables.outbox + ` p WHERE p.ordering_key = ` + o + `.ordering_key
+  AND p.parked_at IS NOT NULL AND p.published_at IS NULL AND p.id <= ` + o + `.id)`
 }
 
 // OutboxMarkPublished implements driver.OutboxRelayStore.
@@ -190,9 +200,11 @@ func (d *Driver) OutboxStats(ctx context.Context) (driver.OutboxStats, error) {
 		last   sql.NullString
 	)
 	err := d.db.QueryRowContext(ctx, `SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NOT NULL),
-min(created_at) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE published_at IS NULL AND attempts > 0),
-(SELECT last_error FROM `+d.tables.outbox+` WHERE published_at IS NULL AND attempts > 0 ORDER BY id DESC LIMIT 1)
-FROM `+d.tables.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &last)
+min(created_at) FILTER (WHERE published_at IS NULL AND parked_at IS NULL),
+count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NULL AND attempts > 0),
+count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NOT NULL),
+(SELECT last_error FROM `+d.tables.outbox+` WHERE published_at IS NULL AND parked_at IS NULL AND attempts > 0 ORDER BY id DESC LIMIT 1)
+FROM `+d.tables.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &s.Parked, &last)
 	if err != nil {
 		return s, fmt.Errorf("sqlite: outbox stats: %w", err)
 	}

@@ -71,6 +71,7 @@ type tables struct {
 	deadLetters, deadLetterLog string
 	handlerStats               string
 	outbox, outboxClaims       string
+	outboxLog                  string
 }
 
 var (
@@ -163,6 +164,7 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 		handlerStats:  sqlident.Quote(prefix + "handler_stats"),
 		outbox:        sqlident.Quote(prefix + "outbox"),
 		outboxClaims:  sqlident.Quote(prefix + "outbox_claims"),
+		outboxLog:     sqlident.Quote(prefix + "outbox_log"),
 	}}, nil
 }
 
@@ -191,6 +193,8 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{outbox_pending}}", sqlident.Quote(d.prefix+"outbox_pending"),
 		"{{outbox_pending_id}}", sqlident.Quote(d.prefix+"outbox_pending_id"),
 		"{{outbox_claims}}", d.tables.outboxClaims,
+		"{{outbox_parked}}", sqlident.Quote(d.prefix+"outbox_parked"),
+		"{{outbox_log}}", d.tables.outboxLog,
 	))
 	if err != nil {
 		return fmt.Errorf("sqlite: load migrations: %w", err)

@@ -116,7 +116,7 @@ func runCleanup(ctx context.Context, e *env, s *store, cfg *idem.RetentionConfig
 	if n, _, err := s.schemaVersion(ctx); err != nil {
 		return err
 	} else if n == 0 {
-		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+		return s.errNoTables(ctx)
 	}
 	pr, err := idem.NewPruner(s.idemDriver(), cfg)
 	if err != nil {

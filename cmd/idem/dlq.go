@@ -30,8 +30,8 @@ conflicts, records that did not decode, retries out of attempts).
 
   idem dlq list    [--handler H] [--group G] [--state S] [--since T] [--until T] [--limit N] [--json]
   idem dlq show    ID [--json]
-  idem dlq replay  (ID... | --group G | --all) [--handler H] [--since T] [--until T] [--limit N]
-  idem dlq discard (ID... | --group G | --all) [--handler H] [--since T] [--until T] [--limit N]
+  idem dlq replay  (ID... | --group G | --all) [--handler H] [--since T] [--until T] [--limit N] [--yes]
+  idem dlq discard (ID... | --group G | --all) [--handler H] [--since T] [--until T] [--limit N] [--yes]
 
 list shows parked dead letters by default (--state all for every state).
 --group is a fingerprint from list: the error's type and its message with
@@ -44,7 +44,11 @@ deduplication and ordering guard as a delivery, so replaying a message that
 was already applied is a Duplicate, never a second effect (while its
 marker is kept). discard marks them discarded: kept for the record, not
 replayed. Both act on parked dead letters only; --limit N takes the oldest
-N the other filters select.
+N the other filters select. With --group or --all they list the dead
+letters they would change, and change them only with --yes.
+
+list's REASON is the error without the handler and message ID that start
+it (their own columns); show and --json give the whole error.
 
 Every subcommand takes --dsn (default $IDEM_DSN), --schema and --prefix.
 
@@ -72,7 +76,7 @@ type dlqFlags struct {
 	handler, group, state string
 	since, until          string
 	limit                 int
-	all, json             bool
+	all, json, yes        bool
 	actor                 string
 	// given holds the names of the flags given on the command line.
 	given map[string]bool
@@ -154,6 +158,7 @@ func defineDLQFlags(fs *flag.FlagSet) *dlqFlags {
 	fs.BoolVar(&f.all, "all", false, "replay/discard every parked dead letter the other filters select")
 	fs.BoolVar(&f.json, "json", false, "print JSON")
 	fs.StringVar(&f.actor, "actor", "", "who is asking, recorded with a replay or discard (default: $IDEM_ACTOR, else $USER)")
+	fs.BoolVar(&f.yes, "yes", false, "replay/discard with --group or --all: do it (without, the dead letters are listed and nothing changes)")
 	return f
 }
 
@@ -172,17 +177,21 @@ func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *
 		if n, _, err := s.schemaVersion(ctx); err != nil {
 			return err
 		} else if n == 0 {
-			return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+			return s.errNoTables(ctx)
 		}
 	}
-	actor := f.actor
-	for _, v := range []string{"IDEM_ACTOR", "USER"} {
-		if actor == "" {
-			actor = e.getenv(v)
+	actor := resolveActor(f.actor, e)
+	if (sub == "replay" || sub == "discard") && len(filter.IDs) == 0 && !f.yes {
+		// A selection, not named dead letters: show it first.
+		preview := *filter
+		preview.State = driver.DeadLetterParked
+		if preview.Limit == 0 {
+			preview.Limit = 100
 		}
-	}
-	if actor == "" {
-		actor = "unknown"
+		if err := dlqList(ctx, e, dl, &preview, false); err != nil {
+			return err
+		}
+		return usagef("nothing done: add --yes to %s the parked dead letters listed above", sub)
 	}
 	switch sub {
 	case "list":
@@ -361,10 +370,10 @@ func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		return nil
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tHANDLER\tMESSAGE\tCLASS\tATTEMPTS\tLAST FAILED\tSTATE\tERROR")
+	fmt.Fprintln(tw, "ID\tHANDLER\tMESSAGE\tCLASS\tATTEMPTS\tLAST FAILED\tSTATE\tREASON")
 	for _, d := range dls {
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, termText(d.Handler), termText(orDash(d.MessageID)), termText(d.Class), d.Attempts,
-			d.LastFailed.UTC().Format(time.RFC3339), termText(d.State), termText(clip(d.Error, 60)))
+			d.LastFailed.UTC().Format(time.RFC3339), termText(d.State), termText(clip(dlqReason(&d), 80)))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -423,6 +432,24 @@ func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		fmt.Fprintf(tw, "%s\t%s\n", label, termText(line))
 	}
 	return tw.Flush()
+}
+
+// dlqReason is a dead letter's error without what its own columns say:
+// idem's errors start with the handler and the message ID
+// (`idem: handler "h", message "m": …`), which in a list repeats on
+// every line and pushes the reason out of its column.
+func dlqReason(d *driver.DeadLetter) string {
+	msg := strings.TrimPrefix(d.Error, "idem: ")
+	for _, p := range []string{
+		fmt.Sprintf("handler %q, message %q: ", d.Handler, d.MessageID),
+		fmt.Sprintf("handler %q, message %q, ", d.Handler, d.MessageID),
+		fmt.Sprintf("handler %q: ", d.Handler),
+	} {
+		if rest, ok := strings.CutPrefix(msg, p); ok {
+			return rest
+		}
+	}
+	return d.Error
 }
 
 func orDash(s string) string {

@@ -64,7 +64,7 @@ func TestDLQReplayDiscardSelection(t *testing.T) {
 	if got := states(); got != "parked parked parked parked" {
 		t.Fatalf("after refused commands: %s", got)
 	}
-	if out := run(exitOK, "dlq", "replay", "--all", "--limit", "1"); !strings.Contains(out, "1 dead letter marked") {
+	if out := run(exitOK, "dlq", "replay", "--all", "--limit", "1", "--yes"); !strings.Contains(out, "1 dead letter marked") {
 		t.Errorf("replay --limit 1: %q", out)
 	}
 	if got := states(); got != "replay_requested parked parked parked" {
@@ -73,7 +73,7 @@ func TestDLQReplayDiscardSelection(t *testing.T) {
 	if out := run(exitOK, "dlq", "discard", "2", "2"); !strings.Contains(out, "1 dead letter discarded") {
 		t.Errorf("discard 2 2: %q", out)
 	}
-	run(exitOK, "dlq", "discard", "--all", "--state", "parked", "--limit", "1")
+	run(exitOK, "dlq", "discard", "--all", "--state", "parked", "--limit", "1", "--yes")
 	if got := states(); got != "replay_requested discarded discarded parked" {
 		t.Fatalf("after the discards: %s", got)
 	}
@@ -164,7 +164,7 @@ func TestDLQReadsNoBodies(t *testing.T) {
 		}
 	})
 	allocated("dlq replay --all", func() {
-		if code, out, errOut := runCLIEnv(t, envs, "dlq", "replay", "--all"); code != exitOK || !strings.Contains(out, "6 dead letters marked") {
+		if code, out, errOut := runCLIEnv(t, envs, "dlq", "replay", "--all", "--yes"); code != exitOK || !strings.Contains(out, "6 dead letters marked") {
 			t.Fatalf("dlq replay: exit %d\n%s%s", code, out, errOut)
 		}
 	})

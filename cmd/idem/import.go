@@ -109,7 +109,7 @@ func runImport(ctx context.Context, e *env, s *store, handler string, src *drive
 	if n, _, err := s.schemaVersion(ctx); err != nil {
 		return err
 	} else if n == 0 {
-		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+		return s.errNoTables(ctx)
 	}
 	imp, ok := s.idemDriver().(driver.MarkerImporter)
 	if !ok {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"strings"
 )
 
 // migrateCommand returns the "migrate" subcommand: create or update idem's
@@ -67,11 +68,22 @@ func runMigrate(ctx context.Context, e *env, s *store) error {
 	} else {
 		fmt.Fprintf(e.stdout, "already up to date at version %d; nothing to do\n", version)
 	}
-	if s.kind == kindPostgres {
-		// Atomic markers have their own table since migration 11.
-		fmt.Fprintf(e.stdout, "tables: %s, %s, %s\n", s.table("markers"), s.table("processed"), s.table("migrations"))
-		return nil
+	names := make([]string, 0, len(managedTables(s.kind)))
+	for _, t := range managedTables(s.kind) {
+		names = append(names, s.table(t))
 	}
-	fmt.Fprintf(e.stdout, "tables: %s, %s\n", s.table("processed"), s.table("migrations"))
+	fmt.Fprintf(e.stdout, "tables: %s\n", strings.Join(names, ", "))
 	return nil
+}
+
+// managedTables are the suffixes of the tables Migrate creates and the
+// drivers use, for the store kind: what 'idem migrate' reports. A test
+// compares them with the tables a migration leaves.
+func managedTables(k storeKind) []string {
+	tables := []string{"migrations", "processed"}
+	if k == kindPostgres {
+		// Atomic markers have their own table since migration 11.
+		tables = append(tables, "markers", "handlers", "marker_layout")
+	}
+	return append(tables, "sequences", "gaps", "versions", "dead_letters", "dead_letter_log", "handler_stats", "outbox", "outbox_claims", "outbox_log")
 }

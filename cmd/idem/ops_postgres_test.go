@@ -85,7 +85,7 @@ func TestOperatorCommandsPostgres(t *testing.T) {
 	if code, body := get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, "template 42 missing") {
 		t.Fatalf("serve / on Postgres: %d", code)
 	}
-	code, out, errOut = runCLIEnv(t, vars, "dlq", "replay", "--schema", schema, "--group", dls[0].Fingerprint)
+	code, out, errOut = runCLIEnv(t, vars, "dlq", "replay", "--schema", schema, "--group", dls[0].Fingerprint, "--yes")
 	if code != exitOK || out != "1 dead letter marked for replay; a running consumer of their handler replays them.\n" {
 		t.Fatalf("dlq replay --group: exit %d\n%s%s", code, out, errOut)
 	}

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"time"
 
@@ -18,9 +19,19 @@ import (
 func outboxCommand() *command {
 	return &command{
 		name:     "outbox",
-		synopsis: "stats|notify on|notify off|check --dsn DSN [--schema S] [--prefix P] [--json] [--consumer DSN]... [--fix]",
-		summary:  "outbox state: pending rows, the oldest pending row's age, failing rows; sequences behind issued IDs",
-		help: `Outbox stats prints the state of the transactional outbox (see
+		synopsis: "stats|list|retry|park|discard|notify on|notify off|check --dsn DSN [--schema S] [--prefix P] [flags] [ID...]",
+		summary:  "outbox state: pending, failing and parked rows; retry, park or discard a row; sequences behind issued IDs",
+		help: `Outbox reads and repairs the transactional outbox (docs/outbox.md).
+
+  idem outbox stats   [--json]
+  idem outbox list    [--state pending|failing|parked] [--stream S] [--key K] [--limit N] [--after ID] [--json]
+  idem outbox retry   (ID... | --all-failing [--stream S] [--key K] [--yes])
+  idem outbox park    ID... [--reason R]
+  idem outbox discard ID... [--reason R] [--yes]
+  idem outbox notify  on|off
+  idem outbox check   [--consumer DSN]... [--fix]
+
+Outbox stats prints the state of the transactional outbox (see
 docs/outbox.md):
 
   PENDING         rows committed and not yet acknowledged by the broker
@@ -28,6 +39,7 @@ docs/outbox.md):
                   relay's lag. Alert when it grows.
   FAILING         pending rows whose last publish failed, with the most
                   recent error
+  PARKED          pending rows an operator parked (below)
   PUBLISHED       rows published and not yet pruned by 'idem cleanup'
   NOTIFY          PostgreSQL: whether relays are woken at commit (below)
 
@@ -52,6 +64,8 @@ sequence is behind. With --fix it advances those sequences past the issued
 IDs instead; it never lowers one. It sees only the markers retention has
 kept: name the consumers whose markers are older than the backup.
 
+` + outboxAdminHelp + `
+
 ` + dsnHelp,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			sf := addStoreFlags(fs, "outbox stats", false)
@@ -64,13 +78,34 @@ kept: name the consumers whose markers are older than the backup.
 			})
 			consumerSchema := fs.String("consumer-schema", "", "check: PostgreSQL `schema` of idem's tables in the --consumer stores")
 			consumerPrefix := fs.String("consumer-prefix", "", "check: `prefix` of idem's tables (Redis: keys) in the --consumer stores")
+			af := defineOutboxAdminFlags(fs)
 			return func(ctx context.Context, e *env, args []string) error {
 				if len(args) == 0 {
-					return usagef("missing subcommand: stats or notify")
+					return usagef("missing subcommand: stats, list, retry, park, discard, notify or check")
 				}
 				sub, rest := args[0], args[1:]
 				var notifyOn bool
 				switch sub {
+				case "list", "retry", "park", "discard":
+					ids, err := parseInterspersed(fs, rest)
+					if err != nil {
+						if errors.Is(err, flag.ErrHelp) {
+							return showHelp(e, outboxCommand())
+						}
+						return &usageError{err: err}
+					}
+					af.positional, af.given = ids, map[string]bool{}
+					fs.Visit(func(fl *flag.Flag) { af.given[fl.Name] = true })
+					if err := af.check(sub); err != nil {
+						return err
+					}
+					sf.command = "outbox " + sub
+					s, err := sf.open(ctx, e)
+					if err != nil {
+						return err
+					}
+					defer s.Close()
+					return runOutboxAdmin(ctx, e, s, sub, af, *asJSON)
 				case "stats", "check":
 				case "notify":
 					if len(rest) == 0 || (rest[0] != "on" && rest[0] != "off") {
@@ -78,7 +113,7 @@ kept: name the consumers whose markers are older than the backup.
 					}
 					notifyOn, rest = rest[0] == "on", rest[1:]
 				default:
-					return usagef("unknown subcommand %q: want stats, notify or check", sub)
+					return usagef("unknown subcommand %q: want stats, list, retry, park, discard, notify or check", sub)
 				}
 				// Flags may follow the subcommand too.
 				if err := fs.Parse(rest); err != nil {
@@ -95,6 +130,15 @@ kept: name the consumers whose markers are older than the backup.
 				}
 				if sub == "check" && *asJSON {
 					return usagef("outbox check prints text only")
+				}
+				var adminFlag string
+				fs.Visit(func(fl *flag.Flag) {
+					if slices.Contains(outboxAdminFlagNames, fl.Name) {
+						adminFlag = fl.Name
+					}
+				})
+				if adminFlag != "" {
+					return usagef("--%s belongs to outbox list, retry, park or discard", adminFlag)
 				}
 				sf.command = "outbox " + sub
 				s, err := sf.open(ctx, e)
@@ -160,6 +204,7 @@ type outboxReport struct {
 	AgeSeconds    int64      `json:"oldest_pending_age_seconds"`
 	Failing       int64      `json:"failing"`
 	LastError     string     `json:"last_error,omitempty"`
+	Parked        int64      `json:"parked"`
 	Published     int64      `json:"published"`
 	// Notify is whether relays are woken at commit (PostgreSQL only).
 	Notify *bool `json:"notify,omitempty"`
@@ -184,6 +229,9 @@ func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now
 		// A multi-line error keeps its column.
 		fmt.Fprintf(w, "last error      %s\n", strings.ReplaceAll(termBlock(strings.TrimRight(rep.LastError, "\n")), "\n", "\n                "))
 	}
+	if rep.Parked > 0 {
+		fmt.Fprintf(w, "parked          %d ('idem outbox list --state parked' shows them)\n", rep.Parked)
+	}
 	fmt.Fprintf(w, "published       %d (kept until 'idem cleanup' prunes them)\n", rep.Published)
 	if rep.Notify != nil {
 		state := "off (relays poll)"
@@ -203,7 +251,9 @@ const outboxSchemaVersion = 6
 func collectOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, error) {
 	if n, version, err := s.schemaVersion(ctx); err != nil {
 		return nil, err
-	} else if n == 0 || version < outboxSchemaVersion {
+	} else if n == 0 {
+		return nil, s.errNoTables(ctx)
+	} else if version < outboxSchemaVersion {
 		return nil, fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
 	}
 	return readOutbox(ctx, s, now)
@@ -219,7 +269,7 @@ func readOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, er
 	if err != nil {
 		return nil, err
 	}
-	rep := &outboxReport{Pending: st.Pending, Failing: st.Failing, LastError: st.LastError, Published: st.Published}
+	rep := &outboxReport{Pending: st.Pending, Failing: st.Failing, LastError: st.LastError, Parked: st.Parked, Published: st.Published}
 	if n, ok := s.idemDriver().(outboxNotifier); ok {
 		on, err := n.OutboxNotifyOn(ctx)
 		if err != nil {

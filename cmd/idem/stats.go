@@ -93,7 +93,7 @@ func collectStats(ctx context.Context, s *store) ([]*handlerStats, int, error) {
 	if err != nil {
 		return nil, 0, err
 	} else if n == 0 {
-		return nil, 0, fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+		return nil, 0, s.errNoTables(ctx)
 	}
 	// Done rows only: running and failed leases are kept whatever their
 	// age, and would hold the oldest marker back for good.

@@ -22,8 +22,12 @@ import (
 )
 
 // dsnEnv is the environment variable that supplies the DSN when --dsn is
-// not given.
-const dsnEnv = "IDEM_DSN"
+// not given; schemaEnv and prefixEnv supply --schema and --prefix.
+const (
+	dsnEnv    = "IDEM_DSN"
+	schemaEnv = "IDEM_SCHEMA"
+	prefixEnv = "IDEM_PREFIX"
+)
 
 // defaultPrefix is the table prefix the drivers use when none is configured.
 const defaultPrefix = "idem_"
@@ -304,8 +308,12 @@ type storeFlags struct {
 func addStoreFlags(fs *flag.FlagSet, command string, redisOK bool) *storeFlags {
 	f := &storeFlags{command: command, redisOK: redisOK}
 	fs.StringVar(&f.dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+")")
-	fs.StringVar(&f.schema, "schema", "", "PostgreSQL `schema` for idem's tables, created if missing (default: the connection's search_path)")
-	fs.Var(&f.prefix, "prefix", "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (default \"idem_\"; Redis: of its keys, default \"idem:\")")
+	schemaHelp := "PostgreSQL `schema` of idem's tables (default: $" + schemaEnv + ", else the connection's search_path)"
+	if command == "migrate" {
+		schemaHelp = "PostgreSQL `schema` for idem's tables, created if missing (default: $" + schemaEnv + ", else the connection's search_path)"
+	}
+	fs.StringVar(&f.schema, "schema", "", schemaHelp)
+	fs.Var(&f.prefix, "prefix", "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (default: $"+prefixEnv+", else \"idem_\"; Redis: of its keys, default \"idem:\")")
 	return f
 }
 
@@ -342,12 +350,22 @@ func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
 	if f.prefix.set && f.prefix.value == "" {
 		return nil, usagef("--prefix is empty: idem's tables always carry a prefix (the default is %q)", defaultPrefix)
 	}
+	// The environment fills in what the flags leave out, as for the DSN.
+	opts := storeOptions{Schema: f.schema, Prefix: f.prefix.value, Create: f.create}
+	if opts.Schema == "" {
+		opts.Schema = strings.TrimSpace(e.getenv(schemaEnv))
+		opts.schemaFromEnv = opts.Schema != ""
+	}
+	if !f.prefix.set {
+		opts.Prefix = strings.TrimSpace(e.getenv(prefixEnv))
+		opts.prefixFromEnv = opts.Prefix != ""
+	}
 	if !f.redisOK {
 		if t, err := parseDSN(dsn); err == nil && t.kind == kindRedis {
 			return nil, usagef("%s reads SQL stores (SQLite, PostgreSQL) only; on Redis, use dlq, migrate or bench", f.command)
 		}
 	}
-	return openStore(ctx, dsn, storeOptions{Schema: f.schema, Prefix: f.prefix.value, Create: f.create})
+	return openStore(ctx, dsn, opts)
 }
 
 // storeOptions are the table-layout settings shared by the commands that
@@ -362,6 +380,24 @@ type storeOptions struct {
 	// Create allows opening a SQLite file that does not exist yet (which
 	// creates it).
 	Create bool
+	// schemaFromEnv and prefixFromEnv say the values came from
+	// IDEM_SCHEMA and IDEM_PREFIX, for the errors that name them.
+	schemaFromEnv, prefixFromEnv bool
+}
+
+// schemaName and prefixName name where the schema and prefix came from.
+func (o *storeOptions) schemaName() string {
+	if o.schemaFromEnv {
+		return "$" + schemaEnv
+	}
+	return "--schema"
+}
+
+func (o *storeOptions) prefixName() string {
+	if o.prefixFromEnv {
+		return "$" + prefixEnv
+	}
+	return "--prefix"
 }
 
 // check validates the options against the target before anything is
@@ -370,21 +406,21 @@ type storeOptions struct {
 func (o *storeOptions) check(t target) error {
 	if t.kind == kindRedis {
 		if o.Schema != "" {
-			return usagef("--schema applies only to PostgreSQL; Redis keys take a --prefix")
+			return usagef("%s applies only to PostgreSQL; Redis keys take a --prefix", o.schemaName())
 		}
 		return nil // redisstore.New checks the prefix; empty is its default, "idem:"
 	}
 	if o.Prefix == "" {
 		o.Prefix = defaultPrefix
 	}
-	if err := sqlident.Check("--prefix", o.Prefix, false); err != nil {
+	if err := sqlident.Check(o.prefixName(), o.Prefix, false); err != nil {
 		return &usageError{err: err}
 	}
-	if err := sqlident.Check("--schema", o.Schema, true); err != nil {
+	if err := sqlident.Check(o.schemaName(), o.Schema, true); err != nil {
 		return &usageError{err: err}
 	}
 	if o.Schema != "" && t.kind != kindPostgres {
-		return usagef("--schema applies only to PostgreSQL; SQLite has no schemas (use --prefix)")
+		return usagef("%s applies only to PostgreSQL; SQLite has no schemas (use --prefix)", o.schemaName())
 	}
 	return nil
 }
@@ -588,4 +624,86 @@ func fallbackHosts(cfg *pgxpool.Config) []string {
 		hs = append(hs, f.Host)
 	}
 	return hs
+}
+
+// errNoTables is the error for a store without idem's tables. Running
+// 'idem migrate' there would create an empty second set beside the real
+// one, so it names where idem's tables are instead, when it finds them:
+// the other PostgreSQL schemas, or the other table prefixes, holding a
+// migrations table and a processed table of the same prefix.
+func (s *store) errNoTables(ctx context.Context) error {
+	here, found, err := s.findTables(ctx)
+	if err != nil {
+		// The hint is a courtesy: without it, say what is known.
+		return fmt.Errorf("%s has no idem tables: run 'idem migrate' first", s)
+	}
+	if len(found) == 0 {
+		return fmt.Errorf("%s has no idem tables (%s), nor has any other %s: run 'idem migrate' first", s, here, map[bool]string{true: "schema", false: "prefix"}[s.kind == kindPostgres])
+	}
+	set := "--prefix or $" + prefixEnv
+	if s.kind == kindPostgres {
+		set = "--schema or $" + schemaEnv
+		for _, f := range found {
+			if !strings.HasSuffix(f, fmt.Sprintf("prefix %q", s.opts.Prefix)) {
+				set += " (and --prefix or $" + prefixEnv + ")"
+				break
+			}
+		}
+	}
+	if len(found) > 5 {
+		found = append(found[:5], fmt.Sprintf("and %d more", len(found)-5))
+	}
+	return fmt.Errorf("no idem tables in %s; found them in %s: set %s ('idem migrate' here would create a second, empty set)", here, strings.Join(found, "; "), set)
+}
+
+// findTables describes where this store looks for idem's tables, and
+// lists where idem's tables are in the database: schema and prefix on
+// PostgreSQL, prefix on SQLite.
+func (s *store) findTables(ctx context.Context) (here string, found []string, err error) {
+	switch s.kind {
+	case kindPostgres:
+		schema := s.opts.Schema
+		if schema == "" {
+			if err := s.pgPool.QueryRow(ctx, `SELECT coalesce(current_schema(), '')`).Scan(&schema); err != nil {
+				return "", nil, err
+			}
+		}
+		here = fmt.Sprintf("schema %q, prefix %q", schema, s.opts.Prefix)
+		rows, err := s.pgPool.Query(ctx, `SELECT m.table_schema, left(m.table_name, length(m.table_name) - 10) FROM information_schema.tables m
+WHERE right(m.table_name, 10) = 'migrations' AND length(m.table_name) > 10
+  AND EXISTS (SELECT 1 FROM information_schema.tables p WHERE p.table_schema = m.table_schema
+    AND p.table_name = left(m.table_name, length(m.table_name) - 10) || 'processed')
+ORDER BY 1, 2`)
+		if err != nil {
+			return "", nil, err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var sc, prefix string
+			if err := rows.Scan(&sc, &prefix); err != nil {
+				return "", nil, err
+			}
+			found = append(found, fmt.Sprintf("schema %q, prefix %q", sc, prefix))
+		}
+		return here, found, rows.Err()
+	case kindSQLite:
+		here = fmt.Sprintf("prefix %q", s.opts.Prefix)
+		rows, err := s.sqliteDB.QueryContext(ctx, `SELECT substr(m.name, 1, length(m.name) - 10) FROM sqlite_master m
+WHERE m.type = 'table' AND m.name LIKE '%migrations' AND length(m.name) > 10
+  AND EXISTS (SELECT 1 FROM sqlite_master p WHERE p.type = 'table' AND p.name = substr(m.name, 1, length(m.name) - 10) || 'processed')
+ORDER BY 1`)
+		if err != nil {
+			return "", nil, err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var prefix string
+			if err := rows.Scan(&prefix); err != nil {
+				return "", nil, err
+			}
+			found = append(found, fmt.Sprintf("prefix %q", prefix))
+		}
+		return here, found, rows.Err()
+	}
+	return "", nil, fmt.Errorf("find tables: unsupported store %s", s)
 }
