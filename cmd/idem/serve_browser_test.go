@@ -113,6 +113,7 @@ func notPwned(t *testing.T, ctx context.Context, where string) {
 // store shows as a banner without a reload.
 func TestConsoleInBrowser(t *testing.T) {
 	seed := seedConsoleStore(t)
+	stuck := failOutboxRows(t, seed.drv)
 	srv, s := consoleServer(t, seed.path, testToken, 250*time.Millisecond)
 	ctx := browser(t)
 	css := func(sel string) chromedp.CSS { return chromedp.CSS(sel) }
@@ -234,6 +235,19 @@ func TestConsoleInBrowser(t *testing.T) {
 	step(t, ctx, "confirm the discard", chromedp.Click(css(`#confirm`)), chromedp.WaitVisible(css(`#moved`)))
 	if moved, d, p := text(`#moved`), countState(t, seed.db, driver.DeadLetterDiscarded, seed.tmpl), countState(t, seed.db, driver.DeadLetterParked, seed.tmpl); moved != "2" || d != 2 || p != 1 {
 		t.Fatalf("discard of 2 of the template group: result %q; store: %d discarded, %d parked; want 2 and 1", moved, d, p)
+	}
+
+	// The outbox: park a row no stream covers, after a confirmation.
+	step(t, ctx, "park an outbox row", chromedp.Click(css(`nav a[href="/outbox"]`)), chromedp.WaitVisible(css(`#outbox-selection`)))
+	screenshot(t, ctx, "outbox")
+	step(t, ctx, "park an outbox row", chromedp.Click(css(`#outbox-selection tbody tr:first-child input[type=checkbox]`)),
+		chromedp.SendKeys(css(`#reason`), "no stream covers credits"), chromedp.Click(css(`#park-selected`)), chromedp.WaitVisible(css(`#confirm`)))
+	if count := text(`#confirm-count`); count != "1" || outboxState(t, seed.drv, stuck[0]) != "failing" {
+		t.Fatalf("parking one outbox row: the confirmation counts %q; the row is %q", count, outboxState(t, seed.drv, stuck[0]))
+	}
+	step(t, ctx, "confirm the park", chromedp.Click(css(`#confirm`)), chromedp.WaitVisible(css(`#moved`)))
+	if moved, st := text(`#moved`), outboxState(t, seed.drv, stuck[0]); moved != "1" || st != "parked" {
+		t.Fatalf("park: result %q, the row is %q; want 1 and parked", moved, st)
 	}
 
 	// One letter: its history names the operator.

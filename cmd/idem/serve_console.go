@@ -4,6 +4,7 @@ import (
 	"context"
 	"embed"
 	"errors"
+	"fmt"
 	"html/template"
 	"io"
 	"io/fs"
@@ -66,9 +67,11 @@ var consoleTemplateFuncs = template.FuncMap{
 		}
 		return "/dlq/group?" + v.Encode()
 	},
-	"plural": func(n any, word string) string { return plural(int(toInt64(n)), word) },
-	"len64":  func(v any) int64 { return int64(reflect.ValueOf(v).Len()) },
-	"sub":    func(a, b int64) int64 { return a - b },
+	"outboxURL": outboxURL,
+	"action":    func(a string) string { return outboxActions[a] },
+	"plural":    func(n any, word string) string { return plural(int(toInt64(n)), word) },
+	"len64":     func(v any) int64 { return int64(reflect.ValueOf(v).Len()) },
+	"sub":       func(a, b int64) int64 { return a - b },
 }
 
 // toInt64 returns the integer n of a page's data as int64.
@@ -83,7 +86,7 @@ func toInt64(n any) int64 {
 }
 
 // consolePages are the page templates, each rendered inside layout.html.
-var consolePages = []string{"overview", "groups", "group", "letter", "confirm", "result", "login", "error"}
+var consolePages = []string{"overview", "groups", "group", "letter", "confirm", "result", "outbox", "outbox_confirm", "outbox_result", "login", "error"}
 
 // parseConsolePages parses each page with the layout.
 func parseConsolePages() map[string]*template.Template {
@@ -148,6 +151,9 @@ func (c *console) routes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /dlq/{id}", c.letter)
 	mux.HandleFunc("POST /dlq/confirm", c.confirm)
 	mux.HandleFunc("POST /dlq/apply", c.apply)
+	mux.HandleFunc("GET /outbox", c.outboxList)
+	mux.HandleFunc("POST /outbox/confirm", c.outboxConfirm)
+	mux.HandleFunc("POST /outbox/apply", c.outboxApply)
 	mux.HandleFunc("GET /login", c.loginForm)
 	mux.HandleFunc("POST /login", c.login)
 	mux.HandleFunc("POST /logout", c.logout)
@@ -180,6 +186,27 @@ func staticFiles(fsys fs.FS) http.Handler {
 		w.Header().Set("Cache-Control", "no-cache")
 		_, _ = io.Copy(w, f)
 	})
+}
+
+// authorizeForm parses an action's form and returns its actor; it answers
+// a refusal itself (401 without credentials, 403 for a read-only console,
+// a wrong CSRF token or another origin) and returns ok false then.
+func (c *console) authorizeForm(w http.ResponseWriter, r *http.Request) (actor string, ok bool) {
+	r.Body = http.MaxBytesReader(w, r.Body, 1<<20)
+	if err := r.ParseForm(); err != nil {
+		c.fail(w, r, http.StatusBadRequest, fmt.Errorf("read the form: %w", err))
+		return "", false
+	}
+	actor, err := c.auth.authorize(r)
+	if err != nil {
+		code := http.StatusForbidden
+		if errors.Is(err, errNoCredentials) {
+			code = http.StatusUnauthorized
+		}
+		c.fail(w, r, code, err)
+		return "", false
+	}
+	return actor, true
 }
 
 // loginPage is the login form.

@@ -478,3 +478,81 @@ func FuzzRenderPayload(f *testing.F) {
 		}
 	})
 }
+
+// failOutboxRows claims the pending outbox rows as a relay would and
+// records a failed publish of each: a subject no stream covers.
+func failOutboxRows(t *testing.T, drv *sqlite.Driver) []int64 {
+	t.Helper()
+	ctx := context.Background()
+	rows, err := drv.OutboxClaim(ctx, "relay-1", 100, time.Minute)
+	if err != nil || len(rows) == 0 {
+		t.Fatalf("claim the outbox rows: %d rows, %v", len(rows), err)
+	}
+	var ids []int64
+	for _, r := range rows {
+		if err := drv.OutboxFailed(ctx, "relay-1", r.ID, "nats: no response from stream: no stream covers subject \"credits\"", time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, r.ID)
+	}
+	return ids
+}
+
+// outboxState returns the state the outbox admin API reports for row id,
+// or "" when it is not unpublished (published or discarded).
+func outboxState(t *testing.T, drv *sqlite.Driver, id int64) string {
+	t.Helper()
+	p, err := drv.OutboxList(context.Background(), driver.OutboxFilter{AfterID: id - 1, Limit: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.Rows) == 0 || p.Rows[0].ID != id {
+		return ""
+	}
+	return string(p.Rows[0].State)
+}
+
+// TestConsoleOutbox: the outbox page lists failing rows with their error;
+// parking and discarding them need the token and a confirmation naming
+// the rows, and change the store; the actor is recorded.
+func TestConsoleOutbox(t *testing.T) {
+	seed := seedConsoleStore(t)
+	ids := failOutboxRows(t, seed.drv)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	anon := client(t)
+	code, body := do(t, anon, "GET", srv.URL+"/outbox", nil, nil)
+	if code != 200 || !strings.Contains(body, "2 failing") || !strings.Contains(body, "no stream covers subject &#34;credits&#34;") || strings.Contains(body, `name="id"`) {
+		t.Fatalf("/outbox read-only: %d, want 2 failing rows with their error and no checkbox\n%s", code, body)
+	}
+	park := url.Values{"action": {"park"}, "id": {fmt.Sprint(ids[0])}, "reason": {"no stream covers it"}}
+	if code, _ := do(t, anon, "POST", srv.URL+"/outbox/apply", park, nil); code != http.StatusUnauthorized {
+		t.Fatalf("park without the token: %d, want 401", code)
+	}
+	if st := outboxState(t, seed.drv, ids[0]); st != "failing" {
+		t.Fatalf("a refused park changed the row: %q", st)
+	}
+	alice := client(t)
+	csrf := login(t, alice, srv.URL, "alice", testToken)
+	code, body = do(t, alice, "POST", srv.URL+"/outbox/confirm", withCSRF(park, csrf), nil)
+	if code != 200 || !strings.Contains(body, `<strong id="confirm-count">1</strong>`) || outboxState(t, seed.drv, ids[0]) != "failing" {
+		t.Fatalf("confirm a park: %d\n%s", code, body)
+	}
+	if code, body = do(t, alice, "POST", srv.URL+"/outbox/apply", withCSRF(park, csrf), nil); code != 200 || !strings.Contains(body, `<strong id="moved">1</strong>`) {
+		t.Fatalf("park: %d\n%s", code, body)
+	}
+	if st := outboxState(t, seed.drv, ids[0]); st != "parked" {
+		t.Fatalf("the parked row is %q", st)
+	}
+	if _, body = do(t, alice, "GET", srv.URL+"/outbox?state=parked", nil, nil); !strings.Contains(body, "parked by alice (console): no stream covers it") {
+		t.Errorf("/outbox?state=parked does not say who parked the row and why\n%s", body)
+	}
+	discard := url.Values{"action": {"discard"}, "id": {fmt.Sprint(ids[0]), fmt.Sprint(ids[1])}}
+	if code, body = do(t, alice, "POST", srv.URL+"/outbox/apply", withCSRF(discard, csrf), nil); code != 200 || !strings.Contains(body, `<strong id="moved">2</strong>`) {
+		t.Fatalf("discard: %d\n%s", code, body)
+	}
+	for _, id := range ids {
+		if st := outboxState(t, seed.drv, id); st != "" {
+			t.Errorf("discarded row %d is still %q", id, st)
+		}
+	}
+}

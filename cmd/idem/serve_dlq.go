@@ -561,24 +561,14 @@ func (c *console) count(ctx context.Context, dl driver.DeadLetterStore, f *actio
 	return int64(len(list)), err
 }
 
-// action authorizes an action request and parses its form; it answers the
-// refusal itself and returns ok false then.
+// action authorizes a dead-letter action request and parses its form; it
+// answers a refusal itself and returns ok false then.
 func (c *console) action(w http.ResponseWriter, r *http.Request) (actor string, f *actionForm, ok bool) {
-	r.Body = http.MaxBytesReader(w, r.Body, 1<<20)
-	if err := r.ParseForm(); err != nil {
-		c.fail(w, r, http.StatusBadRequest, fmt.Errorf("read the form: %w", err))
+	if actor, ok = c.authorizeForm(w, r); !ok {
 		return "", nil, false
 	}
-	actor, err := c.auth.authorize(r)
+	f, err := parseActionForm(r)
 	if err != nil {
-		code := http.StatusForbidden
-		if errors.Is(err, errNoCredentials) {
-			code = http.StatusUnauthorized
-		}
-		c.fail(w, r, code, err)
-		return "", nil, false
-	}
-	if f, err = parseActionForm(r); err != nil {
 		c.fail(w, r, http.StatusBadRequest, err)
 		return "", nil, false
 	}
