@@ -20,8 +20,8 @@
 //	          markers
 //	bench     measure idem's throughput as a ratio of the same
 //	          transactions without it
-//	serve     serve the store's state as Prometheus metrics and a
-//	          read-only admin page
+//	serve     serve the store's state as Prometheus metrics and an
+//	          operator console
 //	help      show help for idem or for one command
 //
 // Exit codes: 0 success, 1 verification or operation failed, 2 usage error.

@@ -166,7 +166,7 @@ func (a *consoleAuth) session(r *http.Request) (string, *session) {
 	return c.Value, s
 }
 
-// errNoCredentials and errBadCSRF are why an action is refused.
+// Why an action is refused.
 var (
 	errReadOnly      = errors.New("this console is read-only: start 'idem serve' with --token or IDEM_SERVE_TOKEN to act from it")
 	errNoCredentials = errors.New("actions need the token: log in, or send it as 'Authorization: Bearer <token>'")

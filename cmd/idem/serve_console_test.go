@@ -52,7 +52,7 @@ type consoleSeed struct {
 
 // putDeadLetter stores the dead letter of a message that failed with
 // errText, as a consumer would, and returns its ID.
-func putDeadLetter(t *testing.T, drv *sqlite.Driver, handler, id, errText, class string, payload []byte, headers map[string]string) int64 {
+func putDeadLetter(t *testing.T, drv driver.DeadLetterStore, handler, id, errText, class string, payload []byte, headers map[string]string) int64 {
 	t.Helper()
 	m := &idem.Message{ID: id, Stream: "orders.placed", Type: "OrderPlaced", AggregateID: "order-" + id, Seq: 1, Payload: payload, Headers: headers,
 		Time: time.Date(2026, 11, 26, 9, 30, 0, 0, time.UTC)}
@@ -554,5 +554,49 @@ func TestConsoleOutbox(t *testing.T) {
 		if st := outboxState(t, seed.drv, id); st != "" {
 			t.Errorf("discarded row %d is still %q", id, st)
 		}
+	}
+}
+
+// TestConsolePostgres: the groups, a group's total, a letter and a group
+// replay on a PostgreSQL schema, whose times and parameters differ from
+// SQLite's.
+func TestConsolePostgres(t *testing.T) {
+	schema, drv := migratedSchema(t)
+	var ids []int64
+	var fp string
+	for i := range 7 {
+		e := fmt.Sprintf("idem: handler %q, message %q: permanent: order %d not found", "pg<h>", fmt.Sprint(i), i)
+		ids = append(ids, putDeadLetter(t, drv, "pg<h>", fmt.Sprint(i), e, idem.DeadLetterPermanent, []byte(`{"n":1}`), nil))
+		fp = idem.Fingerprint(errors.New(e))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s, err := openStore(ctx, testenv.PostgresDSN(), storeOptions{Schema: schema, Prefix: defaultPrefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	srv := httptest.NewServer(serveMuxFor(s, newReadingCache(ctx, s, time.Hour, 5*time.Second), 5*time.Second, &consoleOptions{Auth: newConsoleAuth(testToken)}))
+	defer srv.Close()
+	c := client(t)
+	code, body := do(t, c, "GET", srv.URL+"/dlq", nil, nil)
+	if code != 200 || !strings.Contains(body, "7 dead letters parked in 1 group") || !strings.Contains(body, "pg&lt;h&gt;") || !strings.Contains(body, "order 6 not found") {
+		t.Fatalf("/dlq on Postgres: %d\n%s", code, body)
+	}
+	group := srv.URL + "/dlq/group?" + url.Values{"handler": {"pg<h>"}, "fp": {fp}}.Encode()
+	if code, body = do(t, c, "GET", group, nil, nil); code != 200 || !strings.Contains(body, "Dead letters 1–7 of <strong>7</strong>") || !strings.Contains(body, "--schema "+schema) {
+		t.Fatalf("group on Postgres: %d\n%s", code, body)
+	}
+	if code, body = do(t, c, "GET", srv.URL+fmt.Sprintf("/dlq/%d", ids[3]), nil, nil); code != 200 || !strings.Contains(body, "&#34;n&#34;: 1") {
+		t.Fatalf("a letter on Postgres: %d\n%s", code, body)
+	}
+	code, body = do(t, c, "POST", srv.URL+"/dlq/apply", url.Values{"action": {"replay"}, "scope": {"group"}, "handler": {"pg<h>"}, "fp": {fp}},
+		map[string]string{"Authorization": "Bearer " + testToken, "X-Idem-Actor": "ops"})
+	if code != 200 || !strings.Contains(body, `<strong id="moved">7</strong>`) {
+		t.Fatalf("replay a group on Postgres: %d\n%s", code, body)
+	}
+	left, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{State: driver.DeadLetterReplayRequested, Summary: true})
+	if err != nil || len(left) != 7 {
+		t.Fatalf("%d replay requests in the store (%v), want 7", len(left), err)
 	}
 }
