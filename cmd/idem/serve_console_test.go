@@ -571,7 +571,15 @@ func TestConsolePostgres(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	s, err := openStore(ctx, testenv.PostgresDSN(), storeOptions{Schema: schema, Prefix: defaultPrefix})
+	// A password in the DSN (the local server trusts, and ignores it)
+	// appears on no page.
+	dsn, err := url.Parse(testenv.PostgresDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	const password = "pw-hunter2-on-no-page"
+	dsn.User = url.UserPassword(dsn.User.Username(), password)
+	s, err := openStore(ctx, dsn.String(), storeOptions{Schema: schema, Prefix: defaultPrefix})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -594,6 +602,11 @@ func TestConsolePostgres(t *testing.T) {
 		map[string]string{"Authorization": "Bearer " + testToken, "X-Idem-Actor": "ops"})
 	if code != 200 || !strings.Contains(body, `<strong id="moved">7</strong>`) {
 		t.Fatalf("replay a group on Postgres: %d\n%s", code, body)
+	}
+	for _, p := range []string{"/", "/dlq", "/outbox", "/login", fmt.Sprintf("/dlq/%d", ids[0]), "/dlq/group?" + url.Values{"handler": {"pg<h>"}, "fp": {fp}}.Encode()} {
+		if code, body := do(t, c, "GET", srv.URL+p, nil, nil); code != 200 || strings.Contains(body, password) || !strings.Contains(body, "PostgreSQL") {
+			t.Errorf("%s: %d; want 200, naming the store without its password", p, code)
+		}
 	}
 	left, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{State: driver.DeadLetterReplayRequested, Summary: true})
 	if err != nil || len(left) != 7 {
