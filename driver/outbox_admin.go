@@ -46,6 +46,9 @@ type OutboxFilter struct {
 	// "msg:" and the message ID for a message without aggregate. Empty
 	// keeps all.
 	OrderingKey string
+	// IDs, when non-nil, keeps these rows only; an empty non-nil slice
+	// keeps none.
+	IDs []int64
 	// AfterID keeps rows with a higher ID: the previous page's Next.
 	AfterID int64
 	// Limit bounds the rows returned; 0 means 100, and a store may cap

@@ -430,6 +430,13 @@ func testOutboxList(t *testing.T, s *OutboxStore) {
 	if len(byDest) != 3 || counts.Pending != 3 {
 		t.Fatalf("%d rows to orders.y (counts %+v), want 3", len(byDest), counts)
 	}
+	byID, counts := listAll(t, a, driver.OutboxFilter{IDs: []int64{all[6].ID, all[1].ID, 1 << 40}})
+	if len(byID) != 2 || byID[0].ID != all[1].ID || byID[1].ID != all[6].ID || counts.Pending != 2 {
+		t.Fatalf("rows by ID: %+v (counts %+v), want rows %d and %d", byID, counts, all[1].ID, all[6].ID)
+	}
+	if none, _ := listAll(t, a, driver.OutboxFilter{IDs: []int64{}}); len(none) != 0 {
+		t.Fatalf("an empty ID list selected %d rows, want none", len(none))
+	}
 	byKey, _ := listAll(t, a, driver.OutboxFilter{OrderingKey: "K2", Destination: "orders.x"})
 	if len(byKey) != 1 || byKey[0].MessageID != msgs[4].ID {
 		t.Fatalf("key K2 to orders.x: %+v, want only %q", byKey, msgs[4].ID)

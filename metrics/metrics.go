@@ -34,6 +34,16 @@
 //	                                           answers, 0 while it waits out
 //	                                           an outage
 //	idem_store_outages_total{handler}          outages a Consumer paused for
+//	idem_outbox_published_total                rows an outbox relay published
+//	                                           (as a relay hook,
+//	                                           outbox.RelayConfig.Hooks)
+//	idem_outbox_publish_failures_total         rows a relay claimed and did
+//	                                           not publish
+//
+// A Sampler (NewSampler) reads gauges when Prometheus scrapes: the
+// outbox's idem_outbox_lag_seconds and idem_outbox_pending from a relay,
+// and idem_consumer_lag{handler, source}, the broker's count of what a
+// consumer has not acknowledged, from an adapter's Consumer.
 //
 // A Consumer's batch that does not commit is decided again message by
 // message, and so are a committed batch's conflicts and gaps: each such
@@ -57,6 +67,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/outbox"
 )
 
 // Config configures New. The zero value is valid.
@@ -103,6 +114,8 @@ type Metrics struct {
 	leasesLost *prometheus.CounterVec
 	storeUp    *prometheus.GaugeVec
 	outages    *prometheus.CounterVec
+	published  prometheus.Counter
+	pubFailed  prometheus.Counter
 
 	upMu      sync.Mutex // orders the store-up gauge's first set with OnOutage
 	up        sync.Map   // handler → struct{}: its store-up gauge is set
@@ -166,8 +179,16 @@ func New(reg prometheus.Registerer, cfg *Config) (*Metrics, error) {
 			Namespace: ns, Name: "store_outages_total", ConstLabels: cfg.ConstLabels,
 			Help: "Outages of its store a Consumer paused for, by handler.",
 		}, []string{"handler"}),
+		published: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Name: "outbox_published_total", ConstLabels: cfg.ConstLabels,
+			Help: "Outbox rows a relay of this process published: the broker acknowledged them and they were marked.",
+		}),
+		pubFailed: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Name: "outbox_publish_failures_total", ConstLabels: cfg.ConstLabels,
+			Help: "Outbox rows a relay of this process claimed and did not publish (the broker refused them, or the claim ran out); they stay pending.",
+		}),
 	}
-	cs := []prometheus.Collector{m.messages, m.errors, m.seconds, m.deliveries, m.deadLetter, m.leasesLost, m.storeUp, m.outages}
+	cs := []prometheus.Collector{m.messages, m.errors, m.seconds, m.deliveries, m.deadLetter, m.leasesLost, m.storeUp, m.outages, m.published, m.pubFailed}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] { // all or nothing
@@ -245,6 +266,12 @@ func (m *Metrics) OnOutage(_ context.Context, ev *idem.OutageEvent) {
 // OnLeaseLost implements idem.HookLeaseLost.
 func (m *Metrics) OnLeaseLost(_ context.Context, ev *idem.LeaseLostEvent) {
 	m.leasesLost.WithLabelValues(handlerLabel(ev.Handler), ev.Op).Inc()
+}
+
+// OnRelayCycle implements outbox.HookCycle.
+func (m *Metrics) OnRelayCycle(_ context.Context, ev *outbox.CycleEvent) {
+	m.published.Add(float64(ev.Result.Published))
+	m.pubFailed.Add(float64(ev.Result.Failed))
 }
 
 // InvalidHandler is the handler label of calls made with a handler name

@@ -17,5 +17,11 @@
 // rows, so one aggregate's rows go out in order, one relay at a time, and
 // different aggregates spread across relays.
 //
+// Admin lists the rows not yet published, with their state and last
+// error, and lets an operator retry one now, park one the broker will
+// never take (it then holds its aggregate's later rows, so order is never
+// broken), or discard one. A relay reports its cycles to RelayConfig.Hooks
+// (HookCycle), which the metrics package counts.
+//
 // Read the guide at https://github.com/idemhq/idem/blob/main/docs/outbox.md
 package outbox

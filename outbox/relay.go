@@ -81,6 +81,10 @@ type RelayConfig struct {
 	// Logger receives failed publishes and store errors. Default
 	// slog.Default().
 	Logger *slog.Logger
+	// Hooks are told about the relay's cycles: each value implementing
+	// HookCycle is called after every cycle that claimed rows or failed.
+	// The metrics package counts published and failed rows with it.
+	Hooks []idem.Hook
 	// FaultHook, when set, is called at each Fault* point on the
 	// goroutine running the cycle. Crash tests stop that goroutine there
 	// (runtime.Goexit) to check what a restart does.
@@ -97,13 +101,33 @@ type Relay struct {
 	cfg      RelayConfig
 	watch    *outage.Watch    // nil: the store cannot be probed
 	logs     *lograte.Limiter // summarizes repeated failure lines
-	mu       sync.Mutex       // one cycle at a time
-	holdMu   sync.Mutex       // guards retries
+	hooks    []HookCycle
+	mu       sync.Mutex // one cycle at a time
+	holdMu   sync.Mutex // guards retries
 	// retries are when the keys this relay held after a failed publish
 	// become claimable again (with a margin): Run's wait ends at the
 	// first rather than after PollInterval, since no commit would wake it
 	// for those keys.
 	retries []time.Time
+}
+
+// HookCycle is told about a relay's cycles (RelayConfig.Hooks): each one
+// that claimed rows or failed. It runs on the relay's goroutine: keep it
+// fast and never block.
+type HookCycle interface {
+	OnRelayCycle(ctx context.Context, ev *CycleEvent)
+}
+
+// CycleEvent describes one relay cycle.
+type CycleEvent struct {
+	// Owner is the relay's owner name.
+	Owner string
+	// Result counts the rows claimed, published and failed.
+	Result CycleResult
+	// Err is the cycle's error, as RunOnce returns it.
+	Err error
+	// Duration is the cycle's wall time.
+	Duration time.Duration
 }
 
 // CycleResult counts one relay cycle.
@@ -166,6 +190,11 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 		c.Logger = slog.Default()
 	}
 	r.logs = lograte.New(10 * time.Second)
+	for _, h := range c.Hooks {
+		if hc, ok := h.(HookCycle); ok {
+			r.hooks = append(r.hooks, hc)
+		}
+	}
 	if p, ok := drv.(driver.Prober); ok {
 		r.watch = outage.New(p, outage.Config{Component: "outbox relay " + strconv.Quote(c.Owner), Logger: c.Logger})
 	}
@@ -205,10 +234,21 @@ func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
 // counted on; and how many keys it claimed but left unpublished, unheld,
 // because their turn came too late in the claim: Run comes back for them
 // soon.
-func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool, late int, _ error) {
+func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool, late int, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	start := time.Now()
+	if len(r.hooks) > 0 {
+		defer func() {
+			if res.Claimed == 0 && err == nil {
+				return // an idle look: nothing to tell
+			}
+			ev := &CycleEvent{Owner: r.cfg.Owner, Result: res, Err: err, Duration: time.Since(start)}
+			for _, h := range r.hooks {
+				h.OnRelayCycle(ctx, ev)
+			}
+		}()
+	}
 	r.holdMu.Lock()
 	r.retries = slices.DeleteFunc(r.retries, func(at time.Time) bool { return !start.Before(at) }) // claimable now
 	r.holdMu.Unlock()

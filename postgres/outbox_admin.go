@@ -39,6 +39,9 @@ func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.
 	if f.OrderingKey != "" {
 		add("o.ordering_key = $?", f.OrderingKey)
 	}
+	if f.IDs != nil {
+		add("o.id = ANY($?)", f.IDs)
+	}
 	err = d.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxPending]+`),
 count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxFailing]+`), count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxParked]+`)
 FROM `+d.t.outbox+` o WHERE `+strings.Join(where, " AND "), args...).Scan(&page.Counts.Pending, &page.Counts.Failing, &page.Counts.Parked)

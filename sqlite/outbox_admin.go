@@ -33,6 +33,9 @@ func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.
 	if f.OrderingKey != "" {
 		where, args = append(where, "o.ordering_key = ?"), append(args, f.OrderingKey)
 	}
+	if f.IDs != nil {
+		where, args = append(where, "o."+idsIn), append(args, jsonIDs(f.IDs))
+	}
 	err = d.db.QueryRowContext(ctx, `SELECT count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxPending]+`),
 count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxFailing]+`), count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxParked]+`)
 FROM `+d.tables.outbox+` o WHERE `+strings.Join(where, " AND "), args...).Scan(&page.Counts.Pending, &page.Counts.Failing, &page.Counts.Parked)

@@ -315,37 +315,19 @@ func writeOutboxRows(w io.Writer, rows []driver.OutboxEntry, now time.Time) {
 func outboxPreview(ctx context.Context, w io.Writer, adm *outbox.Admin, f driver.OutboxFilter, action string, yes bool, named ...int64) ([]int64, error) {
 	var rows []driver.OutboxEntry
 	if len(named) > 0 {
-		// The named rows, found a page at a time among all unpublished
-		// rows: a row not listed is published or unknown.
-		f.Limit = driver.OutboxListMax
-		for {
-			page, err := adm.List(ctx, f)
-			if err != nil {
-				return nil, err
-			}
-			for _, r := range page.Rows {
-				if slices.Contains(named, r.ID) {
-					rows = append(rows, r)
-				}
-			}
-			if page.Next == 0 || len(rows) == len(named) {
-				break
-			}
-			f.AfterID = page.Next
+		f.IDs = named // a row not listed is published or unknown
+	}
+	f.Limit = driver.OutboxListMax
+	for {
+		page, err := adm.List(ctx, f)
+		if err != nil {
+			return nil, err
 		}
-	} else {
-		f.Limit = driver.OutboxListMax
-		for {
-			page, err := adm.List(ctx, f)
-			if err != nil {
-				return nil, err
-			}
-			rows = append(rows, page.Rows...)
-			if page.Next == 0 {
-				break
-			}
-			f.AfterID = page.Next
+		rows = append(rows, page.Rows...)
+		if page.Next == 0 {
+			break
 		}
+		f.AfterID = page.Next
 	}
 	if len(rows) == 0 {
 		fmt.Fprintf(w, "No unpublished rows to %s.\n", action)
