@@ -149,23 +149,14 @@ func (c *console) outboxConfirm(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	// The rows as they are now: the confirmation names each.
-	p := outboxConfirmPage{Action: action, Reason: reason}
-	for after := ids[0] - 1; ; {
-		page, err := adm.List(ctx, driver.OutboxFilter{AfterID: after, Limit: driver.OutboxListMax})
-		if err != nil {
-			c.fail(w, r, http.StatusServiceUnavailable, err)
-			return
-		}
-		for _, e := range page.Rows {
-			if _, ok := slices.BinarySearch(ids, e.ID); ok {
-				p.Rows = append(p.Rows, e)
-				p.IDs = append(p.IDs, e.ID)
-			}
-		}
-		if page.Next == 0 || page.Next > ids[len(ids)-1] {
-			break
-		}
-		after = page.Next
+	page, err := adm.List(ctx, driver.OutboxFilter{IDs: ids, Limit: driver.OutboxListMax})
+	if err != nil {
+		c.fail(w, r, http.StatusServiceUnavailable, err)
+		return
+	}
+	p := outboxConfirmPage{Action: action, Reason: reason, Rows: page.Rows}
+	for _, e := range page.Rows {
+		p.IDs = append(p.IDs, e.ID)
 	}
 	c.render(w, r, http.StatusOK, "outbox_confirm", "Confirm", p)
 }
