@@ -158,9 +158,12 @@ func TestDLQReadsNoBodies(t *testing.T) {
 	defer s.Close()
 	srv := httptest.NewServer(newServeMux(ctx, s, 0, 5*time.Second))
 	defer srv.Close()
-	allocated("the serve page", func() {
-		if code, page := get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(page, "m-6") {
+	allocated("the console's groups and a group's page", func() {
+		if code, page := get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(page, "boom") {
 			t.Fatalf("serve page: %d\n%s", code, page)
+		}
+		if code, page := get(t, srv.URL+"/dlq/group?handler=balances&fp="); code != http.StatusOK || !strings.Contains(page, "m-6") {
+			t.Fatalf("serve group page: %d\n%s", code, page)
 		}
 	})
 	allocated("dlq replay --all", func() {

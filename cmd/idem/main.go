@@ -22,8 +22,8 @@
 //	          transactions without it
 //	chaos     kill consumers, relays and broker nodes at random and
 //	          verify every effect happened once
-//	serve     serve the store's state as Prometheus metrics and a
-//	          read-only admin page
+//	serve     serve the store's state as Prometheus metrics and an
+//	          operator console
 //	help      show help for idem or for one command
 //
 // Exit codes: 0 success, 1 verification or operation failed, 2 usage error.

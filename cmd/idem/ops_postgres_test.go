@@ -237,7 +237,7 @@ func TestServePageMarkerEstimate(t *testing.T) {
 		t.Fatal(err)
 	}
 	code, body := get(t, srv.URL+"/")
-	if code != http.StatusOK || !strings.Contains(body, "about 1500 in all (PostgreSQL") || !strings.Contains(body, "<td>est</td><td>1500</td>") {
+	if code != http.StatusOK || !strings.Contains(body, "about 1500 in all (PostgreSQL") || !strings.Contains(body, "<td class=\"text\">est</td><td class=\"num\">1500</td>") {
 		t.Fatalf("/: %d, want the estimate and the exact count\n%s", code, body)
 	}
 	// More markers: the estimate follows at the next analysis, the cached
@@ -252,7 +252,7 @@ func TestServePageMarkerEstimate(t *testing.T) {
 	if _, err := pool.Exec(ctx, `ANALYZE `+table); err != nil {
 		t.Fatal(err)
 	}
-	if code, body = get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, "about 2000 in all") || !strings.Contains(body, "<td>est</td><td>1500</td>") {
+	if code, body = get(t, srv.URL+"/"); code != http.StatusOK || !strings.Contains(body, "about 2000 in all") || !strings.Contains(body, "<td class=\"text\">est</td><td class=\"num\">1500</td>") {
 		t.Fatalf("/ after 500 more: %d\n%s", code, body)
 	}
 	// Atomic markers in their own table (migration 11) count too.

@@ -5,29 +5,25 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"html/template"
+	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-
-	"github.com/idemhq/idem/driver"
 )
 
 // serveHealthTimeout bounds /healthz's query.
 const serveHealthTimeout = 5 * time.Second
 
-// servePageDeadLetters is how many parked dead letters the page lists.
-const servePageDeadLetters = 50
-
 func serveCommand() *command {
 	return &command{
 		name:     "serve",
-		synopsis: "--dsn DSN [--schema S] [--prefix P] [--addr HOST:PORT] [--allow-host NAME] [--refresh D] [--read-timeout D]",
-		summary:  "serve the store's state as Prometheus metrics and a read-only admin page",
+		synopsis: "--dsn DSN [--schema S] [--prefix P] [--addr HOST:PORT] [--token T | --actions] [--allow-host NAME] [--refresh D] [--read-timeout D]",
+		summary:  "serve the store's state as Prometheus metrics and an operator console",
 		help: `Serve runs an HTTP server over idem's tables:
 
   /metrics   Prometheus metrics read from the store at most once per
@@ -39,22 +35,40 @@ func serveCommand() *command {
              the outbox's idem_outbox_pending, idem_outbox_failing,
              idem_outbox_published and idem_outbox_oldest_pending_age_seconds;
              and the Go runtime's metrics of this process
-  /          a read-only page: the same per-handler counts as 'idem stats'
-             (the reading /metrics uses, at most --refresh old), the
-             outbox, and the oldest parked dead letters
+  /          the operator console: the same per-handler counts as
+             'idem stats' (the reading /metrics uses, at most --refresh
+             old), charts of the last hour that update by themselves
+             (applied, duplicates and new dead letters per handler, the
+             dead-letter depth, the outbox's lag), the outbox, and the
+             dead letters by group
+  /dlq       dead letters grouped by handler and fingerprint; a group's
+             letters a page at a time; one letter with its error, payload,
+             headers, history and the equivalent 'idem dlq' commands; and
+             replay or discard of a letter, a selection or a whole group,
+             each after a confirmation that says how many it changes
+  /api/live  the charts' data as JSON
   /healthz   200 when the store answers and holds idem's tables, 503
              otherwise
 
+The console is read-only unless a token is set, with --token or
+IDEM_SERVE_TOKEN (at least 16 characters; the variable keeps it out of the
+process list). Then an operator logs in with the token and a name, and may
+replay and discard; the name is recorded with each action in the dead
+letters' history. Scripts send 'Authorization: Bearer <token>' instead
+(and X-Idem-Actor: <name>). --actions without a token generates one and
+prints it, on a loopback --addr only: serve refuses to offer actions on
+any other address without a token of yours. Put serve behind a proxy with
+TLS to reach it from elsewhere. See docs/console.md.
+
 The live counters of your consumers (outcomes, errors, verdicts, durations)
 come from the metrics package's hook in your own processes; serve adds what
-only the store knows. The page changes nothing: replay and discard with
-'idem dlq'. It has no authentication, so it listens on the loopback
-interface by default; put it behind your own proxy to expose it.
+only the store knows. It listens on the loopback interface by default.
 Against DNS rebinding it answers only the names it is known by: localhost,
 loopback addresses, the host of --addr and the names given with
 --allow-host (and any IP address when --addr is every interface); other
 Host headers get 421. The store is read at most once per --refresh, and
-one read at a time, however many scrapes and page views arrive.
+one read at a time, however many scrapes and page views arrive; the
+charts keep one reading per --refresh (at least a second) for an hour.
 SIGINT or SIGTERM stops it gracefully (exit 0).
 
 ` + dsnHelp,
@@ -64,8 +78,10 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 			var allow hostList
 			fs.Var(&allow, "allow-host", "also answer requests for this host `name` (comma-separated or repeated), such as the name of a proxy in front")
 			var refresh, readTimeout time.Duration
-			durationVar(fs, &refresh, "refresh", 15*time.Second, "read the store for /metrics and the page at most once per `interval`; scrapes and views in between get the last reading")
+			durationVar(fs, &refresh, "refresh", 15*time.Second, "read the store for /metrics, the page and the charts at most once per `interval`; scrapes and views in between get the last reading")
 			durationVar(fs, &readTimeout, "read-timeout", 10*time.Second, "bound on one read of the store for /metrics or the page (`duration`); counting takes about 0.2 s per million markers on Postgres")
+			token := fs.String("token", "", "the console's actions need this `token` (default: $"+serveTokenEnv+"); without one the console is read-only")
+			actions := fs.Bool("actions", false, "offer actions with a generated token, printed at start (loopback --addr only)")
 			return func(ctx context.Context, e *env, args []string) error {
 				if err := noArgs(args); err != nil {
 					return err
@@ -76,6 +92,20 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 				if readTimeout <= 0 {
 					return usagef("--read-timeout %s must be positive", readTimeout)
 				}
+				tok := *token
+				if tok == "" {
+					tok = strings.TrimSpace(e.getenv(serveTokenEnv))
+				}
+				if err := checkToken(tok); err != nil {
+					return usagef("--token: %w", err)
+				}
+				generated := false
+				if *actions && tok == "" {
+					if !loopbackAddr(*addr) {
+						return usagef("--actions on %s, which is not a loopback address, needs a token of yours: set --token or %s", *addr, serveTokenEnv)
+					}
+					tok, generated = newToken(), true
+				}
 				s, err := sf.open(ctx, e)
 				if err != nil {
 					return err
@@ -85,8 +115,19 @@ SIGINT or SIGTERM stops it gracefully (exit 0).
 				if err != nil {
 					return fmt.Errorf("listen: %w", err)
 				}
-				fmt.Fprintf(e.stdout, "idem serve: %s on http://%s (metrics at /metrics)\n", s, ln.Addr())
-				h := guard(newHostPolicy(*addr, allow), newServeMux(ctx, s, refresh, readTimeout))
+				mode := "read-only console"
+				if tok != "" {
+					mode = "console with actions (log in with the token)"
+				}
+				fmt.Fprintf(e.stdout, "idem serve: %s on http://%s (metrics at /metrics; %s)\n", s, ln.Addr(), mode)
+				if generated {
+					fmt.Fprintf(e.stdout, "idem serve: the console's token for this run: %s\n", tok)
+				}
+				cache := newReadingCache(ctx, s, refresh, readTimeout)
+				live := newLiveRing(max(refresh, time.Second))
+				go live.run(ctx, cache)
+				opts := &consoleOptions{Auth: newConsoleAuth(tok), Live: live, Logger: slog.New(slog.NewTextHandler(e.stderr, nil))}
+				h := guard(newHostPolicy(*addr, allow), serveMuxFor(s, cache, readTimeout, opts))
 				return serve(ctx, ln, newHTTPServer(ctx, h, defaultServeTimeouts(readTimeout)))
 			}
 		},
@@ -113,16 +154,23 @@ func serve(ctx context.Context, ln net.Listener, srv *http.Server) error {
 	return nil
 }
 
-// newServeMux routes serve's endpoints for s; /metrics reads the store at
-// most once per refresh, and each read of the store is bounded by timeout
-// and ends with ctx.
+// newServeMux routes serve's endpoints for s, with a read-only console
+// and no live view; /metrics reads the store at most once per refresh, and
+// each read of the store is bounded by timeout and ends with ctx.
 func newServeMux(ctx context.Context, s *store, refresh, timeout time.Duration) *http.ServeMux {
-	return serveMuxFor(s, newReadingCache(ctx, s, refresh, timeout), timeout)
+	return serveMuxFor(s, newReadingCache(ctx, s, refresh, timeout), timeout, nil)
 }
 
 // serveMuxFor routes serve's endpoints for s, with the store's counts from
-// cache.
-func serveMuxFor(s *store, cache *readingCache, timeout time.Duration) *http.ServeMux {
+// cache and the console configured by opts (nil: read-only, no live view).
+func serveMuxFor(s *store, cache *readingCache, timeout time.Duration, opts *consoleOptions) *http.ServeMux {
+	if opts == nil {
+		opts = &consoleOptions{}
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newStoreCollector(cache), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mux := http.NewServeMux()
@@ -143,7 +191,8 @@ func serveMuxFor(s *store, cache *readingCache, timeout time.Duration) *http.Ser
 		}
 		fmt.Fprintln(w, "ok")
 	})
-	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, r *http.Request) { servePage(w, r, s, cache, timeout) })
+	c := &console{s: s, cache: cache, timeout: timeout, auth: opts.Auth, live: opts.Live, log: log, pages: consolePageTemplates}
+	c.routes(mux)
 	return mux
 }
 
@@ -236,95 +285,3 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- constMetric(c.outboxAge, prometheus.GaugeValue, float64(ob.AgeSeconds))
 	}
 }
-
-// pageData is what the admin page shows.
-type pageData struct {
-	Store       string
-	Now         time.Time
-	Read        time.Time     // when the counts were read
-	Refresh     time.Duration // how old they may be
-	Estimate    *int64        // the planner's estimate of all markers, if known
-	Err         string
-	DownSince   time.Time     // when the store stopped answering, during an outage
-	DownFor     time.Duration // how long it has not answered
-	Handlers    []*handlerStats
-	Outbox      *outboxReport
-	DeadLetters []driver.DeadLetter
-	Limit       int
-}
-
-// down records an outage that began at since.
-func (d *pageData) down(since time.Time) {
-	d.DownSince, d.DownFor = since.UTC().Truncate(time.Second), time.Since(since).Round(time.Second)
-}
-
-func servePage(w http.ResponseWriter, r *http.Request, s *store, cache *readingCache, timeout time.Duration) {
-	ctx, cancel := context.WithTimeout(r.Context(), timeout)
-	defer cancel()
-	d := pageData{Store: s.String(), Now: time.Now().UTC().Truncate(time.Second), Limit: servePageDeadLetters, Refresh: cache.ttl}
-	rd, read := cache.get(ctx)
-	d.Read = read.UTC().Truncate(time.Second)
-	if n, ok, err := s.markerEstimate(ctx); err == nil && ok {
-		d.Estimate = &n // read on each view: a catalog lookup, not a count
-	}
-	d.Handlers, d.Outbox = rd.handlers, rd.outbox
-	if !rd.downSince.IsZero() {
-		d.down(rd.downSince)
-	}
-	err := rd.err
-	if dl, ok := s.idemDriver().(driver.DeadLetterStore); ok && err == nil {
-		d.DeadLetters, err = dl.DeadLetterList(ctx, &driver.DeadLetterFilter{State: driver.DeadLetterParked, Limit: servePageDeadLetters, Summary: true})
-	}
-	if err != nil {
-		d.Err = err.Error()
-		if rd.err == nil && ctx.Err() == nil {
-			// The counts came from the cache; the store failed now.
-			since := cache.failed()
-			d.down(since)
-		}
-	}
-	w.Header().Set("Content-Type", "text/html; charset=utf-8")
-	if d.Err != "" {
-		w.WriteHeader(http.StatusServiceUnavailable)
-	}
-	if err := pageTemplate.Execute(w, d); err != nil {
-		// The header is out; all that is left is to stop writing.
-		return
-	}
-}
-
-var pageTemplate = template.Must(template.New("page").Funcs(template.FuncMap{
-	"clip": clip,
-	"term": termText,
-	"when": func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
-}).Parse(`<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>idem · {{.Store}}</title>
-<style>
-body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em}
-th,td{border-bottom:1px solid #ddd;padding:.3em .8em;text-align:right}
-th:first-child,td:first-child,td.text{text-align:left}
-.err{color:#a00}.muted{color:#777}
-</style></head><body>
-<h1>idem</h1>
-<p class="muted">{{.Store}} · {{when .Now}} · <a href="/metrics">metrics</a></p>
-{{if .Err}}<p class="err">{{if not .DownSince.IsZero}}<strong>Outage in progress:</strong> the store has not answered since {{when .DownSince}} ({{.DownFor}}); consumers pause while it is down and resume by themselves. {{end}}The store could not be read: {{term .Err}}</p>{{end}}
-<h2>Handlers</h2>
-{{if not .Err}}<p class="muted">Counts as of {{when .Read}}: the store is read at most once every {{.Refresh}}, for this page and /metrics alike, so they may be that old.{{with .Estimate}} Markers now: about {{.}} in all (PostgreSQL's estimate, as of its last analysis of the table; not an exact count).{{end}}</p>{{end}}
-{{if .Handlers}}<table>
-<tr><th>handler</th><th>applied</th><th>duplicates</th><th>stale</th><th>in flight</th><th>failed</th><th>dead letters (parked / all)</th><th>conflicts</th><th>oldest marker</th></tr>
-{{range .Handlers}}<tr><td>{{term .Handler}}</td><td>{{.Applied}}</td><td>{{.Duplicates}}</td><td>{{.Stale}}</td><td>{{.InFlight}}</td><td>{{.Failed}}</td><td>{{.DeadParked}} / {{.DeadTotal}}</td><td>{{.Conflicts}}</td><td>{{if .OldestMarker}}{{when .OldestMarker.UTC}}{{else}}-{{end}}</td></tr>
-{{end}}</table>{{else if .Err}}<p class="muted">Unknown while the store does not answer.</p>{{else}}<p class="muted">No markers or dead letters stored yet.</p>{{end}}
-{{with .Outbox}}<h2>Outbox</h2>
-<table>
-<tr><th>pending</th><th>oldest pending</th><th>failing</th><th>published, awaiting cleanup</th></tr>
-<tr><td>{{.Pending}}</td><td>{{if .OldestPending}}{{when .OldestPending.UTC}} ({{.AgeSeconds}} s ago){{else}}-{{end}}</td><td>{{.Failing}}</td><td>{{.Published}}</td></tr>
-</table>{{if .LastError}}<p class="err">last publish error: {{term .LastError}}</p>{{end}}{{end}}
-<h2>Parked dead letters</h2>
-{{if .DeadLetters}}<p class="muted">The oldest {{len .DeadLetters}} (at most {{.Limit}}). Replay or discard them with <code>idem dlq</code>.</p>
-<table>
-<tr><th>id</th><th>handler</th><th>message ID</th><th>class</th><th>attempts</th><th>last failed</th><th>error</th></tr>
-{{range .DeadLetters}}<tr><td>{{.ID}}</td><td class="text">{{term .Handler}}</td><td class="text">{{if .MessageID}}{{term .MessageID}}{{else}}-{{end}}</td><td class="text">{{term .Class}}</td><td>{{.Attempts}}</td><td>{{when .LastFailed}}</td><td class="text">{{term (clip .Error 160)}}</td></tr>
-{{end}}</table>{{else if $.Err}}<p class="muted">Unknown while the store does not answer.</p>{{else}}<p class="muted">None parked.</p>{{end}}
-</body></html>
-`))

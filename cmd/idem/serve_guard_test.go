@@ -98,7 +98,7 @@ func TestServeCommandRefusesForeignHost(t *testing.T) {
 
 // TestServeSecurityHeaders: every answer (page, metrics, health, 404, a
 // refused host) forbids sniffing and framing, and the page's policy loads
-// nothing but its inline style.
+// nothing but the server's own script and style, never an inline one.
 func TestServeSecurityHeaders(t *testing.T) {
 	path, _, _ := seedServeStore(t)
 	s, err := openStore(context.Background(), path, storeOptions{Prefix: defaultPrefix})
@@ -124,7 +124,8 @@ func TestServeSecurityHeaders(t *testing.T) {
 		h := resp.Header
 		if resp.StatusCode != tc.code || h.Get("X-Content-Type-Options") != "nosniff" || h.Get("X-Frame-Options") != "DENY" ||
 			!strings.Contains(h.Get("Content-Security-Policy"), "frame-ancestors 'none'") ||
-			!strings.HasPrefix(h.Get("Content-Security-Policy"), "default-src 'none'; style-src 'unsafe-inline'") {
+			!strings.HasPrefix(h.Get("Content-Security-Policy"), "default-src 'none'; script-src 'self'; style-src 'self'") ||
+			strings.Contains(h.Get("Content-Security-Policy"), "unsafe") {
 			t.Errorf("%s (Host %q): %d, headers %v", tc.path, tc.host, resp.StatusCode, h)
 		}
 	}
@@ -206,7 +207,7 @@ func TestServeReadsOnceAtATime(t *testing.T) {
 		<-release
 		return read(ctx)
 	}
-	srv := httptest.NewServer(serveMuxFor(s, cache, 5*time.Second))
+	srv := httptest.NewServer(serveMuxFor(s, cache, 5*time.Second, nil))
 	defer srv.Close()
 	var wg sync.WaitGroup
 	for i := range 16 {

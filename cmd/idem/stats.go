@@ -202,10 +202,11 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 	return list, version, nil
 }
 
-// queryRows runs q (no parameters) on the store and calls fn per row.
-func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...any) error) error) error {
+// queryRows runs q with args on the store and calls fn per row. q writes
+// its parameters as $1, $2…, which SQLite reads as well as PostgreSQL.
+func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...any) error) error, args ...any) error {
 	if s.kind == kindSQLite {
-		rows, err := s.sqliteDB.QueryContext(ctx, q)
+		rows, err := s.sqliteDB.QueryContext(ctx, q, args...)
 		if err != nil {
 			return err
 		}
@@ -217,7 +218,7 @@ func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...an
 		}
 		return rows.Err()
 	}
-	rows, err := s.pgPool.Query(ctx, q)
+	rows, err := s.pgPool.Query(ctx, q, args...)
 	if err != nil {
 		return err
 	}
