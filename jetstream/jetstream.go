@@ -103,7 +103,8 @@ type Config struct {
 	// safe for concurrent use (idem.Consumer is). Default 1: one message
 	// or batch at a time.
 	Concurrency int
-	// Logger receives failures to ack and IDs that NATS may have trimmed.
+	// Logger receives failures to ack, IDs that NATS may have trimmed, and
+	// pulls whose server went quiet (missed heartbeats).
 	// Default slog.Default().
 	Logger *slog.Logger
 }
@@ -120,6 +121,9 @@ type Consumer struct {
 	// watchEvery is how often Run reads the durable's info:
 	// durableRefresh, shorter in tests.
 	watchEvery time.Duration
+	// pullHeartbeat is the idle heartbeat asked of the server for a
+	// pull: zero leaves nats.go's default; tests shorten it.
+	pullHeartbeat time.Duration
 }
 
 // New returns a Consumer on js. It creates or updates the durable consumer
@@ -277,7 +281,11 @@ func (c *Consumer) statusLookalike(ctx context.Context, cons jetstream.Consumer,
 // runMessages consumes one message at a time (or in lanes) through one
 // subscription, until ctx is done or the subscription ends.
 func (c *Consumer) runMessages(ctx context.Context, cons jetstream.Consumer, prefetch int) error {
-	it, err := cons.Messages(jetstream.PullMaxMessages(prefetch))
+	opts := []jetstream.PullMessagesOpt{jetstream.PullMaxMessages(prefetch)}
+	if c.pullHeartbeat > 0 {
+		opts = append(opts, jetstream.PullHeartbeat(c.pullHeartbeat))
+	}
+	it, err := cons.Messages(opts...)
 	if err != nil {
 		return fmt.Errorf("jetstream: subscribe %s/%s: %w", c.cfg.Stream, c.cfg.Durable, err)
 	}
@@ -320,6 +328,16 @@ func (c *Consumer) runMessages(ctx context.Context, cons jetstream.Consumer, pre
 				continue
 			}
 			decide(m, c.delivery(ctx, m))
+			continue
+		}
+		if errors.Is(err, jetstream.ErrNoHeartbeat) && ctx.Err() == nil {
+			// The server serving the pull went quiet: a cluster node
+			// died, a leader moved, or the network dropped packets. The
+			// iterator stays usable and pulls again on the next call, so
+			// Run goes on rather than ending on what is not a failure of
+			// the consumer. (At most one such line per two heartbeats.)
+			c.cfg.Logger.Warn("jetstream: no heartbeat from the server serving the pull; pulling again",
+				slog.String("consumer", c.cfg.Stream+"/"+c.cfg.Durable))
 			continue
 		}
 		if ls != nil {
