@@ -81,7 +81,8 @@ type OutboxRelayStore interface {
 	// OutboxPrune deletes up to limit rows published before before, with
 	// IDs above after, in ID order, and returns how many it deleted and
 	// the last ID it deleted. A call with after 0, the first of a pass,
-	// may also delete expired claims and holds.
+	// may also delete expired claims and holds, and deletes the outbox
+	// log's entries (OutboxAdmin's actions) made before before.
 	OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (deleted int, last int64, err error)
 }
 

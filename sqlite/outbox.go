@@ -217,6 +217,13 @@ FROM `+d.tables.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &s.P
 
 // OutboxPrune implements driver.OutboxRelayStore.
 func (d *Driver) OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (int, int64, error) {
+	if after == 0 {
+		// The operators' log of retries, parks and discards ages with
+		// the rows it is about: a few rows a day, deleted in one go.
+		if _, err := d.db.ExecContext(ctx, `DELETE FROM `+d.tables.outboxLog+` WHERE at < ?`, before.UnixMicro()); err != nil {
+			return 0, after, fmt.Errorf("sqlite: prune outbox log: %w", err)
+		}
+	}
 	rows, err := d.db.QueryContext(ctx, `DELETE FROM `+d.tables.outbox+` WHERE id IN (SELECT id FROM `+d.tables.outbox+`
 WHERE id > ? AND published_at < ? ORDER BY id LIMIT ?) RETURNING id`, after, before.UnixMicro(), limit)
 	if err != nil {
