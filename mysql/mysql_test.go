@@ -1,0 +1,157 @@
+package mysql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/mysql"
+)
+
+// openStore returns a store on a fresh database. The pool allows more
+// connections than the suite's goroutines, so their transactions really
+// contend on the same rows at once.
+func openStore(t testing.TB) *idemtest.Store[*sql.Tx] {
+	t.Helper()
+	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 70)
+	return storeOn(t, db, nil)
+}
+
+// storeOn migrates a driver over db and creates the suite's tables.
+func storeOn(t testing.TB, db *sql.DB, cfg *mysql.Config) *idemtest.Store[*sql.Tx] {
+	t.Helper()
+	ctx := context.Background()
+	drv, err := mysql.New(db, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		"CREATE TABLE balances (account VARBINARY(64) PRIMARY KEY, amount BIGINT NOT NULL)",
+		"CREATE TABLE states (aggregate VARBINARY(255) PRIMARY KEY, value LONGBLOB NOT NULL)",
+		"CREATE TABLE inrow (aggregate VARBINARY(255) PRIMARY KEY, value LONGBLOB NOT NULL, last_seq BIGINT NOT NULL)",
+	} {
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return &idemtest.Store[*sql.Tx]{
+		Driver: drv,
+		Credit: func(ctx context.Context, tx *sql.Tx, account string, amount int64) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES (?, ?)
+ON DUPLICATE KEY UPDATE amount = amount + VALUES(amount)`, account, amount)
+			return err
+		},
+		CreditMany: func(ctx context.Context, tx *sql.Tx, accounts []string, amounts []int64) error {
+			args := make([]any, 0, 2*len(accounts))
+			for i, a := range accounts {
+				args = append(args, a, amounts[i])
+			}
+			_, err := tx.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES (?, ?)`+
+				strings.Repeat(", (?, ?)", len(accounts)-1)+` ON DUPLICATE KEY UPDATE amount = amount + VALUES(amount)`, args...)
+			return err
+		},
+		Balances: func(ctx context.Context) (map[string]int64, error) {
+			rows, err := db.QueryContext(ctx, `SELECT account, amount FROM balances`)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			m := map[string]int64{}
+			for rows.Next() {
+				var (
+					a string
+					n int64
+				)
+				if err := rows.Scan(&a, &n); err != nil {
+					return nil, err
+				}
+				m[a] = n
+			}
+			return m, rows.Err()
+		},
+		Put: func(ctx context.Context, tx *sql.Tx, agg, value string) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO states (aggregate, value) VALUES (?, ?)
+ON DUPLICATE KEY UPDATE value = VALUES(value)`, agg, value)
+			return err
+		},
+		Append: func(ctx context.Context, tx *sql.Tx, agg, value string) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO states (aggregate, value) VALUES (?, CONCAT(',', ?))
+ON DUPLICATE KEY UPDATE value = CONCAT(value, VALUES(value))`, agg, value)
+			return err
+		},
+		States: func(ctx context.Context) (map[string]string, error) {
+			return readPairs(ctx, db, `SELECT aggregate, value FROM states`)
+		},
+		Markers: func(ctx context.Context, handler string) (n int, err error) {
+			err = db.QueryRowContext(ctx, `SELECT
+  (SELECT count(*) FROM idem_markers m JOIN idem_handlers h ON h.id = m.handler_id WHERE h.name = ?)
++ (SELECT count(*) FROM idem_leases WHERE handler = ?)`, handler, handler).Scan(&n)
+			return n, err
+		},
+		RowAppend: func(ctx context.Context, tx *sql.Tx, g *idem.RowGuard, value string) (idem.RowWrite, error) {
+			return rowAppend(ctx, tx, g, value)
+		},
+		Rows: func(ctx context.Context) (map[string]idemtest.Row, error) {
+			rows, err := db.QueryContext(ctx, `SELECT aggregate, value, last_seq FROM inrow`)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			m := map[string]idemtest.Row{}
+			for rows.Next() {
+				var (
+					a string
+					r idemtest.Row
+				)
+				if err := rows.Scan(&a, &r.Value, &r.Last); err != nil {
+					return nil, err
+				}
+				m[a] = r
+			}
+			return m, rows.Err()
+		},
+	}
+}
+
+func readPairs(ctx context.Context, db *sql.DB, q string) (map[string]string, error) {
+	rows, err := db.QueryContext(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	m := map[string]string{}
+	for rows.Next() {
+		var a, v string
+		if err := rows.Scan(&a, &v); err != nil {
+			return nil, err
+		}
+		m[a] = v
+	}
+	return m, rows.Err()
+}
+
+// TestConformance runs the suite with 64 goroutines delivering the same
+// 2,000 IDs, one message per transaction and in overlapping batches.
+func TestConformance(t *testing.T) {
+	idemtest.Run(t, &idemtest.Harness[*sql.Tx]{Open: openStore, Goroutines: 64, IDs: 2000})
+}
+
+func TestHostilePrefixRefused(t *testing.T) {
+	db := testenv.MySQL(t, testenv.MySQLDSN(), 1)
+	for _, prefix := range []string{"Idem", "a-b", "x`; DROP TABLE y; --", "9lives", strings.Repeat("a", 41)} {
+		if _, err := mysql.New(db, &mysql.Config{TablePrefix: prefix}); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("prefix %q: got %v, want ErrInvalidConfig", prefix, err)
+		}
+	}
+	if _, err := mysql.New(nil, nil); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("nil db: got %v, want ErrInvalidConfig", err)
+	}
+}
