@@ -155,3 +155,11 @@ func TestHostilePrefixRefused(t *testing.T) {
 		t.Errorf("nil db: got %v, want ErrInvalidConfig", err)
 	}
 }
+
+func TestOrdering(t *testing.T) {
+	idemtest.RunOrdering(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}
+
+func TestDeadLetters(t *testing.T) {
+	idemtest.RunDeadLetters(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}

@@ -91,6 +91,9 @@ func inList(n int) string { return "(?" + strings.Repeat(", ?", n-1) + ")" }
 // one of those first, the insert waits for it and skips the row, which is
 // then locked by a second read.
 func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
+	if len(p.AggregateIDs) == 0 {
+		return nil, nil
+	}
 	last := make(map[string]int64, len(p.AggregateIDs))
 	found, err := d.lockSequences(ctx, tx, p.Handler, p.AggregateIDs)
 	if err != nil {
@@ -117,6 +120,8 @@ func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.Seq
 		if n, err := r.RowsAffected(); err != nil {
 			return nil, err
 		} else if int(n) < len(missing) {
+			// Created meanwhile by another transaction: lock the rows it
+			// committed.
 			again, err := d.lockSequences(ctx, tx, p.Handler, missing)
 			if err != nil {
 				return nil, err
