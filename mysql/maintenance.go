@@ -34,27 +34,35 @@ func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 		return driver.PruneResult{}, fmt.Errorf("mysql: prune limit %d must be at least 1", p.Limit)
 	}
 	before := micros(p.Before)
-	if p.After.Position != leasesPosition {
-		res, err := d.pruneMarkers(ctx, p.After, before, p.Limit)
+	after, limit, deleted := p.After, p.Limit, 0
+	if after.Position != leasesPosition {
+		res, seen, err := d.pruneMarkers(ctx, after, before, limit)
 		if err != nil {
 			return driver.PruneResult{}, fmt.Errorf("mysql: prune markers: %w", notMigrated(err))
 		}
-		return res, nil
+		if seen == limit {
+			return res, nil
+		}
+		// The markers are done: the leases next, in the same batch.
+		after, limit, deleted = driver.MarkerKey{Position: leasesPosition}, limit-seen, res.Deleted
 	}
-	res, err := d.pruneLeases(ctx, p.After, before, p.Limit)
+	res, err := d.pruneLeases(ctx, after, before, limit)
 	if err != nil {
 		return driver.PruneResult{}, fmt.Errorf("mysql: prune lease rows: %w", notMigrated(err))
 	}
+	res.Deleted += deleted
 	return res, nil
 }
 
-func (d *Driver) pruneMarkers(ctx context.Context, after driver.MarkerKey, before int64, limit int) (driver.PruneResult, error) {
+// pruneMarkers deletes the markers table's next batch and returns how many
+// prunable rows it found.
+func (d *Driver) pruneMarkers(ctx context.Context, after driver.MarkerKey, before int64, limit int) (driver.PruneResult, int, error) {
 	hid := after.Position
 	rows, err := d.db.QueryContext(ctx, `SELECT handler_id, message_id FROM `+d.t.markers+`
 WHERE (handler_id > ? OR (handler_id = ? AND message_id > ?)) AND processed_at < ?
 ORDER BY handler_id, message_id LIMIT ?`, hid, hid, after.MessageID, before, limit)
 	if err != nil {
-		return driver.PruneResult{}, err
+		return driver.PruneResult{}, 0, err
 	}
 	var (
 		n    int
@@ -63,33 +71,29 @@ ORDER BY handler_id, message_id LIMIT ?`, hid, hid, after.MessageID, before, lim
 	for rows.Next() {
 		if err := rows.Scan(&last.Position, &last.MessageID); err != nil {
 			rows.Close()
-			return driver.PruneResult{}, err
+			return driver.PruneResult{}, 0, err
 		}
 		n++
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return driver.PruneResult{}, err
+		return driver.PruneResult{}, 0, err
 	}
 	if n == 0 {
-		// The markers are done: the leases next.
-		return driver.PruneResult{Last: driver.MarkerKey{Position: leasesPosition}}, nil
+		return driver.PruneResult{}, 0, nil
 	}
 	r, err := d.db.ExecContext(ctx, `DELETE FROM `+d.t.markers+`
 WHERE (handler_id > ? OR (handler_id = ? AND message_id > ?))
   AND (handler_id < ? OR (handler_id = ? AND message_id <= ?))
   AND processed_at < ?`, hid, hid, after.MessageID, last.Position, last.Position, last.MessageID, before)
 	if err != nil {
-		return driver.PruneResult{}, err
+		return driver.PruneResult{}, 0, err
 	}
 	deleted, err := r.RowsAffected()
 	if err != nil {
-		return driver.PruneResult{}, err
+		return driver.PruneResult{}, 0, err
 	}
-	if n < limit {
-		last = driver.MarkerKey{Position: leasesPosition}
-	}
-	return driver.PruneResult{Deleted: int(deleted), Last: last}, nil
+	return driver.PruneResult{Deleted: int(deleted), Last: last}, n, nil
 }
 
 func (d *Driver) pruneLeases(ctx context.Context, after driver.MarkerKey, before int64, limit int) (driver.PruneResult, error) {

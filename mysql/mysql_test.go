@@ -4,10 +4,12 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/mysql"
@@ -162,4 +164,72 @@ func TestOrdering(t *testing.T) {
 
 func TestDeadLetters(t *testing.T) {
 	idemtest.RunDeadLetters(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}
+
+func TestRetention(t *testing.T) {
+	idemtest.RunRetention(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+}
+
+func TestImportMarkers(t *testing.T) {
+	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 4)
+	s := storeOn(t, db, nil)
+	idemtest.CheckImport(t, s, &driver.ImportSource{Table: "processed_events", Column: "event_id"}, func(ctx context.Context, values []string) error {
+		if _, err := db.ExecContext(ctx, `CREATE TABLE processed_events (event_id VARCHAR(400) PRIMARY KEY)`); err != nil {
+			return err
+		}
+		for lo := 0; lo < len(values); lo += 500 {
+			chunk := values[lo:min(lo+500, len(values))]
+			args := make([]any, len(chunk))
+			for i, v := range chunk {
+				args[i] = v
+			}
+			if _, err := db.ExecContext(ctx, `INSERT INTO processed_events VALUES (?)`+strings.Repeat(", (?)", len(chunk)-1), args...); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	drv := s.Driver.(*mysql.Driver)
+	ctx := context.Background()
+	// An integer column pages in numeric order; a case-insensitive one
+	// keeps 'A' and 'a' apart across a page boundary.
+	if _, err := db.ExecContext(ctx, `CREATE TABLE seen_int (id BIGINT PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	for i := 1; i <= 2500; i += 500 {
+		var b strings.Builder
+		for j := i; j < i+500; j++ {
+			if j > i {
+				b.WriteString(", ")
+			}
+			fmt.Fprintf(&b, "(%d)", j*7)
+		}
+		if _, err := db.ExecContext(ctx, `INSERT INTO seen_int VALUES `+b.String()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := idem.ImportMarkers(ctx, drv, "typed_int", &driver.ImportSource{Table: "seen_int", Column: "id"}, &idem.ImportOptions{Batch: 1000})
+	if err != nil || res.Read != 2500 || res.Imported != 2500 {
+		t.Fatalf("import of a BIGINT column: %+v, %v; want all 2,500", res, err)
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE seen_ci (id VARCHAR(20) COLLATE utf8mb4_general_ci);
+`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO seen_ci VALUES ('A'), ('a'), ('b'), ('B'), ('c'), (NULL), ('')`); err != nil {
+		t.Fatal(err)
+	}
+	res, err = idem.ImportMarkers(ctx, drv, "typed_ci", &driver.ImportSource{Table: "seen_ci", Column: "id"}, &idem.ImportOptions{Batch: 1})
+	if err != nil || res.Read != 5 || res.Imported != 5 {
+		t.Fatalf("import of A, a, b, B, c in pages of 1: %+v, %v; want all 5", res, err)
+	}
+	for _, bad := range []*driver.ImportSource{
+		{Table: "processed_events; DROP TABLE x", Column: "event_id"},
+		{Schema: "test`", Table: "processed_events", Column: "event_id"},
+		{Table: "processed_events", Column: ""},
+	} {
+		if _, err := drv.ImportIDs(ctx, bad, "", 10); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("source %+v: %v; want ErrInvalidConfig", bad, err)
+		}
+	}
 }
