@@ -232,3 +232,35 @@ func TestUnavailableAndProbe(t *testing.T) {
 		t.Fatalf("Probe of a closed port: %v; want an error that Unavailable recognizes", err)
 	}
 }
+
+// TestOpenSetsReadCommitted: a pool from Open runs its connections at READ
+// COMMITTED, so the driver may skip setting the level per transaction.
+func TestOpenSetsReadCommitted(t *testing.T) {
+	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := mysql.Open(context.Background(), cfg)
+	if err != nil {
+		testenv.Unavailable(t, "MySQL/MariaDB", cfg.Addr, err)
+	}
+	defer db.Close()
+	tx, err := db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	var level string
+	if err := tx.QueryRow(`SELECT @@session.tx_isolation`).Scan(&level); err != nil {
+		if err := tx.QueryRow(`SELECT @@session.transaction_isolation`).Scan(&level); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if level != "READ-COMMITTED" {
+		t.Fatalf("isolation of a connection from Open: %s, want READ-COMMITTED", level)
+	}
+	s := storeOn(t, db, &mysql.Config{SessionIsolation: true})
+	if err := idemtest.CheckConcurrentDuplicates(context.Background(), s, 16, 300, 50); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -72,6 +72,10 @@ func runMigrate(ctx context.Context, e *env, s *store) error {
 		fmt.Fprintf(e.stdout, "tables: %s, %s, %s\n", s.table("markers"), s.table("processed"), s.table("migrations"))
 		return nil
 	}
+	if s.kind == kindMySQL {
+		fmt.Fprintf(e.stdout, "tables: %s, %s, %s\n", s.table("markers"), s.table("leases"), s.table("migrations"))
+		return nil
+	}
 	fmt.Fprintf(e.stdout, "tables: %s, %s\n", s.table("processed"), s.table("migrations"))
 	return nil
 }

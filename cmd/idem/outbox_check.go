@@ -304,7 +304,7 @@ func runOutboxCheck(ctx context.Context, w io.Writer, s *store, consumers []*sto
 	}
 	if n, version, err := s.schemaVersion(ctx); err != nil {
 		return err
-	} else if n == 0 || version < outboxSchemaVersion {
+	} else if n == 0 || !s.hasOutbox(version) {
 		return fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
 	}
 	c := &outboxCheck{versions: map[aggKey]int64{}, streams: map[string]bool{}, outbox: map[string][]byte{}, highest: map[aggKey]seqSeen{}}
