@@ -21,6 +21,7 @@ import (
 // collation would take for one (a trailing space, another case) are
 // distinct messages, and an ID of the maximum length is kept whole.
 func TestIDsComparedExactly(t *testing.T) {
+	t.Parallel()
 	s := openStore(t)
 	ctx := context.Background()
 	p, err := idem.NewProcessor(s.Driver, nil)
@@ -55,6 +56,7 @@ func TestIDsComparedExactly(t *testing.T) {
 // guarantee rests on and shows that the concurrency check then fails: the
 // check really tests the guarantee.
 func TestConcurrencyCheckNeedsUniqueConstraint(t *testing.T) {
+	t.Parallel()
 	s := openStore(t)
 	db := s.Driver.(*mysql.Driver).DB()
 	ctx := context.Background()
@@ -78,6 +80,7 @@ func TestConcurrencyCheckNeedsUniqueConstraint(t *testing.T) {
 // snapshot before the other committed (ProcessTx in the caller's
 // transaction).
 func TestConcurrentDuplicatesUnderRepeatableRead(t *testing.T) {
+	t.Parallel()
 	s := openStore(t)
 	ctx := context.Background()
 	db := s.Driver.(*mysql.Driver).DB()
@@ -153,6 +156,7 @@ func TestConcurrentDuplicatesUnderRepeatableRead(t *testing.T) {
 }
 
 func TestMigrateConcurrentlyAndTwice(t *testing.T) {
+	t.Parallel()
 	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 10)
 	drv, err := mysql.New(db, &mysql.Config{TablePrefix: "order_"})
 	if err != nil {
@@ -180,6 +184,7 @@ func TestMigrateConcurrentlyAndTwice(t *testing.T) {
 }
 
 func TestProcessBeforeMigrate(t *testing.T) {
+	t.Parallel()
 	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 4)
 	drv, err := mysql.New(db, nil)
 	if err != nil {
@@ -196,6 +201,7 @@ func TestProcessBeforeMigrate(t *testing.T) {
 }
 
 func TestUnavailableAndProbe(t *testing.T) {
+	t.Parallel()
 	s := openStore(t)
 	drv := s.Driver.(*mysql.Driver)
 	for n, want := range map[uint16]bool{
@@ -236,6 +242,7 @@ func TestUnavailableAndProbe(t *testing.T) {
 // TestOpenSetsReadCommitted: a pool from Open runs its connections at READ
 // COMMITTED, so the driver may skip setting the level per transaction.
 func TestOpenSetsReadCommitted(t *testing.T) {
+	t.Parallel()
 	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
 	if err != nil {
 		t.Fatal(err)

@@ -53,5 +53,6 @@ func rowAppend(ctx context.Context, tx *sql.Tx, g *idem.RowGuard, value string) 
 }
 
 func TestInRow(t *testing.T) {
+	t.Parallel()
 	idemtest.RunInRow(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
 }

@@ -37,7 +37,8 @@ func openLeaseStore(t testing.TB) driver.LeaseDriver {
 }
 
 func TestLease(t *testing.T) {
-	idemtest.RunLease(t, &idemtest.LeaseHarness{Open: openLeaseStore, Workers: 16, IDs: 200})
+	t.Parallel()
+	idemtest.RunLease(t, &idemtest.LeaseHarness{Open: openLeaseStore, Workers: 8, IDs: 100})
 }
 
 func leaseCrashHarness() *idemtest.LeaseCrashHarness {

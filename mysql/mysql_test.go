@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	gomysql "github.com/go-sql-driver/mysql"
+
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
@@ -140,13 +142,35 @@ func readPairs(ctx context.Context, db *sql.DB, q string) (map[string]string, er
 	return m, rows.Err()
 }
 
+// openStoreSession is openStore on a pool from mysql.Open, whose
+// connections are at READ COMMITTED already (Config.SessionIsolation).
+func openStoreSession(t testing.TB) *idemtest.Store[*sql.Tx] {
+	t.Helper()
+	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := mysql.Open(context.Background(), cfg)
+	if err != nil {
+		testenv.Unavailable(t, "MySQL/MariaDB", cfg.Addr, err)
+	}
+	db.SetMaxOpenConns(70)
+	db.SetMaxIdleConns(70)
+	t.Cleanup(func() { db.Close() })
+	return storeOn(t, db, &mysql.Config{SessionIsolation: true})
+}
+
 // TestConformance runs the suite with 64 goroutines delivering the same
-// 2,000 IDs, one message per transaction and in overlapping batches.
+// 2,000 IDs, one message per transaction and in overlapping batches, on
+// connections set up by mysql.Open. The other suites run on a plain pool,
+// where the driver sets READ COMMITTED per transaction.
 func TestConformance(t *testing.T) {
-	idemtest.Run(t, &idemtest.Harness[*sql.Tx]{Open: openStore, Goroutines: 64, IDs: 2000})
+	t.Parallel()
+	idemtest.Run(t, &idemtest.Harness[*sql.Tx]{Open: openStoreSession, Goroutines: 64, IDs: 2000})
 }
 
 func TestHostilePrefixRefused(t *testing.T) {
+	t.Parallel()
 	db := testenv.MySQL(t, testenv.MySQLDSN(), 1)
 	for _, prefix := range []string{"Idem", "a-b", "x`; DROP TABLE y; --", "9lives", strings.Repeat("a", 41)} {
 		if _, err := mysql.New(db, &mysql.Config{TablePrefix: prefix}); !errors.Is(err, idem.ErrInvalidConfig) {
@@ -159,18 +183,22 @@ func TestHostilePrefixRefused(t *testing.T) {
 }
 
 func TestOrdering(t *testing.T) {
+	t.Parallel()
 	idemtest.RunOrdering(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
 }
 
 func TestDeadLetters(t *testing.T) {
+	t.Parallel()
 	idemtest.RunDeadLetters(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
 }
 
 func TestRetention(t *testing.T) {
+	t.Parallel()
 	idemtest.RunRetention(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
 }
 
 func TestImportMarkers(t *testing.T) {
+	t.Parallel()
 	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 4)
 	s := storeOn(t, db, nil)
 	idemtest.CheckImport(t, s, &driver.ImportSource{Table: "processed_events", Column: "event_id"}, func(ctx context.Context, values []string) error {
