@@ -6,10 +6,9 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"os"
+	"strings"
 	"testing"
 	"time"
-
-	gomysql "github.com/go-sql-driver/mysql"
 )
 
 // DefaultMySQLDSN is used when IDEM_MYSQL_DSN is unset: MariaDB or MySQL
@@ -24,17 +23,36 @@ func MySQLDSN() string {
 	return DefaultMySQLDSN
 }
 
+// withDatabase returns dsn, in go-sql-driver/mysql's form
+// (user:pass@tcp(host:port)/db?params), naming database name instead, with
+// parameters interpolated client-side. A password holding '?' is not
+// supported.
+func withDatabase(dsn, name string) string {
+	base, query, _ := strings.Cut(dsn, "?")
+	i := strings.LastIndex(base, "/")
+	if i < 0 {
+		return dsn
+	}
+	if query != "" {
+		query += "&"
+	}
+	return base[:i+1] + name + "?" + query + "interpolateParams=true"
+}
+
 // MySQLDatabase creates a new, empty database on the server of
 // IDEM_MYSQL_DSN, dropped when t ends, and returns its DSN (the server's
 // DSN with the new database and interpolated parameters). An unreachable
-// server skips t loudly, or fails it under IDEM_REQUIRE_SERVICES=1.
+// server skips t loudly, or fails it under IDEM_REQUIRE_SERVICES=1. The
+// test binary must register the "mysql" database/sql driver (importing
+// package github.com/idemhq/idem/mysql does): testenv does not import it,
+// so that modules testing other stores need not require it.
 func MySQLDatabase(t testing.TB) string {
 	t.Helper()
-	cfg, err := gomysql.ParseDSN(MySQLDSN())
-	if err != nil {
-		t.Fatalf("IDEM_MYSQL_DSN: %v", err)
+	dsn := MySQLDSN()
+	if !strings.Contains(dsn, "/") {
+		t.Fatalf("IDEM_MYSQL_DSN %q: want user:pass@tcp(host:port)/database", dsn)
 	}
-	admin, err := sql.Open("mysql", cfg.FormatDSN())
+	admin, err := sql.Open("mysql", dsn)
 	if err != nil {
 		t.Fatalf("IDEM_MYSQL_DSN: %v", err)
 	}
@@ -42,7 +60,7 @@ func MySQLDatabase(t testing.TB) string {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := admin.PingContext(ctx); err != nil {
-		Unavailable(t, "MySQL/MariaDB", cfg.Addr, err)
+		Unavailable(t, "MySQL/MariaDB", "IDEM_MYSQL_DSN", err)
 	}
 	b := make([]byte, 6)
 	_, _ = rand.Read(b)
@@ -51,7 +69,7 @@ func MySQLDatabase(t testing.TB) string {
 		t.Fatalf("create database: %v", err)
 	}
 	t.Cleanup(func() {
-		db, err := sql.Open("mysql", cfg.FormatDSN())
+		db, err := sql.Open("mysql", dsn)
 		if err != nil {
 			t.Errorf("drop database %s: %v", name, err)
 			return
@@ -61,9 +79,7 @@ func MySQLDatabase(t testing.TB) string {
 			t.Errorf("drop database %s: %v", name, err)
 		}
 	})
-	cfg.DBName = name
-	cfg.InterpolateParams = true
-	return cfg.FormatDSN()
+	return withDatabase(dsn, name)
 }
 
 // MySQL opens a pool of at most maxConns connections on dsn, closed when
