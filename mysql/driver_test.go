@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	gomysql "github.com/go-sql-driver/mysql"
 
@@ -270,4 +272,84 @@ func TestOpenSetsReadCommitted(t *testing.T) {
 	if err := idemtest.CheckConcurrentDuplicates(context.Background(), s, 16, 300, 50); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestDeadlockVictimsRetried: when the transaction holding a marker rolls
+// back, the deliveries that waited on it race to insert it, and InnoDB
+// picks deadlock victims among them (1213). The driver runs a victim's
+// transaction again (the handler has not run), so every ID is applied
+// exactly once, and the only errors surfaced are the handler's own. (With
+// Config.MaxRetries -1, no retry, a run here surfaced 286 deadlocks.)
+func TestDeadlockVictimsRetried(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	ctx := context.Background()
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu     sync.Mutex
+		calls  = map[string]int{}
+		failed = map[string]bool{}
+	)
+	errFirst := errors.New("first attempt fails")
+	h := &idem.Handler[*sql.Tx]{Name: "flaky", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		mu.Lock()
+		first := !failed[m.ID]
+		failed[m.ID] = true
+		mu.Unlock()
+		if first {
+			time.Sleep(20 * time.Millisecond) // let the others queue on the marker
+			return errFirst
+		}
+		mu.Lock()
+		calls[m.ID]++
+		mu.Unlock()
+		return s.Credit(ctx, tx, "acct", 1)
+	}}
+	const ids, goroutines = 30, 12
+	var applied, handlerErrs, otherErrs atomic.Int64
+	var sample atomic.Value
+	for i := range ids {
+		var wg sync.WaitGroup
+		m := &idem.Message{ID: fmt.Sprintf("m-%d", i)}
+		for range goroutines {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				out, err := p.Process(ctx, h, m)
+				switch {
+				case errors.Is(err, errFirst):
+					handlerErrs.Add(1)
+				case err != nil:
+					otherErrs.Add(1)
+					sample.Store(err)
+				case out == idem.Applied:
+					applied.Add(1)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	if n := otherErrs.Load(); n > 0 {
+		t.Fatalf("%d deliveries failed with an error other than the handler's, e.g. %v", n, sample.Load())
+	}
+	for i := range ids {
+		id := fmt.Sprintf("m-%d", i)
+		if calls[id] > 1 {
+			t.Fatalf("%s applied %d times", id, calls[id])
+		}
+	}
+	bal, err := s.Balances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// An ID whose every delivery came before the failing one ended is
+	// applied by none of them: its redelivery applies it. Every applied
+	// outcome shows in the balance, once.
+	if bal["acct"] != applied.Load() || applied.Load() < ids/2 {
+		t.Fatalf("balance %d, applied %d (of %d IDs), handler errors %d", bal["acct"], applied.Load(), ids, handlerErrs.Load())
+	}
+	t.Logf("applied %d of %d IDs, %d handler errors", applied.Load(), ids, handlerErrs.Load())
 }
