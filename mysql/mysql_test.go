@@ -184,7 +184,7 @@ func TestHostilePrefixRefused(t *testing.T) {
 
 func TestOrdering(t *testing.T) {
 	t.Parallel()
-	idemtest.RunOrdering(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
+	idemtest.RunOrdering(t, &idemtest.Harness[*sql.Tx]{Open: openStore, Aggregates: 30})
 }
 
 func TestDeadLetters(t *testing.T) {

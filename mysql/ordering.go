@@ -182,23 +182,28 @@ func (d *Driver) SequenceSetMany(ctx context.Context, tx *sql.Tx, p *driver.Sequ
 	return err
 }
 
-// GapSighting implements driver.SequenceGuard on the server's clock: an
-// INSERT IGNORE keeps the first sighting, then one read returns it with
-// the server's time.
+// GapSighting implements driver.SequenceGuard on the server's clock. The
+// clock is read once, first: a new sighting is stamped with it and
+// reported with it, so however long the statements take in between (a
+// loaded server), the first sighting never looks older than it is. An
+// INSERT IGNORE keeps an earlier sighting, which the last read returns.
 func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (driver.GapSightingResult, error) {
 	var first, now int64
 	err := d.retry(ctx, func() error {
-		if _, err := d.db.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.gaps+` (handler, aggregate_id, seq, first_seen_at) VALUES (?, ?, ?, `+nowMicros+`)`,
-			p.Handler, p.AggregateID, p.Seq); err != nil {
+		if err := d.db.QueryRowContext(ctx, `SELECT `+nowMicros).Scan(&now); err != nil {
 			return err
 		}
-		return d.db.QueryRowContext(ctx, `SELECT first_seen_at, `+nowMicros+` FROM `+d.t.gaps+` WHERE handler = ? AND aggregate_id = ? AND seq = ?`,
-			p.Handler, p.AggregateID, p.Seq).Scan(&first, &now)
+		if _, err := d.db.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.gaps+` (handler, aggregate_id, seq, first_seen_at) VALUES (?, ?, ?, ?)`,
+			p.Handler, p.AggregateID, p.Seq, now); err != nil {
+			return err
+		}
+		return d.db.QueryRowContext(ctx, `SELECT first_seen_at FROM `+d.t.gaps+` WHERE handler = ? AND aggregate_id = ? AND seq = ?`,
+			p.Handler, p.AggregateID, p.Seq).Scan(&first)
 	})
 	if err != nil {
 		return driver.GapSightingResult{}, fmt.Errorf("mysql: record gap sighting: %w", notMigrated(err))
 	}
-	return driver.GapSightingResult{FirstSeen: time.UnixMicro(first), Now: time.UnixMicro(now)}, nil
+	return driver.GapSightingResult{FirstSeen: time.UnixMicro(first), Now: time.UnixMicro(max(now, first))}, nil
 }
 
 // SequenceLast implements driver.LeaseSequencer.
