@@ -302,6 +302,11 @@ func runOutboxCheck(ctx context.Context, w io.Writer, s *store, consumers []*sto
 	if s.kind == kindRedis {
 		return fmt.Errorf("%s: Redis has no outbox; check the SQL store the outbox is in", s)
 	}
+	for _, st := range append([]*store{s}, consumers...) {
+		if st.kind == kindMySQL {
+			return fmt.Errorf("%s: outbox check reads SQLite, PostgreSQL and Redis stores; it does not read MySQL's tables", st)
+		}
+	}
 	if n, version, err := s.schemaVersion(ctx); err != nil {
 		return err
 	} else if n == 0 || !s.hasOutbox(version) {
