@@ -110,6 +110,7 @@ type Processor[TTx any] struct {
 	seqBatch    driver.SequenceBatchStore[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	beginLater  driver.DeferredBeginner[TTx]
+	atCommit    driver.CommitMarkerInserter[TTx]
 	logger      *slog.Logger
 	logs        *lograte.Limiter // summarizes repeated failure lines
 	onOutcome   []HookOutcome
@@ -149,6 +150,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if bd, ok := drv.(driver.DeferredBeginner[TTx]); ok {
 		p.beginLater = bd
+	}
+	if ac, ok := drv.(driver.CommitMarkerInserter[TTx]); ok {
+		p.atCommit = ac
 	}
 	for i, h := range cfg.Hooks {
 		o, isOutcome := h.(HookOutcome)
@@ -225,6 +229,15 @@ func (p *Processor[TTx]) process(ctx context.Context, h *Handler[TTx], msg *Mess
 		return p.processVersionOnly(ctx, h, msg, agg)
 	}
 	params := &driver.MarkerInsertParams{Handler: h.Name, MessageID: msg.ID, PayloadHash: msg.PayloadHash()}
+	if !guarded && p.atCommit != nil {
+		tx, ok, err := p.atCommit.BeginMarkerAtCommit(ctx, params)
+		if err != nil {
+			return OutcomeNone, fmt.Errorf("idem: begin: %w", err)
+		}
+		if ok {
+			return p.applyCommitMarker(ctx, tx, h, msg, params.PayloadHash)
+		}
+	}
 	var (
 		tx  TTx
 		res driver.MarkerInsertResult
@@ -268,6 +281,25 @@ func (p *Processor[TTx]) guardApplyCommit(ctx context.Context, tx TTx, h *Handle
 		return OutcomeNone, err
 	}
 	if err := p.drv.Commit(ctx, tx); err != nil {
+		return OutcomeNone, fmt.Errorf("idem: commit: %w", err)
+	}
+	return Applied, nil
+}
+
+// applyCommitMarker runs the handler and the commit of a transaction whose
+// marker its commit inserts (driver.CommitMarkerInserter): a marker found
+// there at commit makes the message a Duplicate or a Conflict, with
+// nothing applied.
+func (p *Processor[TTx]) applyCommitMarker(ctx context.Context, tx TTx, h *Handler[TTx], msg *Message, hash []byte) (Outcome, error) {
+	if err := p.callOwned(ctx, tx, func() error { return callApply(ctx, h, tx, msg) }); err != nil {
+		p.rollback(ctx, tx)
+		return OutcomeNone, err
+	}
+	if err := p.drv.Commit(ctx, tx); err != nil {
+		var me *driver.MarkerExistsError
+		if errors.As(err, &me) {
+			return p.existing(h, msg.ID, hash, me.ExistingHash)
+		}
 		return OutcomeNone, fmt.Errorf("idem: commit: %w", err)
 	}
 	return Applied, nil

@@ -15,10 +15,17 @@ const (
 	// DefaultRetention is how long markers are kept: a redelivery older
 	// than this would be applied again.
 	DefaultRetention = 7 * 24 * time.Hour
-	// DefaultPruneBatch is the number of markers one pruning transaction
+	// DefaultPruneBatch is the most markers one pruning transaction
 	// deletes.
 	DefaultPruneBatch = 5000
+	// DefaultPruneBatchTime is how long one pruning transaction of
+	// markers should take at most; see RetentionConfig.BatchTime.
+	DefaultPruneBatchTime = 40 * time.Millisecond
 )
+
+// minPruneBatch is the fewest markers a batch sized down by BatchTime
+// deletes.
+const minPruneBatch = 100
 
 // ErrRetentionTooShort is matched (errors.Is) by a *RetentionError.
 var ErrRetentionTooShort = errors.New("idem: retention shorter than the redelivery horizon")
@@ -58,6 +65,13 @@ type RetentionConfig struct {
 	// BatchSize bounds the markers deleted per transaction, so no lock is
 	// held for long. Default DefaultPruneBatch (5,000).
 	BatchSize int
+	// BatchTime sizes the marker batches by time: a run starts at
+	// BatchSize; a batch that took longer than BatchTime halves the next
+	// one (down to 100 markers), and one that took less than half of it
+	// doubles the next (up to BatchSize). A store slowed by its disk or
+	// by the processors beside it then keeps each delete short. Default
+	// DefaultPruneBatchTime (40ms).
+	BatchTime time.Duration
 	// Pause is slept between batches to leave the store to the
 	// processors. Default 0.
 	Pause time.Duration
@@ -109,7 +123,7 @@ func NewPruner(drv any, cfg *RetentionConfig) (*Pruner, error) {
 	if cfg != nil {
 		c = *cfg
 	}
-	if c.Retention < 0 || c.RedeliveryHorizon < 0 || c.BatchSize < 0 || c.Pause < 0 {
+	if c.Retention < 0 || c.RedeliveryHorizon < 0 || c.BatchSize < 0 || c.Pause < 0 || c.BatchTime < 0 {
 		return nil, fmt.Errorf("%w: retention settings must not be negative", ErrInvalidConfig)
 	}
 	if c.Retention == 0 {
@@ -117,6 +131,9 @@ func NewPruner(drv any, cfg *RetentionConfig) (*Pruner, error) {
 	}
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultPruneBatch
+	}
+	if c.BatchTime == 0 {
+		c.BatchTime = DefaultPruneBatchTime
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -227,12 +244,14 @@ func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
 			st.Duration = time.Since(start)
 			return st, fmt.Errorf("idem: prune markers (batch %d): %w", st.Batches+1, err)
 		}
+		took := time.Since(t0)
 		st.Batches++
 		st.Deleted += res.Deleted
-		st.LongestBatch = max(st.LongestBatch, time.Since(t0))
+		st.LongestBatch = max(st.LongestBatch, took)
 		if res.Done {
 			break
 		}
+		params.Limit = p.nextBatch(params.Limit, took)
 		params.After = res.Last
 		if p.cfg.Pause > 0 {
 			select {
@@ -265,6 +284,19 @@ func (p *Pruner) Prune(ctx context.Context) (PruneStats, error) {
 	p.cfg.Logger.Info("idem: pruned markers", slog.Int("deleted", st.Deleted), slog.Int("outbox_deleted", st.OutboxDeleted), slog.Int("gaps_deleted", st.GapsDeleted), slog.Int("batches", st.Batches),
 		slog.Time("cutoff", st.Cutoff), slog.Duration("duration", st.Duration), slog.Duration("longest_batch", st.LongestBatch))
 	return st, nil
+}
+
+// nextBatch returns the size of the marker batch after one of limit
+// markers that took took: halved after a batch over BatchTime, doubled
+// after one under half of it, within minPruneBatch and BatchSize.
+func (p *Pruner) nextBatch(limit int, took time.Duration) int {
+	switch {
+	case took > p.cfg.BatchTime:
+		return max(limit/2, min(p.cfg.BatchSize, minPruneBatch))
+	case took < p.cfg.BatchTime/2:
+		return min(2*limit, p.cfg.BatchSize)
+	}
+	return limit
 }
 
 // pruneOutbox deletes the outbox rows published before the cutoff, in

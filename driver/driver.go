@@ -64,6 +64,38 @@ type BeginMarkerManyInserter[TTx any] interface {
 	BeginMarkerInsertMany(ctx context.Context, p *MarkerInsertManyParams) (TTx, []MarkerInsertResult, error)
 }
 
+// CommitMarkerInserter is an optional fast path for a store that can check
+// a marker and apply a transaction's writes in one call at commit (Redis,
+// with a script): open a transaction whose marker is inserted by its
+// Commit, together with the handler's writes. ok false means the store
+// declines for this call (it is not configured for it); then no
+// transaction is open and the core takes its other paths.
+//
+// The handler runs before the marker is checked. Commit then either
+// applies the handler's writes and the marker, or, when the marker was
+// there, applies nothing and returns a *MarkerExistsError with the stored
+// hash, from which the core decides Duplicate or Conflict. The core uses
+// it only for Process of a handler without an ordering guard, so a store
+// must decline nothing else to keep every other path as it was. On error
+// no transaction is left open.
+type CommitMarkerInserter[TTx any] interface {
+	BeginMarkerAtCommit(ctx context.Context, p *MarkerInsertParams) (tx TTx, ok bool, err error)
+}
+
+// MarkerExistsError is what Commit returns for a transaction opened by
+// CommitMarkerInserter.BeginMarkerAtCommit whose marker had been committed
+// before: nothing of the transaction was applied.
+type MarkerExistsError struct {
+	// ExistingHash is the stored marker's payload hash, as
+	// MarkerInsertResult.ExistingHash.
+	ExistingHash []byte
+}
+
+// Error implements error.
+func (e *MarkerExistsError) Error() string {
+	return "driver: the message's marker was already committed; nothing of the transaction was applied"
+}
+
 // DeferredBeginner is an optional fast path for transactions whose first
 // statement has nothing to wait for (an in-row handler's own write, a
 // version-only batch's guard): open a transaction whose BEGIN travels

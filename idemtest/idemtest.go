@@ -70,6 +70,16 @@ type Store[TTx any] struct {
 	// Rows reads every in-row aggregate's committed row. Required by
 	// RunInRow.
 	Rows func(ctx context.Context) (map[string]Row, error)
+
+	// ApplyBeforeCheck says that the driver's Process runs the handler
+	// before it knows whether the message is new, and its commit applies
+	// the handler's writes only if the marker was not there (redisstore
+	// with Config.WriteOnly). A redelivery then reaches the handler too,
+	// and of two concurrent deliveries the first to commit applies while
+	// the other, whether it is still in its handler or not, ends as a
+	// Duplicate. The suite then checks outcomes and balances, not how
+	// often single-message handlers ran.
+	ApplyBeforeCheck bool
 }
 
 // Harness tells the suite how to get a Store.
@@ -321,7 +331,7 @@ func CheckConcurrentDuplicates[TTx any](ctx context.Context, s *Store[TTx], goro
 		}
 		return true
 	})
-	if over > 0 {
+	if over > 0 && !(batch == 0 && s.ApplyBeforeCheck) {
 		problems = append(problems, fmt.Sprintf("%d message IDs reached the handler more than once", over))
 	}
 	if err := checkBalances(ctx, s, Expected(events)); err != nil {

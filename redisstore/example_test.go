@@ -60,3 +60,44 @@ func Example() {
 	// duplicate
 	// balance 25
 }
+
+// A handler that only queues writes can take the write-only path: its
+// marker is checked and its increment applied in one script call, one
+// round trip a message. A handler that reads through its transaction
+// needs a driver without WriteOnly. (Compiled but not run, as Example;
+// TestWriteOnlyConformance runs the path against IDEM_REDIS_URL.)
+func ExampleConfig_writeOnly() {
+	ctx := context.Background()
+	client := redis.NewClient(&redis.Options{
+		Addr:                     "127.0.0.1:6379",
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+	})
+	defer client.Close()
+	const prefix = "app:"
+
+	drv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix, WriteOnly: true})
+	if err != nil {
+		log.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	h := &idem.Handler[*redisstore.Tx]{
+		Name: "balances",
+		Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+			return tx.Queue().HIncrBy(ctx, prefix+"balances", m.AggregateID, 25).Err()
+		},
+	}
+	msg := &idem.Message{ID: "credit-1", AggregateID: "acct-7", Payload: []byte("25")}
+	for range 2 { // delivered twice: the second runs the handler, and writes nothing
+		out, err := proc.Process(ctx, h, msg)
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Println(out)
+	}
+	// Prints:
+	// applied
+	// duplicate
+}

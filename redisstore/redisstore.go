@@ -42,6 +42,18 @@
 // the ordering guard and write-side versions hold a number that must be
 // read, so each has a lock key beside it, taken the same way by a script.
 //
+// # Handlers that only write
+//
+// With Config.WriteOnly, Process of a handler without an ordering guard
+// takes no hold: the handler runs first, and the commit is one script
+// call that reads the marker and, if the message is new, writes the
+// marker and runs the queued commands. One round trip where the path
+// above takes two. Of two concurrent deliveries the first to commit
+// applies and the other is a Duplicate; a marker held by a transaction
+// of the path above is waited for. The handler then runs for
+// redeliveries too (its writes are dropped), so it must not read through
+// its transaction: a read makes the commit fail with ErrReadInWriteOnly.
+//
 // # What Redis does and does not promise
 //
 // MULTI/EXEC is atomic with respect to other clients, but Redis does not
@@ -88,6 +100,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -164,6 +177,21 @@ type Config struct {
 	// Default DefaultMaxWatchedKeys (2,000); lower it where a 0.1 s stall
 	// of the server matters. Negative is refused.
 	MaxWatchedKeys int
+	// WriteOnly declares that the handlers of processors over this
+	// driver only write, through Tx.Queue: they never read through
+	// their transaction (Tx.Conn, Tx.Watch, a write-side version).
+	// Process of a handler without an ordering guard then takes the
+	// write-only path: the handler runs first, and the commit checks
+	// the marker and applies the queued writes with it in one script
+	// call, one round trip where the WATCH path takes two. For a
+	// message already applied the handler runs too, and its writes are
+	// discarded (Duplicate or Conflict, as on the WATCH path). A
+	// handler that reads anyway applies nothing: its commit fails with
+	// ErrReadInWriteOnly. Batches, ProcessTx and handlers with an
+	// ordering guard take the WATCH path whatever this says. Give
+	// handlers that read a driver of their own without it (a Driver is
+	// only its settings: two can share a client). Default false.
+	WriteOnly bool
 }
 
 // Driver implements driver.Driver[*redisstore.Tx].
@@ -173,6 +201,11 @@ type Driver struct {
 	lockTTL   time.Duration
 	markerTTL time.Duration
 	maxKeys   int
+	writeOnly bool
+	// commands is the server's command table, read by the first
+	// write-only commit (see scriptable).
+	commandsMu sync.Mutex
+	commands   map[string]*redis.CommandInfo
 }
 
 var _ driver.Driver[*Tx] = (*Driver)(nil)
@@ -186,7 +219,7 @@ func New(client *redis.Client, cfg *Config) (*Driver, error) {
 	if cfg == nil {
 		cfg = &Config{}
 	}
-	d := &Driver{client: client, prefix: cfg.Prefix, lockTTL: cfg.LockTTL, markerTTL: cfg.MarkerTTL, maxKeys: cfg.MaxWatchedKeys}
+	d := &Driver{client: client, prefix: cfg.Prefix, lockTTL: cfg.LockTTL, markerTTL: cfg.MarkerTTL, maxKeys: cfg.MaxWatchedKeys, writeOnly: cfg.WriteOnly}
 	if d.maxKeys < 0 {
 		return nil, fmt.Errorf("%w: redisstore: MaxWatchedKeys %d is negative", idem.ErrInvalidConfig, cfg.MaxWatchedKeys)
 	}
@@ -263,6 +296,10 @@ type Tx struct {
 	done    bool
 	// userKeys counts the keys the caller gave Tx.Watch.
 	userKeys int
+	// at is the marker of a transaction of the write-only path (see
+	// Config.WriteOnly), which holds no key and has no connection of
+	// its own until the handler asks for one; nil on the WATCH path.
+	at *atCommit
 }
 
 // checkKeys returns ErrTooManyKeys, naming what, if watching n more keys
@@ -294,7 +331,16 @@ func (c *claim) marker() bool { return c.lock == "" }
 // Conn returns the transaction's connection. Commands on it run at once:
 // use it for reads, and call Watch before reading a key the handler's
 // writes depend on. Writes belong in Queue.
-func (tx *Tx) Conn() *redis.Conn { return tx.conn }
+//
+// On the write-only path (Config.WriteOnly) the handler must not read:
+// the transaction then refuses to commit, with ErrReadInWriteOnly.
+func (tx *Tx) Conn() *redis.Conn {
+	if tx.conn == nil {
+		_ = tx.readable()
+		tx.conn = tx.d.client.Conn()
+	}
+	return tx.conn
+}
 
 // Queue returns where the handler's writes go: commands issued on it are
 // queued and run at commit, in one MULTI/EXEC with the markers. Their
@@ -311,6 +357,9 @@ func (tx *Tx) Watch(ctx context.Context, keys ...string) error {
 	}
 	if len(keys) == 0 {
 		return nil
+	}
+	if err := tx.readable(); err != nil {
+		return fmt.Errorf("redisstore: watch: %w", err)
 	}
 	if err := tx.checkKeys(len(keys), "Watch"); err != nil {
 		return err
@@ -443,6 +492,9 @@ func (tx *Tx) addClaim(c *claim) {
 func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) func() (bool, error)) error {
 	if tx.done {
 		return errors.New("redisstore: transaction is finished")
+	}
+	if err := tx.readable(); err != nil {
+		return err
 	}
 	ttl := tx.d.lockTTL.Milliseconds()
 	wait := 200 * time.Microsecond
@@ -804,6 +856,9 @@ func (d *Driver) Commit(ctx context.Context, tx *Tx) error {
 	if tx == nil || tx.done {
 		return errors.New("redisstore: commit of a finished transaction")
 	}
+	if tx.at != nil {
+		return d.commitAt(ctx, tx)
+	}
 	var dels []string
 	var mset []any // markers, when they do not expire
 	for _, c := range tx.held() {
@@ -923,8 +978,10 @@ func (d *Driver) finish(ctx context.Context, tx *Tx, release bool) error {
 			errs = append(errs, fmt.Errorf("redisstore: release: %w", err))
 		}
 	}
-	if err := tx.conn.Close(); err != nil {
-		errs = append(errs, err)
+	if tx.conn != nil {
+		if err := tx.conn.Close(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -83,6 +83,9 @@ func (d *Driver) VersionCurrent(ctx context.Context, tx *Tx, p *driver.VersionPa
 	if c, ok := tx.claims[d.versionKey(p)]; ok {
 		return c.current()
 	}
+	if err := tx.readable(); err != nil {
+		return 0, fmt.Errorf("redisstore: read version: %w", err)
+	}
 	v, err := tx.conn.Get(ctx, d.versionKey(p)).Int64()
 	if errors.Is(err, redis.Nil) {
 		return 0, nil

@@ -73,6 +73,10 @@ Cases:
                the upsert when a row was added; on Redis, a Lua script
                doing SET NX, then HINCRBY. Batches apply one upsert per
                event on both sides
+  per-message-write-only, per-message-write-only-vs-hand
+               Redis only: per-message and per-message-vs-hand with the
+               driver's WriteOnly set, the marker checked and the
+               handler's queued increment applied in one script call
 
 Without --dsn (and IDEM_DSN) the benchmark runs on a temporary SQLite file
 with idem's defaults (WAL, synchronous=FULL). On PostgreSQL it creates its
@@ -193,6 +197,10 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 
 	var results []benchResult
 	for _, c := range cfg.cases {
+		if !c.RunsOn(target.Name()) {
+			fmt.Fprintf(e.stderr, "idem bench: %s runs on %s only; skipped\n", c.Name, c.Store)
+			continue
+		}
 		if !cfg.json {
 			fmt.Fprintf(e.stderr, "idem bench: %s on %s, %d workers, %d rounds of %s...\n",
 				c.Name, target.Name(), cfg.workers, cfg.rounds, cfg.round)

@@ -86,3 +86,19 @@ func TestBenchTablePrintsRoundSpread(t *testing.T) {
 		t.Errorf("header and row widths differ, columns misaligned:\n%s", out)
 	}
 }
+
+// TestBenchSkipsCasesOfAnotherStore checks that a Redis-only case asked of
+// SQLite is skipped with a note, and the others still run.
+func TestBenchSkipsCasesOfAnotherStore(t *testing.T) {
+	t.Parallel()
+	code, out, errOut := runCLI(t, "bench", "--cases", "per-message-write-only,per-message", "--rounds", "1", "--round", "50ms", "--workers", "2")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	if !strings.Contains(errOut, "per-message-write-only runs on redis only; skipped") {
+		t.Errorf("stderr %q: want the skip noted", errOut)
+	}
+	if strings.Contains(out, "write-only") || !strings.Contains(out, "per-message") {
+		t.Errorf("table:\n%s\nwant per-message only", out)
+	}
+}

@@ -21,8 +21,9 @@ func cleanupCommand() *command {
 		synopsis: "--dsn DSN [--retention D] [--horizon D] [--batch N] [--dry-run] [--json]",
 		summary:  "delete markers older than the retention, in small batches",
 		help: `Cleanup deletes the markers of messages processed longer ago than --retention,
-in batches of --batch rows, each its own short transaction, so processors
-keep running meanwhile. Leases still running or failed are never deleted,
+in batches of at most --batch rows, each its own short transaction, so
+processors keep running meanwhile; a batch slower than 40 ms halves the
+next one, a fast one doubles it back. Leases still running or failed are never deleted,
 whatever their age (a failed one's dead letter may be replayed). On
 PostgreSQL only one cleanup runs at a time per schema and prefix (an
 advisory lock), on MySQL per database and prefix (GET_LOCK): a second
@@ -54,7 +55,7 @@ Examples:
 			)
 			durationVar(fs, &retention, "retention", idem.DefaultRetention, "keep markers this `long` after processing")
 			durationVar(fs, &horizon, "horizon", 0, "longest `time` after processing at which a message may still be redelivered; a shorter --retention is refused")
-			fs.IntVar(&batch, "batch", idem.DefaultPruneBatch, "markers deleted per transaction (`rows`)")
+			fs.IntVar(&batch, "batch", idem.DefaultPruneBatch, "most markers deleted per transaction (`rows`)")
 			fs.BoolVar(&dryRun, "dry-run", false, "count what would be deleted; delete nothing")
 			fs.BoolVar(&asJSON, "json", false, "print JSON instead of text")
 			return func(ctx context.Context, e *env, args []string) error {

@@ -32,8 +32,9 @@ func TestCleanupOnDemoDatabase(t *testing.T) {
 
 	code, out, errOut = runCLI(t, "cleanup", "--dsn", db, "--retention", "1ns", "--batch", "500", "--json")
 	var rep cleanupReport
-	if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil || rep.Deleted == nil || rep.WouldDelete != nil || *rep.Deleted != *dry.WouldDelete || *rep.Batches != *dry.WouldDelete/500+1 {
-		t.Fatalf("cleanup: exit %d, want %d deleted in %d batches\n%s%s", code, *dry.WouldDelete, *dry.WouldDelete/500+1, out, errOut)
+	if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil || rep.Deleted == nil || rep.WouldDelete != nil || *rep.Deleted != *dry.WouldDelete || *rep.Batches < *dry.WouldDelete/500+1 {
+		// More batches than that when one is slow: the next is smaller.
+		t.Fatalf("cleanup: exit %d, want %d deleted in at least %d batches\n%s%s", code, *dry.WouldDelete, *dry.WouldDelete/500+1, out, errOut)
 	}
 	code, out, _ = runCLI(t, "cleanup", "--dsn", db, "--dry-run")
 	if code != exitOK || !strings.Contains(out, "No markers stored.") {

@@ -234,7 +234,15 @@ type Case struct {
 	// InRow runs both variants with the in-row guard (see InRow): the
 	// balance row holds the account's sequence and its upsert the guard.
 	InRow bool
+	// WriteOnly runs the idempotent per-message variant on a store's
+	// write-only path (see WriteOnly).
+	WriteOnly bool
+	// Store, when set, is the only store (Target.Name) the case runs on.
+	Store string
 }
+
+// RunsOn reports whether the case runs on the store named store.
+func (c Case) RunsOn(store string) bool { return c.Store == "" || c.Store == store }
 
 // Cases returns the standard cases in the order they run.
 func Cases() []Case {
@@ -250,6 +258,8 @@ func Cases() []Case {
 		{Name: "batch-1000-version-in-row", BatchSize: 1000, InRow: true},
 		{Name: "per-message-vs-hand", VsHand: true},
 		{Name: "batch-1000-per-event-vs-hand", BatchSize: 1000, VsHand: true},
+		{Name: "per-message-write-only", WriteOnly: true, Store: "redis"},
+		{Name: "per-message-write-only-vs-hand", WriteOnly: true, VsHand: true, Store: "redis"},
 	}
 }
 
@@ -257,6 +267,18 @@ func Cases() []Case {
 // per-event, ordered, hand-rolled or in-row mode.
 func (c Case) Target(t Target) (Target, error) {
 	switch {
+	case c.WriteOnly:
+		wt, err := WriteOnly(t)
+		if err != nil || !c.VsHand {
+			return wt, err
+		}
+		h, err := HandRolled(t)
+		if err != nil {
+			return nil, err
+		}
+		hr := h.(handRolled)
+		hr.Target = wt
+		return hr, nil
 	case c.VsHand:
 		return HandRolled(t)
 	case c.InRow:
@@ -269,6 +291,36 @@ func (c Case) Target(t Target) (Target, error) {
 		return Ordered(t)
 	}
 	return t, nil
+}
+
+// WriteOnlyTarget is implemented by targets whose store has a write-only
+// path: a handler that only writes, its marker checked and its writes
+// applied in one call at commit (redisstore's Config.WriteOnly).
+type WriteOnlyTarget interface {
+	// IdemOneWriteOnly applies msg with Processor.Process on the
+	// write-only path. An outcome other than Applied is an error.
+	IdemOneWriteOnly(ctx context.Context, msg *idem.Message) error
+}
+
+// WriteOnly returns t with its idempotent per-message variant on the
+// write-only path, or an error if t has none. Its batches are t's.
+func WriteOnly(t Target) (Target, error) {
+	wt, ok := t.(WriteOnlyTarget)
+	if !ok {
+		return nil, fmt.Errorf("bench: %s has no write-only path", t.Name())
+	}
+	return writeOnly{Target: t, wt: wt}, nil
+}
+
+type writeOnly struct {
+	Target
+	wt WriteOnlyTarget
+}
+
+func (w writeOnly) Name() string { return w.Target.Name() + "/write-only" }
+
+func (w writeOnly) IdemOne(ctx context.Context, msg *idem.Message) error {
+	return w.wt.IdemOneWriteOnly(ctx, msg)
 }
 
 // Versus returns a target whose Plain variants are base's idempotent ones

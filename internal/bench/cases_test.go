@@ -16,6 +16,12 @@ import (
 func runCases(t *testing.T, target bench.Target) {
 	ctx := context.Background()
 	for _, c := range bench.Cases() {
+		if !c.RunsOn(target.Name()) {
+			if _, err := c.Target(target); err == nil {
+				t.Errorf("%s: runs on %s, though made for %s only", c.Name, target.Name(), c.Store)
+			}
+			continue
+		}
 		ct, err := c.Target(target)
 		if err != nil {
 			t.Fatalf("%s: %v", c.Name, err)

@@ -23,6 +23,8 @@ type RedisTarget struct {
 	handScript *redis.Script
 	inRowProc  *idem.Processor[*redisstore.Tx]
 	inRowH     *idem.Handler[*redisstore.Tx]
+	// writeOnly is a processor over a driver with Config.WriteOnly.
+	writeOnly *idem.Processor[*redisstore.Tx]
 }
 
 // handScript is the hand-rolled dedupe on Redis: the ID's key set if
@@ -68,6 +70,13 @@ func OpenRedis(ctx context.Context, client *redis.Client, prefix string) (*Redis
 		},
 	}
 	t.idemVariants = newIdemVariants(proc, h)
+	wdrv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix, WriteOnly: true})
+	if err != nil {
+		return nil, fmt.Errorf("bench: redis driver: %w", err)
+	}
+	if t.writeOnly, err = idem.NewProcessor(wdrv, nil); err != nil {
+		return nil, fmt.Errorf("bench: processor: %w", err)
+	}
 	t.inRowProc = proc
 	t.inRowH = inRowHandler(func(ctx context.Context, tx *redisstore.Tx, gs []*idem.RowGuard) ([]idem.RowWrite, error) {
 		keys := t.rowSeqKeys(gs)
@@ -131,6 +140,13 @@ func (t *RedisTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Messa
 		}
 		return nil
 	})
+}
+
+// IdemOneWriteOnly implements WriteOnlyTarget: the handler only queues its
+// increment, so its marker and its write go in one script call.
+func (t *RedisTarget) IdemOneWriteOnly(ctx context.Context, msg *idem.Message) error {
+	out, err := t.writeOnly.Process(ctx, t.h, msg)
+	return checkApplied1(msg, out, err)
 }
 
 // Close deletes every key under the target's prefix. It does not close

@@ -47,6 +47,9 @@ func Run(b *testing.B, t bench.Target, opts *Options) {
 	}
 	ctx := context.Background()
 	for _, c := range bench.Cases() {
+		if !c.RunsOn(t.Name()) {
+			continue
+		}
 		w := bench.Workload{Workers: workers, BatchSize: c.BatchSize, Accounts: opts.Accounts}
 		t, err := c.Target(t)
 		if err != nil {
