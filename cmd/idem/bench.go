@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -207,6 +208,10 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 		}
 		w := bench.Workload{Workers: cfg.workers, BatchSize: c.BatchSize, Duration: cfg.round}
 		t, err := c.Target(target)
+		if errors.Is(err, bench.ErrUnsupported) {
+			fmt.Fprintf(e.stderr, "idem bench: %s: %s has no such variant; skipped\n", c.Name, target.Name())
+			continue
+		}
 		if err != nil {
 			return err
 		}

@@ -130,3 +130,17 @@ func TestMySQLDSNErrorsHidePasswords(t *testing.T) {
 		}
 	}
 }
+
+// TestBenchMySQL: bench runs on a mysql:// DSN, and a case the MySQL
+// target has no variant for is skipped with a note, not a failure.
+func TestBenchMySQL(t *testing.T) {
+	dsn, _ := mysqlURL(t)
+	code, out, errOut := runCLI(t, "bench", "--dsn", dsn, "--cases", "version-in-row,per-message", "--rounds", "1", "--round", "100ms", "--json")
+	var res []benchResult
+	if code != exitOK || json.Unmarshal([]byte(out), &res) != nil || len(res) != 1 || res[0].Case != "per-message" || res[0].Store != "mysql" || res[0].Idem <= 0 {
+		t.Fatalf("bench: exit %d\n%s%s", code, out, errOut)
+	}
+	if !strings.Contains(errOut, "version-in-row: mysql has no such variant; skipped") {
+		t.Fatalf("bench stderr does not note the skipped case:\n%s", errOut)
+	}
+}
