@@ -235,11 +235,26 @@ func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (in
 	return int(n), nil
 }
 
-// VersionNext implements driver.VersionStore with one upsert, whose
-// LAST_INSERT_ID(expr) carries the new version back in the statement's
-// reply.
+// VersionNext implements driver.VersionStore. An existing row is
+// incremented with one UPDATE, whose LAST_INSERT_ID(expr) carries the new
+// version back in the statement's reply: concurrent allocations queue on
+// the row's lock, which a plain UPDATE takes without the gap locks of an
+// upsert (those make InnoDB pick deadlock victims among concurrent
+// upserts of one key). A new aggregate's row is created by an upsert in
+// the same transaction. The row stays locked until tx ends, so a rolled
+// back transaction gives its number back.
 func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (int64, error) {
-	r, err := tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
+	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = LAST_INSERT_ID(version + 1) WHERE stream = ? AND aggregate_id = ?`,
+		p.Stream, p.AggregateID)
+	if err != nil {
+		return 0, notMigrated(err)
+	}
+	if n, err := r.RowsAffected(); err != nil {
+		return 0, err
+	} else if n == 1 {
+		return r.LastInsertId()
+	}
+	r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
 ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.AggregateID)
 	if err != nil {
 		return 0, notMigrated(err)
@@ -248,24 +263,27 @@ ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.Aggr
 }
 
 // VersionAdvance implements driver.VersionStore with one conditional
-// statement.
+// statement (Expected 0: the row at 0, as VersionNext creates it, or a
+// new row at 1).
 func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (bool, int64, error) {
-	var (
-		r   sql.Result
-		err error
-	)
-	if p.Expected == 0 {
-		r, err = tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 1)`, p.Stream, p.AggregateID)
-	} else {
-		r, err = tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = version + 1 WHERE stream = ? AND aggregate_id = ? AND version = ?`,
-			p.Stream, p.AggregateID, p.Expected)
-	}
+	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = version + 1 WHERE stream = ? AND aggregate_id = ? AND version = ?`,
+		p.Stream, p.AggregateID, p.Expected)
 	if err != nil {
 		return false, 0, notMigrated(err)
 	}
-	if n, err := r.RowsAffected(); err != nil {
+	n, err := r.RowsAffected()
+	if err != nil {
 		return false, 0, err
-	} else if n == 1 {
+	}
+	if n == 0 && p.Expected == 0 {
+		if r, err = tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 1)`, p.Stream, p.AggregateID); err != nil {
+			return false, 0, notMigrated(err)
+		}
+		if n, err = r.RowsAffected(); err != nil {
+			return false, 0, err
+		}
+	}
+	if n == 1 {
 		return true, p.Expected + 1, nil
 	}
 	var v int64
