@@ -121,7 +121,7 @@ func TestMigrateUsageErrors(t *testing.T) {
 		{"prefix too long", nil, []string{"migrate", "--dsn", filepath.Join(dir, "c.db"), "--prefix", strings.Repeat("p", 41)}, "maximum is 40"},
 		{"bad schema", nil, []string{"migrate", "--dsn", "postgres://u@127.0.0.1:1/x", "--schema", "x;drop"}, "--schema"},
 		{"schema with SQLite", nil, []string{"migrate", "--dsn", filepath.Join(dir, "d.db"), "--schema", "s"}, "only to PostgreSQL"},
-		{"unrecognised DSN", nil, []string{"migrate", "--dsn", "mysql://u:hunter2@host/db"}, "unrecognised DSN"},
+		{"unrecognised DSN", nil, []string{"migrate", "--dsn", "mongodb://u:hunter2@host/db"}, "unrecognised DSN"},
 		{"bad Postgres DSN", nil, []string{"migrate", "--dsn", "postgres://u@host:notaport/db"}, "bad PostgreSQL DSN"},
 		{"positional argument", nil, []string{"migrate", "--dsn", filepath.Join(dir, "e.db"), "now"}, "unexpected argument"},
 	}
@@ -187,7 +187,7 @@ func TestParseDSN(t *testing.T) {
 			t.Errorf("parseDSN(%q) = %v %q, want %v %q", tc.dsn, got.kind, got.path, tc.kind, tc.path)
 		}
 	}
-	for _, bad := range []string{"", "idem", "mysql://x", "sqlite:", "file:x.db?mode=ro", "x.txt"} {
+	for _, bad := range []string{"", "idem", "mongodb://x", "sqlite:", "file:x.db?mode=ro", "x.txt"} {
 		_, err := parseDSN(bad)
 		var ue *usageError
 		if !errors.As(err, &ue) {
