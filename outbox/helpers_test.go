@@ -23,6 +23,7 @@ import (
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/jetstream"
 	"github.com/idemhq/idem/kafka"
+	"github.com/idemhq/idem/mysql"
 	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/postgres"
 	"github.com/idemhq/idem/rabbitmq"
@@ -172,10 +173,69 @@ func postgresProducer(t testing.TB) *producer {
 	}
 }
 
+// mysqlProducer is the producer on MySQL/MariaDB, in a fresh database.
+func mysqlProducer(t testing.TB) *producer {
+	t.Helper()
+	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 20)
+	drv, err := mysql.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE ledger (account VARBINARY(255) PRIMARY KEY, amount BIGINT NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inTx := func(ctx context.Context, fn func(tx *sql.Tx) error) error {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		if err := fn(tx); err != nil {
+			tx.Rollback()
+			return err
+		}
+		return tx.Commit()
+	}
+	const credit = `INSERT INTO ledger VALUES (?, ?) ON DUPLICATE KEY UPDATE amount = amount + VALUES(amount)`
+	return &producer{
+		name: "mysql", drv: drv,
+		credit: func(ctx context.Context, stream, account string, amount int64, fail bool) (m *idem.Message, err error) {
+			err = inTx(ctx, func(tx *sql.Tx) error {
+				if _, err := tx.ExecContext(ctx, credit, account, amount); err != nil {
+					return err
+				}
+				if m, err = ob.AddNext(ctx, tx, stream, account, "Credited", []byte(strconv.FormatInt(amount, 10))); err != nil {
+					return err
+				}
+				if fail {
+					return errRollback
+				}
+				return nil
+			})
+			return m, err
+		},
+		add: func(ctx context.Context, msgs ...*idem.Message) error {
+			return inTx(ctx, func(tx *sql.Tx) error { return ob.Add(ctx, tx, msgs...) })
+		},
+		plainCredit: func(ctx context.Context, account string, amount int64) error {
+			return inTx(ctx, func(tx *sql.Tx) error {
+				_, err := tx.ExecContext(ctx, credit, account, amount)
+				return err
+			})
+		},
+	}
+}
+
 var errRollback = fmt.Errorf("roll back on purpose")
 
 func producers() map[string]func(testing.TB) *producer {
-	return map[string]func(testing.TB) *producer{"sqlite": sqliteProducer, "postgres": postgresProducer}
+	return map[string]func(testing.TB) *producer{"sqlite": sqliteProducer, "postgres": postgresProducer, "mysql": mysqlProducer}
 }
 
 func outboxStats(t testing.TB, p *producer) driver.OutboxStats {

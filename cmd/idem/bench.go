@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -17,6 +18,7 @@ import (
 	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem/internal/bench"
+	"github.com/idemhq/idem/mysql"
 )
 
 // benchCommand returns the "bench" subcommand: idem's overhead as a ratio
@@ -80,7 +82,8 @@ Cases:
 Without --dsn (and IDEM_DSN) the benchmark runs on a temporary SQLite file
 with idem's defaults (WAL, synchronous=FULL). On PostgreSQL it creates its
 tables, all prefixed idem_bench_, in --schema (default idem_bench), and
-drops them afterwards; a schema it created is dropped too. On Redis the
+drops them afterwards; a schema it created is dropped too. On MySQL they
+go in the DSN's database and are dropped afterwards. On Redis the
 plain variant is the same writes in a MULTI/EXEC without markers; every
 key starts with idem_bench: and is deleted afterwards.
 
@@ -205,6 +208,10 @@ func runBench(ctx context.Context, e *env, cfg benchConfig) error {
 		}
 		w := bench.Workload{Workers: cfg.workers, BatchSize: c.BatchSize, Duration: cfg.round}
 		t, err := c.Target(target)
+		if errors.Is(err, bench.ErrUnsupported) {
+			fmt.Fprintf(e.stderr, "idem bench: %s: %s has no such variant; skipped\n", c.Name, target.Name())
+			continue
+		}
 		if err != nil {
 			return err
 		}
@@ -269,6 +276,25 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 			return nil, nil, err
 		}
 		return t, func() { t.Close() }, nil
+	case kindMySQL:
+		mcfg, err := parseMySQLDSN(tg.dsn)
+		if err != nil {
+			return nil, nil, err
+		}
+		pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+		db, err := mysql.Open(pctx, mcfg)
+		cancel()
+		if err != nil {
+			return nil, nil, fmt.Errorf("connect to %s: %w", redactDSN(tg.dsn), err)
+		}
+		db.SetMaxOpenConns(cfg.workers + 2)
+		db.SetMaxIdleConns(cfg.workers + 2)
+		t, err := bench.OpenMySQL(ctx, db)
+		if err != nil {
+			db.Close()
+			return nil, nil, err
+		}
+		return t, func() { t.Close(context.WithoutCancel(ctx)); db.Close() }, nil
 	case kindRedis:
 		ropts, err := parseRedisDSN(tg.dsn)
 		if err != nil {

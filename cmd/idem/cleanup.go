@@ -26,7 +26,8 @@ processors keep running meanwhile; a batch slower than 40 ms halves the
 next one, a fast one doubles it back. Leases still running or failed are never deleted,
 whatever their age (a failed one's dead letter may be replayed). On
 PostgreSQL only one cleanup runs at a time per schema and prefix (an
-advisory lock): a second one exits with code 1 and says so. On SQLite,
+advisory lock), on MySQL per database and prefix (GET_LOCK): a second
+one exits with code 1 and says so. On SQLite,
 which has one writer, concurrent cleanups take turns batch by batch.
 
 A message redelivered after its marker is deleted is applied again. Set
@@ -90,6 +91,8 @@ func (s *store) idemDriver() any {
 		return s.sqliteDrv
 	case kindRedis:
 		return s.redisDrv
+	case kindMySQL:
+		return s.mysqlDrv
 	}
 	return s.pgDrv
 }

@@ -121,7 +121,7 @@ func TestMigrateUsageErrors(t *testing.T) {
 		{"prefix too long", nil, []string{"migrate", "--dsn", filepath.Join(dir, "c.db"), "--prefix", strings.Repeat("p", 41)}, "maximum is 40"},
 		{"bad schema", nil, []string{"migrate", "--dsn", "postgres://u@127.0.0.1:1/x", "--schema", "x;drop"}, "--schema"},
 		{"schema with SQLite", nil, []string{"migrate", "--dsn", filepath.Join(dir, "d.db"), "--schema", "s"}, "only to PostgreSQL"},
-		{"unrecognised DSN", nil, []string{"migrate", "--dsn", "mysql://u:hunter2@host/db"}, "unrecognised DSN"},
+		{"unrecognised DSN", nil, []string{"migrate", "--dsn", "mongodb://u:hunter2@host/db"}, "unrecognised DSN"},
 		{"bad Postgres DSN", nil, []string{"migrate", "--dsn", "postgres://u@host:notaport/db"}, "bad PostgreSQL DSN"},
 		{"positional argument", nil, []string{"migrate", "--dsn", filepath.Join(dir, "e.db"), "now"}, "unexpected argument"},
 	}
@@ -187,7 +187,7 @@ func TestParseDSN(t *testing.T) {
 			t.Errorf("parseDSN(%q) = %v %q, want %v %q", tc.dsn, got.kind, got.path, tc.kind, tc.path)
 		}
 	}
-	for _, bad := range []string{"", "idem", "mysql://x", "sqlite:", "file:x.db?mode=ro", "x.txt"} {
+	for _, bad := range []string{"", "idem", "mongodb://x", "sqlite:", "file:x.db?mode=ro", "x.txt"} {
 		_, err := parseDSN(bad)
 		var ue *usageError
 		if !errors.As(err, &ue) {
@@ -279,21 +279,21 @@ func FuzzRedactDSN(f *testing.F) {
 const fuzzMarker = "zQ"
 
 // dsnShapes is how many DSN shapes fuzzDSN builds.
-const dsnShapes = 15
+const dsnShapes = 17
 
 // fuzzDSN builds a DSN of the given shape carrying pass, for a server that
 // refuses connections (127.0.0.1:1) or a SQLite file that does not exist.
 func fuzzDSN(shape uint8, pass string) string {
 	const host = "127.0.0.1:1"
-	schemes := []string{"postgres", "postgresql", "redis", "rediss", "sqlite", "file"}
+	schemes := []string{"postgres", "postgresql", "redis", "rediss", "sqlite", "file", "mysql"}
 	switch s := int(shape % dsnShapes); {
-	case s < 6: // the password raw in the userinfo, as people type it
+	case s < 7: // the password raw in the userinfo, as people type it
 		return schemes[s] + "://app:" + pass + "@" + host + "/0"
-	case s < 12: // percent-encoded, as a URL should be
-		return schemes[s-6] + "://" + url.UserPassword("app", pass).String() + "@" + host + "/0"
-	case s == 12: // in the query
+	case s < 14: // percent-encoded, as a URL should be
+		return schemes[s-7] + "://" + url.UserPassword("app", pass).String() + "@" + host + "/0"
+	case s == 14: // in the query
 		return "postgres://app@" + host + "/db?sslmode=disable&password=" + url.QueryEscape(pass) + "&application_name=x"
-	case s == 13: // key/value, quoted, which idem refuses as unrecognised
+	case s == 15: // key/value, quoted, which idem refuses as unrecognised
 		q := strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(pass)
 		return "host=127.0.0.1 port=1 user=app password='" + q + "' dbname=db"
 	default: // key/value, unquoted with backslash escapes

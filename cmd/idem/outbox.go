@@ -246,6 +246,12 @@ func runOutboxStats(ctx context.Context, w io.Writer, s *store, asJSON bool, now
 // outboxSchemaVersion is the migration that created the outbox tables.
 const outboxSchemaVersion = 6
 
+// hasOutbox reports whether a schema at version has the outbox tables:
+// from migration 6 on SQLite and PostgreSQL, from the first on MySQL.
+func (s *store) hasOutbox(version int) bool {
+	return version >= outboxSchemaVersion || (s.kind == kindMySQL && version >= 1)
+}
+
 // collectOutbox reads the outbox's state as of now, after checking the
 // schema has it.
 func collectOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport, error) {
@@ -253,7 +259,7 @@ func collectOutbox(ctx context.Context, s *store, now time.Time) (*outboxReport,
 		return nil, err
 	} else if n == 0 {
 		return nil, s.errNoTables(ctx)
-	} else if version < outboxSchemaVersion {
+	} else if !s.hasOutbox(version) {
 		return nil, fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
 	}
 	return readOutbox(ctx, s, now)

@@ -302,11 +302,16 @@ func runOutboxCheck(ctx context.Context, w io.Writer, s *store, consumers []*sto
 	if s.kind == kindRedis {
 		return fmt.Errorf("%s: Redis has no outbox; check the SQL store the outbox is in", s)
 	}
+	for _, st := range append([]*store{s}, consumers...) {
+		if st.kind == kindMySQL {
+			return fmt.Errorf("%s: outbox check reads SQLite, PostgreSQL and Redis stores; it does not read MySQL's tables", st)
+		}
+	}
 	if n, version, err := s.schemaVersion(ctx); err != nil {
 		return err
 	} else if n == 0 {
 		return s.errNoTables(ctx)
-	} else if version < outboxSchemaVersion {
+	} else if !s.hasOutbox(version) {
 		return fmt.Errorf("%s has no outbox tables: run 'idem migrate' first", s)
 	}
 	c := &outboxCheck{versions: map[aggKey]int64{}, streams: map[string]bool{}, outbox: map[string][]byte{}, highest: map[aggKey]seqSeen{}}

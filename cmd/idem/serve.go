@@ -221,7 +221,7 @@ type storeReading struct {
 func readStore(ctx context.Context, s *store) storeReading {
 	var r storeReading
 	var version int
-	if r.handlers, version, r.err = collectStats(ctx, s); r.err == nil && version >= outboxSchemaVersion {
+	if r.handlers, version, r.err = collectStats(ctx, s); r.err == nil && s.hasOutbox(version) {
 		r.outbox, r.err = readOutbox(ctx, s, time.Now())
 	}
 	return r

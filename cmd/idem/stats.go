@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"flag"
 	"fmt"
+	"regexp"
 	"sort"
 	"text/tabwriter"
 	"time"
@@ -108,8 +110,18 @@ func collectStats(ctx context.Context, s *store) ([]*handlerStats, int, error) {
 		}
 		return byHandler[h]
 	}
-	err = s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'running'),
-count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed")+` GROUP BY handler`,
+	leases := `SELECT handler, count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'running'),
+count(*) FILTER (WHERE status = 'failed'), ` + oldest + ` FROM ` + s.table("processed") + ` GROUP BY handler`
+	deadLetters := `SELECT handler, count(*) FILTER (WHERE state = 'parked'), count(*), count(*) FILTER (WHERE class = 'conflict')
+FROM ` + s.table("dead_letters") + ` GROUP BY handler`
+	if s.kind == kindMySQL {
+		// Lease rows have a table of their own; times are Unix
+		// microseconds already.
+		leases = `SELECT handler, SUM(status = 'done'), SUM(status = 'running'), SUM(status = 'failed'),
+MIN(IF(status = 'done', processed_at, NULL)) FROM ` + s.table("leases") + ` GROUP BY handler`
+		deadLetters = `SELECT handler, SUM(state = 'parked'), count(*), SUM(class = 'conflict') FROM ` + s.table("dead_letters") + ` GROUP BY handler`
+	}
+	err = s.queryRows(ctx, leases,
 		func(scan func(...any) error) error {
 			var (
 				h     string
@@ -130,10 +142,14 @@ count(*) FILTER (WHERE status = 'failed'), `+oldest+` FROM `+s.table("processed"
 	if err != nil {
 		return nil, 0, fmt.Errorf("read markers: %w", err)
 	}
-	if s.kind == kindPostgres && version >= 11 {
-		// Atomic markers have a table of their own since migration 11,
-		// keyed by the handler's interned id.
-		err = s.queryRows(ctx, `SELECT h.name, c.n, (extract(epoch FROM c.oldest) * 1000000)::bigint
+	if (s.kind == kindPostgres && version >= 11) || s.kind == kindMySQL {
+		// Atomic markers have a table of their own (Postgres: since
+		// migration 11), keyed by the handler's interned id.
+		oldestMarker := `(extract(epoch FROM c.oldest) * 1000000)::bigint`
+		if s.kind == kindMySQL {
+			oldestMarker = `c.oldest`
+		}
+		err = s.queryRows(ctx, `SELECT h.name, c.n, `+oldestMarker+`
 FROM (SELECT handler_id, count(*) AS n, min(processed_at) AS oldest FROM `+s.table("markers")+` GROUP BY handler_id) c
 JOIN `+s.table("handlers")+` h ON h.id = c.handler_id`,
 			func(scan func(...any) error) error {
@@ -159,8 +175,7 @@ JOIN `+s.table("handlers")+` h ON h.id = c.handler_id`,
 			return nil, 0, fmt.Errorf("read markers: %w", err)
 		}
 	}
-	err = s.queryRows(ctx, `SELECT handler, count(*) FILTER (WHERE state = 'parked'), count(*), count(*) FILTER (WHERE class = 'conflict')
-FROM `+s.table("dead_letters")+` GROUP BY handler`,
+	err = s.queryRows(ctx, deadLetters,
 		func(scan func(...any) error) error {
 			var (
 				h             string
@@ -176,7 +191,7 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 	if err != nil {
 		return nil, 0, fmt.Errorf("read dead letters (is the schema migrated? run 'idem migrate'): %w", err)
 	}
-	if version >= 5 { // the counters table came with migration 5
+	if version >= 5 || s.kind == kindMySQL { // the counters table came with migration 5 (MySQL: 1)
 		err = s.queryRows(ctx, `SELECT handler, duplicates, stale FROM `+s.table("handler_stats"),
 			func(scan func(...any) error) error {
 				var (
@@ -202,11 +217,18 @@ FROM `+s.table("dead_letters")+` GROUP BY handler`,
 	return list, version, nil
 }
 
+// dollarParam matches a $1-style query parameter.
+var dollarParam = regexp.MustCompile(`\$[0-9]+`)
+
 // queryRows runs q with args on the store and calls fn per row. q writes
-// its parameters as $1, $2…, which SQLite reads as well as PostgreSQL.
+// its parameters as $1, $2…, which SQLite reads as well as PostgreSQL;
+// for MySQL they become ? (so each must appear once, in order).
 func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...any) error) error, args ...any) error {
-	if s.kind == kindSQLite {
-		rows, err := s.sqliteDB.QueryContext(ctx, q, args...)
+	if db := s.sqlDB(); db != nil {
+		if s.kind == kindMySQL {
+			q = dollarParam.ReplaceAllString(q, "?")
+		}
+		rows, err := db.QueryContext(ctx, q, args...)
 		if err != nil {
 			return err
 		}
@@ -229,6 +251,18 @@ func (s *store) queryRows(ctx context.Context, q string, fn func(scan func(...an
 		}
 	}
 	return rows.Err()
+}
+
+// sqlDB returns the database/sql handle of a SQLite or MySQL store, nil
+// for the others.
+func (s *store) sqlDB() *sql.DB {
+	switch s.kind {
+	case kindSQLite:
+		return s.sqliteDB
+	case kindMySQL:
+		return s.mysqlDB
+	}
+	return nil
 }
 
 // markerEstimate returns PostgreSQL's estimate of the rows in the marker

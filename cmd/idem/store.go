@@ -6,16 +6,20 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
 	"time"
 
+	gomysql "github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem/internal/sqlident"
+	"github.com/idemhq/idem/mysql"
 	"github.com/idemhq/idem/postgres"
 	"github.com/idemhq/idem/redisstore"
 	"github.com/idemhq/idem/sqlite"
@@ -38,6 +42,7 @@ const pingTimeout = 15 * time.Second
 // dsnHelp describes the accepted DSN forms, for help texts and errors.
 const dsnHelp = `DSN forms:
   postgres://user:pass@host:5432/db?sslmode=disable   PostgreSQL (also postgresql://)
+  mysql://user:pass@host:3306/db?param=value          MySQL or MariaDB
   sqlite:PATH or file:PATH                            SQLite file (migrate creates it if missing)
   PATH ending in .db, .sqlite or .sqlite3             SQLite file
   redis://[:pass@]host:6379/0 (also rediss://)        Redis (redisstore; dlq, migrate, bench, outbox check --consumer)`
@@ -49,6 +54,7 @@ const (
 	kindPostgres storeKind = iota + 1
 	kindSQLite
 	kindRedis
+	kindMySQL
 )
 
 // String returns the database's name.
@@ -60,6 +66,8 @@ func (k storeKind) String() string {
 		return "SQLite"
 	case kindRedis:
 		return "Redis"
+	case kindMySQL:
+		return "MySQL"
 	}
 	return "unknown"
 }
@@ -68,7 +76,7 @@ func (k storeKind) String() string {
 type target struct {
 	kind storeKind
 	// dsn is the connection string passed to pgx (PostgreSQL) or go-redis
-	// (Redis).
+	// (Redis), or the mysql:// URL (MySQL).
 	dsn string
 	// path is the database file (SQLite only).
 	path string
@@ -97,6 +105,8 @@ func parseDSN(dsn string) (target, error) {
 		return target{kind: kindPostgres, dsn: dsn}, nil
 	case strings.HasPrefix(lower, "redis://"), strings.HasPrefix(lower, "rediss://"):
 		return target{kind: kindRedis, dsn: dsn}, nil
+	case strings.HasPrefix(lower, "mysql://"):
+		return target{kind: kindMySQL, dsn: dsn}, nil
 	case strings.HasPrefix(lower, "sqlite:"):
 		// sqlite:///abs/path and sqlite://rel/path are accepted too.
 		return sqliteTarget(dsn, strings.TrimPrefix(dsn[len("sqlite:"):], "//"))
@@ -289,6 +299,56 @@ func parseRedisDSN(dsn string) (*redis.Options, error) {
 	return opts, nil
 }
 
+// parseMySQLDSN turns a mysql://user:password@host:port/database?param=value
+// URL into go-sql-driver/mysql's configuration: the user name and password
+// percent-decoded, the port 3306 when none is given, the parameters those of
+// the driver's own DSN (tls, timeout, charset, or a session variable).
+// Statements' parameters are interpolated client-side, one round trip each.
+// Its errors never quote the DSN's passwords.
+func parseMySQLDSN(dsn string) (*gomysql.Config, error) {
+	if err := checkURLDSN(kindMySQL, dsn); err != nil {
+		return nil, err
+	}
+	bad := func(err error, reason string) error {
+		return usageErr(&dsnError{kind: kindMySQL, redacted: redactDSN(dsn), err: err, reason: reason})
+	}
+	u, err := url.Parse(dsn)
+	if err != nil {
+		return nil, bad(err, "it does not parse as mysql://user:password@host:port/database?param=value; "+dsnEncodingHint)
+	}
+	if u.Host == "" || strings.Contains(u.Host, "@") {
+		return nil, bad(nil, "it names no host, or its host holds an '@'; "+dsnEncodingHint)
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host = net.JoinHostPort(u.Hostname(), "3306")
+	}
+	db := strings.TrimPrefix(u.Path, "/")
+	if strings.Contains(db, "/") {
+		return nil, bad(nil, "the database name holds a '/'")
+	}
+	cfg, err := gomysql.ParseDSN("tcp(" + host + ")/" + db + "?" + u.RawQuery)
+	if err != nil {
+		return nil, bad(err, "its host or parameters are not those of a MySQL DSN")
+	}
+	cfg.User = u.User.Username()
+	cfg.Passwd, _ = u.User.Password()
+	cfg.InterpolateParams = true
+	if cfg.Params == nil {
+		cfg.Params = map[string]string{}
+	}
+	// A command waiting on a row lock fails after this, naming the lock,
+	// rather than hanging for InnoDB's default 50 seconds.
+	if _, ok := cfg.Params["innodb_lock_wait_timeout"]; !ok {
+		cfg.Params["innodb_lock_wait_timeout"] = cliLockWaitSeconds
+	}
+	return cfg, nil
+}
+
+// cliLockWaitSeconds is the MySQL innodb_lock_wait_timeout of the command
+// line's connections, unless the DSN sets one.
+const cliLockWaitSeconds = "10"
+
 // storeFlags are the flags shared by every command that opens a store.
 type storeFlags struct {
 	dsn, schema string
@@ -308,9 +368,9 @@ type storeFlags struct {
 func addStoreFlags(fs *flag.FlagSet, command string, redisOK bool) *storeFlags {
 	f := &storeFlags{command: command, redisOK: redisOK}
 	fs.StringVar(&f.dsn, "dsn", "", "database `DSN` (default: $"+dsnEnv+")")
-	schemaHelp := "PostgreSQL `schema` of idem's tables (default: $" + schemaEnv + ", else the connection's search_path)"
+	schemaHelp := "PostgreSQL `schema` of idem's tables (default: $" + schemaEnv + ", else the connection's search_path); MySQL: the database in the DSN holds them"
 	if command == "migrate" {
-		schemaHelp = "PostgreSQL `schema` for idem's tables, created if missing (default: $" + schemaEnv + ", else the connection's search_path)"
+		schemaHelp = "PostgreSQL `schema` for idem's tables, created if missing (default: $" + schemaEnv + ", else the connection's search_path); MySQL: the database in the DSN holds them"
 	}
 	fs.StringVar(&f.schema, "schema", "", schemaHelp)
 	fs.Var(&f.prefix, "prefix", "`prefix` of idem's table names: lower-case letters, digits and _, at most 40 bytes (default: $"+prefixEnv+", else \"idem_\"; Redis: of its keys, default \"idem:\")")
@@ -362,7 +422,7 @@ func (f *storeFlags) open(ctx context.Context, e *env) (*store, error) {
 	}
 	if !f.redisOK {
 		if t, err := parseDSN(dsn); err == nil && t.kind == kindRedis {
-			return nil, usagef("%s reads SQL stores (SQLite, PostgreSQL) only; on Redis, use dlq, migrate or bench", f.command)
+			return nil, usagef("%s reads SQL stores (SQLite, PostgreSQL, MySQL) only; on Redis, use dlq, migrate or bench", f.command)
 		}
 	}
 	return openStore(ctx, dsn, opts)
@@ -420,7 +480,7 @@ func (o *storeOptions) check(t target) error {
 		return &usageError{err: err}
 	}
 	if o.Schema != "" && t.kind != kindPostgres {
-		return usagef("%s applies only to PostgreSQL; SQLite has no schemas (use --prefix)", o.schemaName())
+		return usagef("%s applies only to PostgreSQL; on %s use --prefix (MySQL: the DSN names the database)", o.schemaName(), t.kind)
 	}
 	return nil
 }
@@ -439,6 +499,11 @@ type store struct {
 
 	redisClient *redis.Client
 	redisDrv    *redisstore.Driver
+
+	mysqlDB  *sql.DB
+	mysqlDrv *mysql.Driver
+	// mysqlWhere is user@host:port/database, for messages.
+	mysqlWhere string
 }
 
 // openStore parses dsn, validates opts and opens the database with idem's
@@ -492,6 +557,22 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 			s.Close()
 			return nil, fmt.Errorf("PostgreSQL driver: %w", err)
 		}
+	case kindMySQL:
+		cfg, err := parseMySQLDSN(t.dsn)
+		if err != nil {
+			return nil, err
+		}
+		s.mysqlWhere = cfg.User + "@" + cfg.Addr + "/" + cfg.DBName
+		pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+		s.mysqlDB, err = mysql.Open(pctx, cfg)
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("connect to %s: %w", s, err)
+		}
+		if s.mysqlDrv, err = mysql.New(s.mysqlDB, &mysql.Config{TablePrefix: opts.Prefix, SessionIsolation: true}); err != nil {
+			s.Close()
+			return nil, fmt.Errorf("MySQL driver: %w", err)
+		}
 	case kindRedis:
 		ropts, err := parseRedisDSN(t.dsn)
 		if err != nil {
@@ -525,6 +606,9 @@ func (s *store) Close() {
 	if s.redisClient != nil {
 		s.redisClient.Close()
 	}
+	if s.mysqlDB != nil {
+		s.mysqlDB.Close()
+	}
 }
 
 // String describes the database without secrets, for messages.
@@ -549,6 +633,11 @@ func (s *store) String() string {
 			return fmt.Sprintf("Redis %s/%d", o.Addr, o.DB)
 		}
 		return "Redis " + redactDSN(s.dsn)
+	case kindMySQL:
+		if s.mysqlWhere != "" {
+			return "MySQL " + s.mysqlWhere
+		}
+		return "MySQL " + redactDSN(s.dsn)
 	}
 	return "unknown store"
 }
@@ -562,6 +651,8 @@ func (s *store) Migrate(ctx context.Context) error {
 		return s.pgDrv.Migrate(ctx)
 	case kindRedis:
 		return s.redisDrv.Migrate(ctx)
+	case kindMySQL:
+		return s.mysqlDrv.Migrate(ctx)
 	}
 	return fmt.Errorf("migrate: unsupported store %s", s)
 }
@@ -569,6 +660,9 @@ func (s *store) Migrate(ctx context.Context) error {
 // table returns the quoted, schema-qualified name of idem's table with the
 // given suffix ("processed", "migrations").
 func (s *store) table(suffix string) string {
+	if s.kind == kindMySQL {
+		return "`" + s.opts.Prefix + suffix + "`" // the prefix passed sqlident.Check
+	}
 	return sqlident.Qualified(s.opts.Schema, s.opts.Prefix+suffix)
 }
 
@@ -596,6 +690,15 @@ func (s *store) schemaVersion(ctx context.Context) (count, version int, err erro
 			return 0, 0, nil
 		}
 		err = s.pgPool.QueryRow(ctx, q).Scan(&count, &version)
+	case kindMySQL:
+		var n int
+		if err := s.mysqlDB.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?`, name).Scan(&n); err != nil {
+			return 0, 0, fmt.Errorf("read schema version: %w", err)
+		}
+		if n == 0 {
+			return 0, 0, nil
+		}
+		err = s.mysqlDB.QueryRowContext(ctx, q).Scan(&count, &version)
 	default:
 		return 0, 0, fmt.Errorf("read schema version: unsupported store %s", s)
 	}
@@ -658,7 +761,7 @@ func (s *store) errNoTables(ctx context.Context) error {
 
 // findTables describes where this store looks for idem's tables, and
 // lists where idem's tables are in the database: schema and prefix on
-// PostgreSQL, prefix on SQLite.
+// PostgreSQL, prefix on SQLite and in MySQL's database.
 func (s *store) findTables(ctx context.Context) (here string, found []string, err error) {
 	switch s.kind {
 	case kindPostgres:
@@ -691,6 +794,26 @@ ORDER BY 1, 2`)
 		rows, err := s.sqliteDB.QueryContext(ctx, `SELECT substr(m.name, 1, length(m.name) - 10) FROM sqlite_master m
 WHERE m.type = 'table' AND m.name LIKE '%migrations' AND length(m.name) > 10
   AND EXISTS (SELECT 1 FROM sqlite_master p WHERE p.type = 'table' AND p.name = substr(m.name, 1, length(m.name) - 10) || 'processed')
+ORDER BY 1`)
+		if err != nil {
+			return "", nil, err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var prefix string
+			if err := rows.Scan(&prefix); err != nil {
+				return "", nil, err
+			}
+			found = append(found, fmt.Sprintf("prefix %q", prefix))
+		}
+		return here, found, rows.Err()
+	case kindMySQL:
+		// The DSN names the database; other prefixes in it are found.
+		here = fmt.Sprintf("prefix %q", s.opts.Prefix)
+		rows, err := s.mysqlDB.QueryContext(ctx, `SELECT LEFT(m.table_name, CHAR_LENGTH(m.table_name) - 10) FROM information_schema.tables m
+WHERE m.table_schema = DATABASE() AND m.table_name LIKE '%migrations' AND CHAR_LENGTH(m.table_name) > 10
+  AND EXISTS (SELECT 1 FROM information_schema.tables p WHERE p.table_schema = m.table_schema
+    AND p.table_name = CONCAT(LEFT(m.table_name, CHAR_LENGTH(m.table_name) - 10), 'markers'))
 ORDER BY 1`)
 		if err != nil {
 			return "", nil, err

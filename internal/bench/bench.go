@@ -99,7 +99,7 @@ type VersionOnlyTarget interface {
 func VersionOnly(t Target) (Target, error) {
 	vt, ok := t.(VersionOnlyTarget)
 	if !ok {
-		return nil, fmt.Errorf("bench: %s does not support version-only mode", t.Name())
+		return nil, fmt.Errorf("%w: %s does not support version-only mode", ErrUnsupported, t.Name())
 	}
 	return versionOnly{Target: t, vt: vt}, nil
 }
@@ -189,7 +189,7 @@ type OrderedTarget interface {
 func Ordered(t Target) (Target, error) {
 	ot, ok := t.(OrderedTarget)
 	if !ok {
-		return nil, fmt.Errorf("bench: %s does not support ordered batches", t.Name())
+		return nil, fmt.Errorf("%w: %s does not support ordered batches", ErrUnsupported, t.Name())
 	}
 	return ordered{Target: t, ot: ot}, nil
 }
@@ -240,6 +240,11 @@ type Case struct {
 	// Store, when set, is the only store (Target.Name) the case runs on.
 	Store string
 }
+
+// ErrUnsupported is wrapped by the error of a case's Target when the store
+// lacks the variant the case needs (the in-row guard, a hand-rolled
+// baseline, a write-only path).
+var ErrUnsupported = errors.New("bench: the store does not support this case")
 
 // RunsOn reports whether the case runs on the store named store.
 func (c Case) RunsOn(store string) bool { return c.Store == "" || c.Store == store }
@@ -307,7 +312,7 @@ type WriteOnlyTarget interface {
 func WriteOnly(t Target) (Target, error) {
 	wt, ok := t.(WriteOnlyTarget)
 	if !ok {
-		return nil, fmt.Errorf("bench: %s has no write-only path", t.Name())
+		return nil, fmt.Errorf("%w: %s has no write-only path", ErrUnsupported, t.Name())
 	}
 	return writeOnly{Target: t, wt: wt}, nil
 }
@@ -366,11 +371,11 @@ type HandRolledTarget interface {
 func HandRolled(t Target) (Target, error) {
 	ht, ok := t.(HandRolledTarget)
 	if !ok {
-		return nil, fmt.Errorf("bench: %s has no hand-rolled dedupe", t.Name())
+		return nil, fmt.Errorf("%w: %s has no hand-rolled dedupe", ErrUnsupported, t.Name())
 	}
 	pt, ok := t.(PerEventTarget)
 	if !ok {
-		return nil, fmt.Errorf("bench: %s does not support per-event batches", t.Name())
+		return nil, fmt.Errorf("%w: %s does not support per-event batches", ErrUnsupported, t.Name())
 	}
 	return handRolled{Target: t, ht: ht, pt: pt}, nil
 }
@@ -418,7 +423,7 @@ type PerEventTarget interface {
 func PerEvent(t Target) (Target, error) {
 	pt, ok := t.(PerEventTarget)
 	if !ok {
-		return nil, fmt.Errorf("bench: %s does not support per-event batches", t.Name())
+		return nil, fmt.Errorf("%w: %s does not support per-event batches", ErrUnsupported, t.Name())
 	}
 	return perEvent{Target: t, pt: pt}, nil
 }

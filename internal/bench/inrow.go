@@ -37,7 +37,7 @@ type InRowTarget interface {
 func InRow(t Target) (Target, error) {
 	it, ok := t.(InRowTarget)
 	if !ok {
-		return nil, fmt.Errorf("bench: %s does not support the in-row guard", t.Name())
+		return nil, fmt.Errorf("%w: %s does not support the in-row guard", ErrUnsupported, t.Name())
 	}
 	return inRow{Target: t, it: it}, nil
 }

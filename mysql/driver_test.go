@@ -1,0 +1,355 @@
+package mysql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	gomysql "github.com/go-sql-driver/mysql"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/mysql"
+)
+
+// TestIDsComparedExactly: IDs that a PAD SPACE or case-insensitive
+// collation would take for one (a trailing space, another case) are
+// distinct messages, and an ID of the maximum length is kept whole.
+func TestIDsComparedExactly(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	ctx := context.Background()
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := idemtest.CreditHandler(s, "exact", nil)
+	long := strings.Repeat("é", idem.MaxIDLen/2) + "x" // 255 bytes
+	ids := []string{"order-1", "order-1 ", "Order-1", "ORDER-1", "order-1\t", long, long[:len(long)-1] + "y"}
+	for i, id := range ids {
+		m := &idem.Message{ID: id, Payload: []byte(fmt.Sprintf("acct-%d:1", i))}
+		if out, err := p.Process(ctx, h, m); out != idem.Applied || err != nil {
+			t.Fatalf("%q: %v, %v; want applied (a distinct ID)", id, out, err)
+		}
+	}
+	for i, id := range ids {
+		m := &idem.Message{ID: id, Payload: []byte(fmt.Sprintf("acct-%d:1", i))}
+		if out, err := p.Process(ctx, h, m); out != idem.Duplicate || err != nil {
+			t.Fatalf("%q again: %v, %v; want duplicate", id, out, err)
+		}
+	}
+	outs, err := p.ProcessBatch(ctx, h, []*idem.Message{{ID: "order-1  ", Payload: []byte("acct-9:1")}, {ID: "order-1 ", Payload: []byte("acct-1:1")}})
+	if err != nil || outs[0] != idem.Applied || outs[1] != idem.Duplicate {
+		t.Fatalf("batch of a new ID with two trailing spaces and an old one with one: %v, %v", outs, err)
+	}
+	if n, err := s.Markers(ctx, "exact"); err != nil || n != len(ids)+1 {
+		t.Fatalf("%d markers, %v; want %d", n, err, len(ids)+1)
+	}
+}
+
+// TestConcurrencyCheckNeedsUniqueConstraint removes the primary key the
+// guarantee rests on and shows that the concurrency check then fails: the
+// check really tests the guarantee.
+func TestConcurrencyCheckNeedsUniqueConstraint(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	db := s.Driver.(*mysql.Driver).DB()
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, `ALTER TABLE idem_markers DROP PRIMARY KEY, ADD KEY (handler_id, message_id)`); err != nil {
+		t.Fatal(err)
+	}
+	err := idemtest.CheckConcurrentDuplicates(ctx, s, 8, 200, 0)
+	if err == nil {
+		t.Fatal("the concurrency check passed without the primary key")
+	}
+	if !strings.Contains(err.Error(), "applied") || !strings.Contains(err.Error(), "balances differ") {
+		t.Fatalf("unexpected failure: %v", err)
+	}
+	t.Logf("without the primary key, as expected: %v", err)
+}
+
+// TestConcurrentDuplicatesUnderRepeatableRead: the driver's transactions
+// set READ COMMITTED themselves, and its reads of an existing marker are
+// locking reads, so concurrent duplicates end as Duplicate even when the
+// server's default is REPEATABLE READ and each transaction took its
+// snapshot before the other committed (ProcessTx in the caller's
+// transaction).
+func TestConcurrentDuplicatesUnderRepeatableRead(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	ctx := context.Background()
+	db := s.Driver.(*mysql.Driver).DB()
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := idemtest.CreditHandler(s, "rr", nil)
+	if out, err := p.Process(ctx, h, &idem.Message{ID: "warm-up", Payload: []byte("acct-0:1")}); out != idem.Applied || err != nil {
+		t.Fatalf("warm-up: %v, %v", out, err)
+	}
+	events := idemtest.Events(100)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	counts := map[idem.Outcome]int{}
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range events {
+				e := events[(i+g*13)%len(events)]
+				err := func() error {
+					tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+					if err != nil {
+						return err
+					}
+					defer tx.Rollback()
+					// Take the snapshot now, before any marker of e.
+					var n int
+					if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM balances`).Scan(&n); err != nil {
+						return err
+					}
+					out, err := p.ProcessTx(ctx, tx, h, e.Message())
+					if err != nil {
+						return err
+					}
+					mu.Lock()
+					counts[out]++
+					mu.Unlock()
+					return tx.Commit()
+				}()
+				var me *gomysql.MySQLError
+				if errors.As(err, &me) && me.Number == 1213 {
+					// A deadlock victim under REPEATABLE READ: the caller
+					// retries its own transaction, as it must.
+					mu.Lock()
+					counts[idem.OutcomeNone]++
+					mu.Unlock()
+					continue
+				}
+				if err != nil {
+					t.Errorf("%s: %v", e.ID, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	bal, err := s.Balances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := idemtest.Expected(events)
+	want["acct-0"]++
+	for a, w := range want {
+		if bal[a] != w {
+			t.Fatalf("balance of %s: %d, want %d (every event applied once)", a, bal[a], w)
+		}
+	}
+	if counts[idem.Applied] > len(events) {
+		t.Fatalf("applied %d times for %d events", counts[idem.Applied], len(events))
+	}
+	t.Logf("outcomes: %v", counts)
+}
+
+func TestMigrateConcurrentlyAndTwice(t *testing.T) {
+	t.Parallel()
+	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 10)
+	drv, err := mysql.New(db, &mysql.Config{TablePrefix: "order_"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 4)
+	for range 4 {
+		go func() { errs <- drv.Migrate(context.Background()) }()
+	}
+	for range 4 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM order_migrations`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("%d migrations recorded, %v; want 1", n, err)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRow(`SELECT count(*) FROM order_migrations`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("migrating again: %d migrations recorded, %v", n, err)
+	}
+}
+
+func TestProcessBeforeMigrate(t *testing.T) {
+	t.Parallel()
+	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 4)
+	drv, err := mysql.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*sql.Tx]{Name: "h", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return nil }}
+	if _, err := p.Process(context.Background(), h, &idem.Message{ID: "m"}); !errors.Is(err, mysql.ErrNotMigrated) {
+		t.Fatalf("got %v, want ErrNotMigrated", err)
+	}
+}
+
+func TestUnavailableAndProbe(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	drv := s.Driver.(*mysql.Driver)
+	for n, want := range map[uint16]bool{
+		1040: true,  // too many connections
+		1053: true,  // server shutdown
+		1290: true,  // --read-only
+		1836: true,  // read-only mode
+		2006: true,  // gone away
+		1062: false, // duplicate key: the message's own
+		1213: false, // deadlock: retried as the message's
+		1146: false, // no such table: not migrated
+	} {
+		err := fmt.Errorf("insert: %w", &gomysql.MySQLError{Number: n})
+		if got := drv.Unavailable(err); got != want {
+			t.Errorf("Unavailable(%d) = %v, want %v", n, got, want)
+		}
+	}
+	if drv.Unavailable(errors.New("order not found")) || drv.Unavailable(nil) {
+		t.Error("a plain error looks like an outage")
+	}
+	if !drv.Unavailable(fmt.Errorf("begin: %w", gomysql.ErrInvalidConn)) {
+		t.Error("a broken connection does not look like an outage")
+	}
+	if err := drv.Probe(context.Background()); err != nil {
+		t.Fatalf("Probe of a live server: %v", err)
+	}
+	// Nothing listens on port 1: connection refused.
+	down, err := mysql.New(testenv.MySQL(t, "root@tcp(127.0.0.1:1)/test", 1), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = down.Probe(context.Background())
+	if err == nil || !down.Unavailable(err) {
+		t.Fatalf("Probe of a closed port: %v; want an error that Unavailable recognizes", err)
+	}
+}
+
+// TestOpenSetsReadCommitted: a pool from Open runs its connections at READ
+// COMMITTED, so the driver may skip setting the level per transaction.
+func TestOpenSetsReadCommitted(t *testing.T) {
+	t.Parallel()
+	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := mysql.Open(context.Background(), cfg)
+	if err != nil {
+		testenv.Unavailable(t, "MySQL/MariaDB", cfg.Addr, err)
+	}
+	defer db.Close()
+	tx, err := db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	var level string
+	if err := tx.QueryRow(`SELECT @@session.tx_isolation`).Scan(&level); err != nil {
+		if err := tx.QueryRow(`SELECT @@session.transaction_isolation`).Scan(&level); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if level != "READ-COMMITTED" {
+		t.Fatalf("isolation of a connection from Open: %s, want READ-COMMITTED", level)
+	}
+	s := storeOn(t, db, &mysql.Config{SessionIsolation: true})
+	if err := idemtest.CheckConcurrentDuplicates(context.Background(), s, 16, 300, 50); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDeadlockVictimsRetried: when the transaction holding a marker rolls
+// back, the deliveries that waited on it race to insert it, and InnoDB
+// picks deadlock victims among them (1213). The driver runs a victim's
+// transaction again (the handler has not run), so every ID is applied
+// exactly once, and the only errors surfaced are the handler's own. (With
+// Config.MaxRetries -1, no retry, a run here surfaced 286 deadlocks.)
+func TestDeadlockVictimsRetried(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	ctx := context.Background()
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu     sync.Mutex
+		calls  = map[string]int{}
+		failed = map[string]bool{}
+	)
+	errFirst := errors.New("first attempt fails")
+	h := &idem.Handler[*sql.Tx]{Name: "flaky", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		mu.Lock()
+		first := !failed[m.ID]
+		failed[m.ID] = true
+		mu.Unlock()
+		if first {
+			time.Sleep(20 * time.Millisecond) // let the others queue on the marker
+			return errFirst
+		}
+		mu.Lock()
+		calls[m.ID]++
+		mu.Unlock()
+		return s.Credit(ctx, tx, "acct", 1)
+	}}
+	const ids, goroutines = 30, 12
+	var applied, handlerErrs, otherErrs atomic.Int64
+	var sample atomic.Value
+	for i := range ids {
+		var wg sync.WaitGroup
+		m := &idem.Message{ID: fmt.Sprintf("m-%d", i)}
+		for range goroutines {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				out, err := p.Process(ctx, h, m)
+				switch {
+				case errors.Is(err, errFirst):
+					handlerErrs.Add(1)
+				case err != nil:
+					otherErrs.Add(1)
+					sample.Store(err)
+				case out == idem.Applied:
+					applied.Add(1)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	if n := otherErrs.Load(); n > 0 {
+		t.Fatalf("%d deliveries failed with an error other than the handler's, e.g. %v", n, sample.Load())
+	}
+	for i := range ids {
+		id := fmt.Sprintf("m-%d", i)
+		if calls[id] > 1 {
+			t.Fatalf("%s applied %d times", id, calls[id])
+		}
+	}
+	bal, err := s.Balances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// An ID whose every delivery came before the failing one ended is
+	// applied by none of them: its redelivery applies it. Every applied
+	// outcome shows in the balance, once.
+	if bal["acct"] != applied.Load() || applied.Load() < ids/2 {
+		t.Fatalf("balance %d, applied %d (of %d IDs), handler errors %d", bal["acct"], applied.Load(), ids, handlerErrs.Load())
+	}
+	t.Logf("applied %d of %d IDs, %d handler errors", applied.Load(), ids, handlerErrs.Load())
+}

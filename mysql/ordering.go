@@ -1,0 +1,308 @@
+package mysql
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/idemhq/idem/driver"
+)
+
+var (
+	_ driver.SequenceGuard[*sql.Tx]         = (*Driver)(nil)
+	_ driver.BeginSequenceAdvancer[*sql.Tx] = (*Driver)(nil)
+	_ driver.SequenceBatchStore[*sql.Tx]    = (*Driver)(nil)
+	_ driver.VersionStore[*sql.Tx]          = (*Driver)(nil)
+	_ driver.GapPruner                      = (*Driver)(nil)
+)
+
+// SequenceAdvance implements driver.SequenceGuard with one conditional
+// write: an upsert when the sequence may create the row (1, or any under
+// AllowGap), else an UPDATE of the row at Seq−1. Both wait on the row of a
+// concurrent transaction and then decide on its committed value. When
+// nothing moved, the last sequence is read with a locking read, which sees
+// the latest committed value at any isolation level.
+func (d *Driver) SequenceAdvance(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
+	var (
+		r   sql.Result
+		err error
+	)
+	if p.Seq == 1 || p.AllowGap {
+		r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, ?)
+ON DUPLICATE KEY UPDATE last_seq = IF(last_seq = VALUES(last_seq) - 1 OR (? AND last_seq < VALUES(last_seq)), VALUES(last_seq), last_seq)`,
+			p.Handler, p.AggregateID, p.Seq, p.AllowGap)
+	} else {
+		r, err = tx.ExecContext(ctx, `UPDATE `+d.t.sequences+` SET last_seq = ? WHERE handler = ? AND aggregate_id = ? AND last_seq = ?`,
+			p.Seq, p.Handler, p.AggregateID, p.Seq-1)
+	}
+	if err != nil {
+		return driver.SequenceAdvanceResult{}, notMigrated(err)
+	}
+	// Rows affected: 1 inserted or updated, 2 updated by the upsert, 0
+	// unchanged.
+	if n, err := r.RowsAffected(); err != nil {
+		return driver.SequenceAdvanceResult{}, err
+	} else if n > 0 {
+		return driver.SequenceAdvanceResult{Advanced: true}, nil
+	}
+	var last int64
+	err = tx.QueryRowContext(ctx, `SELECT last_seq FROM `+d.t.sequences+` WHERE handler = ? AND aggregate_id = ? LOCK IN SHARE MODE`,
+		p.Handler, p.AggregateID).Scan(&last)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return driver.SequenceAdvanceResult{}, err
+	}
+	return driver.SequenceAdvanceResult{Last: last}, nil
+}
+
+// BeginSequenceAdvance implements driver.BeginSequenceAdvancer: it opens a
+// transaction and runs SequenceAdvance, both again after a deadlock or
+// lock wait timeout (the handler has not run yet).
+func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdvanceParams) (*sql.Tx, driver.SequenceAdvanceResult, error) {
+	var (
+		tx  *sql.Tx
+		res driver.SequenceAdvanceResult
+	)
+	err := d.retry(ctx, func() error {
+		var err error
+		if tx, err = d.Begin(ctx); err != nil {
+			return err
+		}
+		if res, err = d.SequenceAdvance(ctx, tx, p); err != nil {
+			_ = tx.Rollback()
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, driver.SequenceAdvanceResult{}, err
+	}
+	return tx, res, nil
+}
+
+// inList returns "(?, ?, …)" for n values.
+func inList(n int) string { return "(?" + strings.Repeat(", ?", n-1) + ")" }
+
+// SequenceLockMany implements driver.SequenceBatchStore: a locking read of
+// the existing rows (in key order, as every batch), then the missing rows
+// inserted at 0, which locks them too. Should another transaction create
+// one of those first, the insert waits for it and skips the row, which is
+// then locked by a second read.
+func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
+	if len(p.AggregateIDs) == 0 {
+		return nil, nil
+	}
+	last := make(map[string]int64, len(p.AggregateIDs))
+	found, err := d.lockSequences(ctx, tx, p.Handler, p.AggregateIDs)
+	if err != nil {
+		return nil, err
+	}
+	var missing []string
+	for _, a := range p.AggregateIDs {
+		if v, ok := found[a]; ok {
+			last[a] = v
+		} else {
+			missing = append(missing, a)
+		}
+	}
+	if len(missing) > 0 {
+		args := make([]any, 0, 2*len(missing))
+		for _, a := range missing {
+			args = append(args, p.Handler, a)
+		}
+		r, err := tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)`+
+			strings.Repeat(", (?, ?, 0)", len(missing)-1), args...)
+		if err != nil {
+			return nil, notMigrated(err)
+		}
+		if n, err := r.RowsAffected(); err != nil {
+			return nil, err
+		} else if int(n) < len(missing) {
+			// Created meanwhile by another transaction: lock the rows it
+			// committed.
+			again, err := d.lockSequences(ctx, tx, p.Handler, missing)
+			if err != nil {
+				return nil, err
+			}
+			for a, v := range again {
+				last[a] = v
+			}
+		}
+	}
+	out := make([]int64, len(p.AggregateIDs))
+	for i, a := range p.AggregateIDs {
+		out[i] = last[a]
+	}
+	return out, nil
+}
+
+// lockSequences reads and locks the sequence rows of aggs that exist.
+func (d *Driver) lockSequences(ctx context.Context, tx *sql.Tx, handler string, aggs []string) (map[string]int64, error) {
+	args := make([]any, 0, 1+len(aggs))
+	args = append(args, handler)
+	for _, a := range aggs {
+		args = append(args, a)
+	}
+	rows, err := tx.QueryContext(ctx, `SELECT aggregate_id, last_seq FROM `+d.t.sequences+` WHERE handler = ? AND aggregate_id IN `+
+		inList(len(aggs))+` ORDER BY aggregate_id FOR UPDATE`, args...)
+	if err != nil {
+		return nil, notMigrated(err)
+	}
+	defer rows.Close()
+	out := make(map[string]int64, len(aggs))
+	for rows.Next() {
+		var (
+			a string
+			v int64
+		)
+		if err := rows.Scan(&a, &v); err != nil {
+			return nil, err
+		}
+		out[a] = v
+	}
+	return out, rows.Err()
+}
+
+// SequenceSetMany implements driver.SequenceBatchStore with one upsert.
+func (d *Driver) SequenceSetMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceSetManyParams) error {
+	if len(p.AggregateIDs) != len(p.Seqs) {
+		return fmt.Errorf("mysql: %d aggregate IDs for %d sequences", len(p.AggregateIDs), len(p.Seqs))
+	}
+	if len(p.AggregateIDs) == 0 {
+		return nil
+	}
+	args := make([]any, 0, 3*len(p.AggregateIDs))
+	for i, a := range p.AggregateIDs {
+		args = append(args, p.Handler, a, p.Seqs[i])
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, ?)`+
+		strings.Repeat(", (?, ?, ?)", len(p.AggregateIDs)-1)+` ON DUPLICATE KEY UPDATE last_seq = VALUES(last_seq)`, args...)
+	return err
+}
+
+// GapSighting implements driver.SequenceGuard on the server's clock. The
+// clock is read once, first: a new sighting is stamped with it and
+// reported with it, so however long the statements take in between (a
+// loaded server), the first sighting never looks older than it is. An
+// INSERT IGNORE keeps an earlier sighting, which the last read returns.
+func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (driver.GapSightingResult, error) {
+	var first, now int64
+	err := d.retry(ctx, func() error {
+		if err := d.db.QueryRowContext(ctx, `SELECT `+nowMicros).Scan(&now); err != nil {
+			return err
+		}
+		if _, err := d.db.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.gaps+` (handler, aggregate_id, seq, first_seen_at) VALUES (?, ?, ?, ?)`,
+			p.Handler, p.AggregateID, p.Seq, now); err != nil {
+			return err
+		}
+		return d.db.QueryRowContext(ctx, `SELECT first_seen_at FROM `+d.t.gaps+` WHERE handler = ? AND aggregate_id = ? AND seq = ?`,
+			p.Handler, p.AggregateID, p.Seq).Scan(&first)
+	})
+	if err != nil {
+		return driver.GapSightingResult{}, fmt.Errorf("mysql: record gap sighting: %w", notMigrated(err))
+	}
+	return driver.GapSightingResult{FirstSeen: time.UnixMicro(first), Now: time.UnixMicro(max(now, first))}, nil
+}
+
+// SequenceLast implements driver.LeaseSequencer.
+func (d *Driver) SequenceLast(ctx context.Context, handler, aggregateID string) (int64, error) {
+	var last int64
+	err := d.db.QueryRowContext(ctx, `SELECT COALESCE(MAX(last_seq), 0) FROM `+d.t.sequences+` WHERE handler = ? AND aggregate_id = ?`,
+		handler, aggregateID).Scan(&last)
+	if err != nil {
+		return 0, fmt.Errorf("mysql: read last sequence: %w", notMigrated(err))
+	}
+	return last, nil
+}
+
+// PruneGaps implements driver.GapPruner: one bounded DELETE of sightings
+// whose sequence the guard has reached, or first seen before before.
+func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (int, error) {
+	r, err := d.db.ExecContext(ctx, `DELETE g FROM `+d.t.gaps+` g JOIN (
+  SELECT g2.handler, g2.aggregate_id, g2.seq FROM `+d.t.gaps+` g2 LEFT JOIN `+d.t.sequences+` s
+    ON s.handler = g2.handler AND s.aggregate_id = g2.aggregate_id
+  WHERE g2.first_seen_at < ? OR g2.seq <= s.last_seq LIMIT ?) x
+  ON x.handler = g.handler AND x.aggregate_id = g.aggregate_id AND x.seq = g.seq`, micros(before), limit)
+	if err != nil {
+		return 0, fmt.Errorf("mysql: prune gap sightings: %w", err)
+	}
+	n, err := r.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("mysql: prune gap sightings: %w", err)
+	}
+	return int(n), nil
+}
+
+// VersionNext implements driver.VersionStore. An existing row is
+// incremented with one UPDATE, whose LAST_INSERT_ID(expr) carries the new
+// version back in the statement's reply: concurrent allocations queue on
+// the row's lock, which a plain UPDATE takes without the gap locks of an
+// upsert (those make InnoDB pick deadlock victims among concurrent
+// upserts of one key). A new aggregate's row is created by an upsert in
+// the same transaction. The row stays locked until tx ends, so a rolled
+// back transaction gives its number back.
+func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (int64, error) {
+	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = LAST_INSERT_ID(version + 1) WHERE stream = ? AND aggregate_id = ?`,
+		p.Stream, p.AggregateID)
+	if err != nil {
+		return 0, notMigrated(err)
+	}
+	if n, err := r.RowsAffected(); err != nil {
+		return 0, err
+	} else if n == 1 {
+		return r.LastInsertId()
+	}
+	r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
+ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.AggregateID)
+	if err != nil {
+		return 0, notMigrated(err)
+	}
+	return r.LastInsertId()
+}
+
+// VersionAdvance implements driver.VersionStore with one conditional
+// statement (Expected 0: the row at 0, as VersionNext creates it, or a
+// new row at 1).
+func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (bool, int64, error) {
+	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = version + 1 WHERE stream = ? AND aggregate_id = ? AND version = ?`,
+		p.Stream, p.AggregateID, p.Expected)
+	if err != nil {
+		return false, 0, notMigrated(err)
+	}
+	n, err := r.RowsAffected()
+	if err != nil {
+		return false, 0, err
+	}
+	if n == 0 && p.Expected == 0 {
+		if r, err = tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 1)`, p.Stream, p.AggregateID); err != nil {
+			return false, 0, notMigrated(err)
+		}
+		if n, err = r.RowsAffected(); err != nil {
+			return false, 0, err
+		}
+	}
+	if n == 1 {
+		return true, p.Expected + 1, nil
+	}
+	var v int64
+	err = tx.QueryRowContext(ctx, `SELECT version FROM `+d.t.versions+` WHERE stream = ? AND aggregate_id = ? LOCK IN SHARE MODE`, p.Stream, p.AggregateID).Scan(&v)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, 0, nil
+	}
+	if err != nil {
+		return false, 0, fmt.Errorf("mysql: read version: %w", err)
+	}
+	return false, v, nil
+}
+
+// VersionCurrent implements driver.VersionStore.
+func (d *Driver) VersionCurrent(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (int64, error) {
+	var v int64
+	err := tx.QueryRowContext(ctx, `SELECT version FROM `+d.t.versions+` WHERE stream = ? AND aggregate_id = ?`, p.Stream, p.AggregateID).Scan(&v)
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, nil
+	}
+	return v, notMigrated(err)
+}
