@@ -311,7 +311,12 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	}
 	r.fault(FaultAfterMark)
 	res.Failed = res.Claimed - res.Published
-	if err := r.store.OutboxRelease(sctx, r.cfg.Owner); err != nil {
+	// Its own budget: a long mark (tens of thousands of rows on a slow
+	// disk) must not leave the release none, which would keep the keys
+	// from other relays until the claims expire.
+	rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer rcancel()
+	if err := r.store.OutboxRelease(rctx, r.cfg.Owner); err != nil {
 		storeFailed = true
 		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
 	}
