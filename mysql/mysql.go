@@ -94,7 +94,7 @@ type tables struct {
 	sequences, gaps, versions             string
 	deadLetters, deadLetterLog            string
 	handlerStats                          string
-	outbox, outboxClaims                  string
+	outbox, outboxClaims, outboxLog       string
 }
 
 // statements are the hot path's SQL, built once.
@@ -157,6 +157,7 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 		handlerStats:  quote(prefix + "handler_stats"),
 		outbox:        quote(prefix + "outbox"),
 		outboxClaims:  quote(prefix + "outbox_claims"),
+		outboxLog:     quote(prefix + "outbox_log"),
 	}
 	d.sql = statements{
 		insertMarker: `INSERT INTO ` + d.t.markers + ` (handler_id, message_id, payload_hash, processed_at) VALUES (?, ?, ?, ` + nowMicros + `)`,
@@ -227,6 +228,9 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		"{{outbox_pending}}", quote(d.prefix+"outbox_pending"),
 		"{{outbox_key}}", quote(d.prefix+"outbox_key"),
 		"{{outbox_claims}}", d.t.outboxClaims,
+		"{{outbox_parked}}", quote(d.prefix+"outbox_parked"),
+		"{{outbox_log}}", d.t.outboxLog,
+		"{{outbox_log_at}}", quote(d.prefix+"outbox_log_at"),
 	))
 	if err != nil {
 		return fmt.Errorf("mysql: load migrations: %w", err)
@@ -245,7 +249,7 @@ func (d *Driver) Migrate(ctx context.Context) error {
 				continue
 			}
 			for _, stmt := range splitStatements(m.SQL) {
-				if _, err := c.ExecContext(ctx, stmt); err != nil {
+				if _, err := c.ExecContext(ctx, stmt); err != nil && !appliedAlready(err) {
 					return fmt.Errorf("mysql: migration %s: %w", m.Name, err)
 				}
 			}
@@ -256,6 +260,14 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		}
 		return nil
 	})
+}
+
+// appliedAlready reports whether a migration statement failed because an
+// earlier, interrupted run applied it: MySQL has no IF NOT EXISTS for the
+// columns and keys an ALTER TABLE adds.
+func appliedAlready(err error) bool {
+	n := errNumber(err)
+	return n == errDupFieldName || n == errDupKeyName
 }
 
 // splitStatements splits a migration into its statements: comment lines
@@ -284,6 +296,8 @@ func splitStatements(src string) []string {
 
 // MySQL and MariaDB error numbers the driver acts on.
 const (
+	errDupFieldName    = 1060
+	errDupKeyName      = 1061
 	errDupEntry        = 1062
 	errNoSuchTable     = 1146
 	errLockWaitTimeout = 1205

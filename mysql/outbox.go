@@ -99,6 +99,7 @@ func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl t
 		rows, err := tx.QueryContext(ctx, `SELECT o.ordering_key FROM `+d.t.outbox+` o
 WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM `+d.t.outboxClaims+` c
   WHERE c.ordering_key = o.ordering_key AND c.owner <> ? AND c.claimed_until > ?)
+AND `+d.notParked("o")+`
 ORDER BY o.published_at, o.id LIMIT ? FOR UPDATE SKIP LOCKED`, owner, now, limit)
 		if err != nil {
 			return err
@@ -137,8 +138,11 @@ ON DUPLICATE KEY UPDATE owner = IF(owner = VALUES(owner) OR claimed_until <= ?, 
   claimed_until = IF(owner = VALUES(owner), VALUES(claimed_until), claimed_until)`, args...); err != nil {
 			return err
 		}
-		rows, err = tx.QueryContext(ctx, `SELECT `+outboxColumns+` FROM `+d.t.outbox+`
-WHERE published_at IS NULL AND ordering_key IN (SELECT ordering_key FROM `+d.t.outboxClaims+` WHERE owner = ? AND claimed_until = ?)
+		// A parked row and its key's later rows stay: an operator's park
+		// locks the key's claim row as a claim does, so none was parked
+		// after the upsert above.
+		rows, err = tx.QueryContext(ctx, `SELECT `+outboxColumns+` FROM `+d.t.outbox+` o
+WHERE published_at IS NULL AND `+d.notParked("o")+` AND ordering_key IN (SELECT ordering_key FROM `+d.t.outboxClaims+` WHERE owner = ? AND claimed_until = ?)
 ORDER BY id LIMIT ?`, owner, until, limit)
 		if err != nil {
 			return err
@@ -165,6 +169,14 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 		return nil, fmt.Errorf("mysql: claim outbox rows: %w", notMigrated(err))
 	}
 	return out, nil
+}
+
+// notParked is the condition that the outbox row aliased o is not parked
+// and no parked unpublished row of its key precedes it, read from the
+// outbox_parked index.
+func (d *Driver) notParked(o string) string {
+	return `NOT EXISTS (SELECT 1 FROM ` + d.t.outbox + ` p WHERE p.ordering_key = ` + o + `.ordering_key
+  AND p.published_at IS NULL AND p.parked_at IS NOT NULL AND p.id <= ` + o + `.id)`
 }
 
 // OutboxMarkPublished implements driver.OutboxRelayStore.
@@ -248,9 +260,11 @@ func (d *Driver) OutboxStats(ctx context.Context) (driver.OutboxStats, error) {
 		last   sql.NullString
 	)
 	err := d.db.QueryRowContext(ctx, `SELECT COALESCE(SUM(published_at IS NULL), 0), COALESCE(SUM(published_at IS NOT NULL), 0),
-MIN(IF(published_at IS NULL, created_at, NULL)), COALESCE(SUM(published_at IS NULL AND attempts > 0), 0),
-(SELECT last_error FROM `+d.t.outbox+` WHERE published_at IS NULL AND attempts > 0 ORDER BY id DESC LIMIT 1)
-FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &last)
+MIN(IF(published_at IS NULL AND parked_at IS NULL, created_at, NULL)),
+COALESCE(SUM(published_at IS NULL AND parked_at IS NULL AND attempts > 0), 0),
+COALESCE(SUM(published_at IS NULL AND parked_at IS NOT NULL), 0),
+(SELECT last_error FROM `+d.t.outbox+` WHERE published_at IS NULL AND parked_at IS NULL AND attempts > 0 ORDER BY id DESC LIMIT 1)
+FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &s.Parked, &last)
 	if err != nil {
 		return s, fmt.Errorf("mysql: outbox stats: %w", notMigrated(err))
 	}
@@ -261,11 +275,15 @@ FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &last)
 
 // OutboxPrune implements driver.OutboxRelayStore: the IDs of the next
 // batch, then one DELETE of that ID range. The first call of a pass also
-// deletes expired claims and holds.
+// deletes expired claims and holds, and the outbox log's entries made
+// before the cut-off.
 func (d *Driver) OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (int, int64, error) {
 	if after == 0 {
 		if _, err := d.db.ExecContext(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE claimed_until <= `+nowMicros); err != nil {
 			return 0, after, fmt.Errorf("mysql: prune outbox claims: %w", notMigrated(err))
+		}
+		if _, err := d.db.ExecContext(ctx, `DELETE FROM `+d.t.outboxLog+` WHERE at < ?`, micros(before)); err != nil {
+			return 0, after, fmt.Errorf("mysql: prune outbox log: %w", notMigrated(err))
 		}
 	}
 	var last, n int64

@@ -82,9 +82,9 @@ func runMigrate(ctx context.Context, e *env, s *store) error {
 func managedTables(k storeKind) []string {
 	if k == kindMySQL {
 		// Narrow markers from the start, and lease claims in a table of
-		// their own; no outbox administration yet.
+		// their own.
 		return []string{"migrations", "handlers", "markers", "leases", "sequences", "gaps", "versions",
-			"dead_letters", "dead_letter_log", "handler_stats", "outbox", "outbox_claims"}
+			"dead_letters", "dead_letter_log", "handler_stats", "outbox", "outbox_claims", "outbox_log"}
 	}
 	tables := []string{"migrations", "processed"}
 	if k == kindPostgres {

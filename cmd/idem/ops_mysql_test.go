@@ -4,9 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -14,8 +16,10 @@ import (
 	gomysql "github.com/go-sql-driver/mysql"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/mysql"
+	"github.com/idemhq/idem/outbox"
 )
 
 // mysqlURL returns a fresh database as a mysql:// URL, the form the
@@ -45,7 +49,8 @@ func mysqlURL(t *testing.T) (string, *mysql.Driver) {
 func TestOperatorCommandsMySQL(t *testing.T) {
 	dsn, drv := mysqlURL(t)
 	ctx := context.Background()
-	if code, out, errOut := runCLI(t, "migrate", "--dsn", dsn); code != exitOK || !strings.Contains(out, "applied 1 migration") || !strings.Contains(out, "`idem_markers`") {
+	if code, out, errOut := runCLI(t, "migrate", "--dsn", dsn); code != exitOK || !strings.Contains(out, "applied 2 migrations") ||
+		!strings.Contains(out, "`idem_markers`") || !strings.Contains(out, "`idem_outbox_log`") {
 		t.Fatalf("migrate: exit %d\n%s%s", code, out, errOut)
 	}
 	proc, err := idem.NewProcessor(drv, nil)
@@ -120,6 +125,11 @@ func TestOperatorCommandsMySQL(t *testing.T) {
 	if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil || rep.Deleted == nil || *rep.Deleted != 1 {
 		t.Fatalf("cleanup: exit %d\n%s%s", code, out, errOut)
 	}
+	testOutboxAdminMySQL(t, vars, drv)
+	// The console's outbox page reads the same administration.
+	if code, body := get(t, srv.URL+"/outbox"); code != http.StatusOK || !strings.Contains(body, "msg:c") || !strings.Contains(body, "relay-2") {
+		t.Fatalf("serve /outbox on MySQL: %d\n%s", code, body)
+	}
 	if code, _, errOut := runCLIEnv(t, vars, "stats", "--schema", "app"); code != exitUsage || !strings.Contains(errOut, "--schema applies only to PostgreSQL") {
 		t.Fatalf("stats --schema on MySQL: exit %d, stderr %q", code, errOut)
 	}
@@ -152,5 +162,96 @@ func TestBenchMySQL(t *testing.T) {
 	}
 	if !strings.Contains(errOut, "version-in-row: mysql has no such variant; skipped") {
 		t.Fatalf("bench stderr does not note the skipped case:\n%s", errOut)
+	}
+}
+
+// testOutboxAdminMySQL runs outbox list, park, discard and retry on a
+// MySQL outbox holding a failing row, a healthy row and a row of a key a
+// relay holds, and checks the log of the actions.
+func testOutboxAdminMySQL(t *testing.T, vars map[string]string, drv *mysql.Driver) {
+	t.Helper()
+	ctx := context.Background()
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := drv.DB().BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"a", "b", "c"} {
+		if err := ob.Add(ctx, tx, &idem.Message{ID: id, Stream: "credits", Payload: []byte(id)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	page, err := drv.OutboxList(ctx, driver.OutboxFilter{})
+	if err != nil || len(page.Rows) != 3 {
+		t.Fatalf("outbox list: %+v, %v", page, err)
+	}
+	a, b, c := page.Rows[0].ID, page.Rows[1].ID, page.Rows[2].ID
+	if err := drv.OutboxFailed(ctx, "relay-1", a, "no stream covers credits", time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	vars = maps.Clone(vars)
+	vars["USER"] = "alice"
+	cli := func(want int, args ...string) string {
+		t.Helper()
+		code, out, errOut := runCLIEnv(t, vars, args...)
+		if code != want {
+			t.Fatalf("idem %s: exit %d, want %d\n%s%s", strings.Join(args, " "), code, want, out, errOut)
+		}
+		return out + errOut
+	}
+	id := func(n int64) string { return strconv.FormatInt(n, 10) }
+
+	if out := cli(exitOK, "outbox", "list"); !strings.Contains(out, "no stream covers credits") ||
+		!strings.Contains(out, "3 rows unpublished (2 pending, 1 failing, 0 parked).") {
+		t.Fatalf("outbox list:\n%s", out)
+	}
+	if out := cli(exitOK, "outbox", "park", id(a), "--reason", "typo in the subject"); !strings.Contains(out, "parked 1 row: "+id(a)+".") {
+		t.Fatalf("park:\n%s", out)
+	}
+	if out := cli(exitOK, "outbox", "list", "--state", "parked"); !strings.Contains(out, "parked by alice: typo in the subject") {
+		t.Fatalf("list --state parked:\n%s", out)
+	}
+	if out := cli(exitOK, "outbox", "stats"); !strings.Contains(out, "parked          1") || !strings.Contains(out, "failing         0") {
+		t.Fatalf("stats after a park:\n%s", out)
+	}
+	if out := cli(exitOK, "outbox", "discard", id(a), "--yes", "--actor", "bob", "--reason", "sent twice"); !strings.Contains(out, "discarded 1 row: "+id(a)+".") {
+		t.Fatalf("discard --yes:\n%s", out)
+	}
+	if out := cli(exitFailed, "outbox", "discard", id(a), "--yes"); !strings.Contains(out, "not found or published: "+id(a)) {
+		t.Fatalf("second discard:\n%s", out)
+	}
+	claimed, err := drv.OutboxClaim(ctx, "relay-2", 1, time.Hour)
+	if err != nil || len(claimed) != 1 || claimed[0].ID != b {
+		t.Fatalf("claim: %+v, %v", claimed, err)
+	}
+	if out := cli(exitFailed, "outbox", "park", id(b), id(c)); !strings.Contains(out, "parked 1 row: "+id(c)+".") ||
+		!strings.Contains(out, "busy, a relay is publishing their key: "+id(b)) {
+		t.Fatalf("park of a claimed row:\n%s", out)
+	}
+	if out := cli(exitOK, "outbox", "retry", id(c)); !strings.Contains(out, "retried 1 row: "+id(c)+".") {
+		t.Fatalf("retry of a parked row:\n%s", out)
+	}
+	var log []string
+	rows, err := drv.DB().QueryContext(ctx, `SELECT CONCAT(outbox_id, ' ', action, ' ', actor, ' ', reason) FROM idem_outbox_log ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		log = append(log, strings.TrimSpace(s))
+	}
+	rows.Close()
+	want := []string{id(a) + " park alice typo in the subject", id(a) + " discard bob sent twice", id(c) + " park alice", id(c) + " retry alice"}
+	if strings.Join(log, "|") != strings.Join(want, "|") {
+		t.Fatalf("outbox log: %q, want %q", log, want)
 	}
 }

@@ -75,8 +75,11 @@ func defineOutboxAdminFlags(fs *flag.FlagSet) *outboxAdminFlags {
 
 // outboxAdminSchema is the first schema version with parking, by store.
 func outboxAdminSchema(k storeKind) int {
-	if k == kindPostgres {
+	switch k {
+	case kindPostgres:
 		return 13
+	case kindMySQL:
+		return 2
 	}
 	return 9
 }

@@ -63,6 +63,26 @@ func TestMigrateListsEveryTable(t *testing.T) {
 		t.Fatalf("IDEM_SCHEMA=%s: migrate created nothing in the schema\n%s", schema, out)
 	}
 	wantTables(t, "PostgreSQL", out, pgTables)
+
+	myDSN, myDrv := mysqlURL(t)
+	code, out, errOut = runCLI(t, "migrate", "--dsn", myDSN)
+	if code != exitOK {
+		t.Fatalf("migrate: exit %d\n%s%s", code, out, errOut)
+	}
+	mr, err := myDrv.DB().Query(`SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE()`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var myTables []string
+	for mr.Next() {
+		var n string
+		if err := mr.Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		myTables = append(myTables, "`"+n+"`")
+	}
+	mr.Close()
+	wantTables(t, "MySQL", out, myTables)
 }
 
 // wantTables checks that out's "tables:" line names exactly tables
