@@ -116,7 +116,7 @@ func (p *Publisher) channel() (*pubChannel, error) {
 		}
 	}
 	if p.conn == nil || p.conn.IsClosed() {
-		conn, err := amqp.DialConfig(p.cfg.URL, p.cfg.AMQP)
+		conn, err := dial(p.cfg.URL, p.cfg.AMQP)
 		if err != nil {
 			return nil, fmt.Errorf("rabbitmq: publisher: connect: %w", err)
 		}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"log/slog"
+	"maps"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -241,10 +242,18 @@ func refused(what string, err error) error {
 	return fmt.Errorf("rabbitmq: %s: %w", what, err)
 }
 
+// dial connects with a copy of cfg's client properties: amqp091 writes
+// into that map while it opens a connection, so two dials sharing one
+// Config (Run's and Lag's, say) raced on it.
+func dial(url string, cfg amqp.Config) (*amqp.Connection, error) {
+	cfg.Properties = maps.Clone(cfg.Properties)
+	return amqp.DialConfig(url, cfg)
+}
+
 // session runs one connection until ctx ends or the connection, channel
 // or consumer does. connected reports whether it got as far as consuming.
 func (c *Consumer) session(ctx context.Context) (connected bool, err error) {
-	conn, err := amqp.DialConfig(c.cfg.URL, c.cfg.AMQP)
+	conn, err := dial(c.cfg.URL, c.cfg.AMQP)
 	var ae *amqp.Error
 	if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
 		return false, fmt.Errorf("%w: %w", ErrRefused, err)
