@@ -25,6 +25,9 @@ type OutboxStore struct {
 	// Add commits msgs to the outbox in one transaction, in order (as
 	// outbox.Outbox.Add does in the caller's transaction). Required.
 	Add func(ctx context.Context, msgs ...*idem.Message) error
+	// LogEntries counts the rows of the outbox log (the operators'
+	// actions). Optional: without it the log's retention is not checked.
+	LogEntries func(ctx context.Context) (int, error)
 }
 
 // OutboxHarness tells RunOutboxAdmin how to get an OutboxStore.
@@ -53,6 +56,7 @@ func RunOutboxAdmin(t *testing.T, h *OutboxHarness) {
 		{"ActionsLeaveRelaysKeysAlone", testOutboxBusy},
 		{"ListFiltersAndPages", testOutboxList},
 		{"ParksRacingRelays", testOutboxParkRace},
+		{"PruneAgesTheLog", testOutboxPruneAgesTheLog},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -563,3 +567,51 @@ func discardLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
 // sorted returns a sorted copy of ids: keys publish concurrently, so the
 // order across keys is free.
 func sorted(ids []string) []string { return slices.Sorted(slices.Values(ids)) }
+
+// testOutboxPruneAgesTheLog: the outbox log of operators' actions ages out
+// with the published rows: the first OutboxPrune call of a pass deletes its
+// entries made before the cut-off, and keeps the later ones.
+func testOutboxPruneAgesTheLog(t *testing.T, s *OutboxStore) {
+	if s.LogEntries == nil {
+		t.Log("the store under test counts no log entries (OutboxStore.LogEntries); not checked")
+		return
+	}
+	ctx := context.Background()
+	drv := s.Driver.(interface {
+		driver.OutboxAdmin
+		driver.OutboxRelayStore
+	})
+	if err := s.Add(ctx, &idem.Message{ID: "m1", Type: "t", Stream: "orders.created", Payload: []byte(`{}`)}); err != nil {
+		t.Fatal(err)
+	}
+	page, err := drv.OutboxList(ctx, driver.OutboxFilter{})
+	if err != nil || len(page.Rows) != 1 {
+		t.Fatalf("list: %d rows, %v", len(page.Rows), err)
+	}
+	if r, err := drv.OutboxPark(ctx, []int64{page.Rows[0].ID}, "alice", "no stream"); err != nil || len(r.Done) != 1 {
+		t.Fatalf("park: %+v, %v", r, err)
+	}
+	count := func() int {
+		t.Helper()
+		n, err := s.LogEntries(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := count(); n != 1 {
+		t.Fatalf("%d log entries after a park, want 1", n)
+	}
+	if _, _, err := drv.OutboxPrune(ctx, time.Now().Add(-time.Hour), 0, 100); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(); n != 1 {
+		t.Fatalf("%d log entries after pruning what is older than an hour, want the new entry kept", n)
+	}
+	if _, _, err := drv.OutboxPrune(ctx, time.Now().Add(time.Hour), 0, 100); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(); n != 0 {
+		t.Fatalf("%d log entries after pruning up to an hour ahead, want 0", n)
+	}
+}

@@ -3,12 +3,10 @@ package postgres_test
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemhq/idem"
-	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/outbox"
@@ -19,7 +17,8 @@ import (
 func openOutboxStore(t testing.TB) *idemtest.OutboxStore {
 	t.Helper()
 	pool := testenv.PostgresPool(t, 10)
-	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
+	schema := testenv.FreshSchema(t, pool)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +29,11 @@ func openOutboxStore(t testing.TB) *idemtest.OutboxStore {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &idemtest.OutboxStore{Driver: drv, Add: func(ctx context.Context, msgs ...*idem.Message) error {
+	log := pgx.Identifier{schema, "idem_outbox_log"}.Sanitize()
+	return &idemtest.OutboxStore{Driver: drv, LogEntries: func(ctx context.Context) (n int, err error) {
+		err = pool.QueryRow(ctx, `SELECT count(*) FROM `+log).Scan(&n)
+		return n, err
+	}, Add: func(ctx context.Context, msgs ...*idem.Message) error {
 		tx, err := pool.Begin(ctx)
 		if err != nil {
 			return err
@@ -45,64 +48,4 @@ func openOutboxStore(t testing.TB) *idemtest.OutboxStore {
 
 func TestOutboxAdmin(t *testing.T) {
 	idemtest.RunOutboxAdmin(t, &idemtest.OutboxHarness{Open: openOutboxStore})
-}
-
-// The outbox log of operators' actions ages out with the published rows:
-// the first OutboxPrune call of a pass deletes its entries made before
-// the cut-off, and keeps the later ones.
-func TestOutboxPruneAgesTheLog(t *testing.T) {
-	ctx := context.Background()
-	pool := testenv.PostgresPool(t, 4)
-	schema := testenv.FreshSchema(t, pool)
-	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	ob, err := outbox.New(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if err := ob.Add(ctx, tx, &idem.Message{ID: "m1", Type: "t", Stream: "orders.created", Payload: []byte(`{}`)}); err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	page, err := drv.OutboxList(ctx, driver.OutboxFilter{})
-	if err != nil || len(page.Rows) != 1 {
-		t.Fatalf("list: %d rows, %v", len(page.Rows), err)
-	}
-	if r, err := drv.OutboxPark(ctx, []int64{page.Rows[0].ID}, "alice", "no stream"); err != nil || len(r.Done) != 1 {
-		t.Fatalf("park: %+v, %v", r, err)
-	}
-	count := func() (n int) {
-		t.Helper()
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_outbox_log"}.Sanitize()).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
-	if n := count(); n != 1 {
-		t.Fatalf("%d log entries after a park, want 1", n)
-	}
-	if _, _, err := drv.OutboxPrune(ctx, time.Now().Add(-time.Hour), 0, 100); err != nil {
-		t.Fatal(err)
-	}
-	if n := count(); n != 1 {
-		t.Fatalf("%d log entries after pruning what is older than an hour, want the new entry kept", n)
-	}
-	if _, _, err := drv.OutboxPrune(ctx, time.Now().Add(time.Hour), 0, 100); err != nil {
-		t.Fatal(err)
-	}
-	if n := count(); n != 0 {
-		t.Fatalf("%d log entries after pruning up to an hour ahead, want 0", n)
-	}
 }
