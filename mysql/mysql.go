@@ -39,6 +39,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"database/sql"
+	sqldriver "database/sql/driver"
 	"embed"
 	"encoding/hex"
 	"errors"
@@ -73,7 +74,7 @@ type Config struct {
 	SessionIsolation bool
 	// MaxRetries bounds how many times the driver runs a transaction
 	// again after a deadlock (1213) or lock wait timeout (1205), where it
-	// may (see the package documentation). Default 8; negative: none.
+	// may (see the package documentation). Default 16; negative: none.
 	MaxRetries int
 }
 
@@ -139,7 +140,7 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 	}
 	d := &Driver{db: db, prefix: prefix, maxRetries: cfg.MaxRetries}
 	if d.maxRetries == 0 {
-		d.maxRetries = 8
+		d.maxRetries = 16
 	}
 	if !cfg.SessionIsolation {
 		d.txOpts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
@@ -322,10 +323,12 @@ func notMigrated(err error) error {
 }
 
 // retryable reports whether err ended the transaction in a way that running
-// it again may cure: a deadlock victim or a lock wait timeout.
+// it again may cure: a deadlock victim, a lock wait timeout, or a pooled
+// connection found dead before the statement was sent (go-sql-driver
+// returns driver.ErrBadConn only then, so nothing ran).
 func retryable(err error) bool {
 	n := errNumber(err)
-	return n == errDeadlock || n == errLockWaitTimeout
+	return n == errDeadlock || n == errLockWaitTimeout || errors.Is(err, sqldriver.ErrBadConn)
 }
 
 // retry runs f again after a deadlock or lock wait timeout, up to the
@@ -348,8 +351,10 @@ func (d *Driver) retry(ctx context.Context, f func() error) error {
 
 // Begin opens a read-write transaction at READ COMMITTED (see the package
 // documentation).
+// On a pool from Open, the transaction's START TRANSACTION goes to the
+// server with its first statement.
 func (d *Driver) Begin(ctx context.Context) (*sql.Tx, error) {
-	return d.db.BeginTx(ctx, d.txOpts)
+	return d.db.BeginTx(context.WithValue(ctx, foldBegin{}, true), d.txOpts)
 }
 
 // Commit commits tx.

@@ -2,18 +2,24 @@ package bench_test
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
+	"slices"
 	"testing"
+
+	gomysql "github.com/go-sql-driver/mysql"
 
 	"github.com/idemhq/idem/internal/bench"
 	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/mysql"
 	"github.com/idemhq/idem/sqlite"
 )
 
 // runCases runs every standard case, both variants, for a fixed number of
 // events against t. A variant fails if any message is not Applied, so this
 // checks that each case's handlers and transaction shapes work at all.
-func runCases(t *testing.T, target bench.Target) {
+// The cases named in lacking may be refused with bench.ErrUnsupported.
+func runCases(t *testing.T, target bench.Target, lacking ...string) {
 	ctx := context.Background()
 	for _, c := range bench.Cases() {
 		if !c.RunsOn(target.Name()) {
@@ -23,6 +29,9 @@ func runCases(t *testing.T, target bench.Target) {
 			continue
 		}
 		ct, err := c.Target(target)
+		if errors.Is(err, bench.ErrUnsupported) && slices.Contains(lacking, c.Name) {
+			continue
+		}
 		if err != nil {
 			t.Fatalf("%s: %v", c.Name, err)
 		}
@@ -74,4 +83,29 @@ func TestEveryCaseRunsOnPostgres(t *testing.T) {
 		}
 	})
 	runCases(t, target)
+}
+
+func TestEveryCaseRunsOnMySQL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := mysql.Open(ctx, cfg)
+	if err != nil {
+		testenv.Unavailable(t, "MySQL/MariaDB", cfg.Addr, err)
+	}
+	db.SetMaxOpenConns(4)
+	t.Cleanup(func() { db.Close() })
+	target, err := bench.OpenMySQL(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := target.Close(ctx); err != nil {
+			t.Error(err)
+		}
+	})
+	runCases(t, target, "version-in-row", "batch-1000-version-in-row")
 }

@@ -1,0 +1,294 @@
+package mysql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"sync/atomic"
+	"testing"
+
+	gomysql "github.com/go-sql-driver/mysql"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/mysql"
+)
+
+// countingConn counts the writes of a connection: go-sql-driver writes a
+// command in one call and then waits for its answer, so a write is a round
+// trip.
+type countingConn struct {
+	net.Conn
+	n *atomic.Int64
+}
+
+func (c countingConn) Write(b []byte) (int, error) {
+	c.n.Add(1)
+	return c.Conn.Write(b)
+}
+
+// openCounted opens a pool of conns connections through mysql.Open whose
+// writes n counts, and a driver on it.
+func openCounted(t *testing.T, conns int) (*sql.DB, *mysql.Driver, *atomic.Int64) {
+	t.Helper()
+	ctx := context.Background()
+	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := &atomic.Int64{}
+	cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return countingConn{Conn: c, n: n}, nil
+	}
+	db, err := mysql.Open(ctx, cfg)
+	if err != nil {
+		testenv.Unavailable(t, "MySQL/MariaDB", cfg.Addr, err)
+	}
+	db.SetMaxOpenConns(conns)
+	db.SetMaxIdleConns(conns)
+	t.Cleanup(func() { db.Close() })
+	drv, err := mysql.New(db, &mysql.Config{SessionIsolation: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE balances (account VARBINARY(64) PRIMARY KEY, amount BIGINT NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return db, drv, n
+}
+
+const upsertBalance = `INSERT INTO balances (account, amount) VALUES (?, 1) ON DUPLICATE KEY UPDATE amount = amount + 1`
+
+// TestRoundTripsPerMessage counts the round trips of one message through
+// Process, its handler one upsert, against the same transaction without
+// idem (BEGIN, the upsert, COMMIT) on the same pool: idem must not add
+// one. On a pool from Open the transaction's START TRANSACTION travels
+// with the marker's INSERT.
+func TestRoundTripsPerMessage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// Two connections: a handler's name is interned on a connection of
+	// its own the first time (in the warm-up).
+	db, drv, rt := openCounted(t, 2)
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		_, err := tx.ExecContext(ctx, upsertBalance, m.AggregateID)
+		return err
+	}}
+	plain := func(i int) error {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, upsertBalance, fmt.Sprint("a-", i%7)); err != nil {
+			_ = tx.Rollback()
+			return err
+		}
+		return tx.Commit()
+	}
+	through := func(i int) error {
+		out, err := proc.Process(ctx, h, &idem.Message{ID: fmt.Sprint("m-", i), AggregateID: fmt.Sprint("a-", i%7)})
+		if err == nil && out != idem.Applied {
+			err = fmt.Errorf("outcome %v", out)
+		}
+		return err
+	}
+	count := func(name string, f func(int) error, from int) float64 {
+		for i := range 3 { // warm-up: the handler's id is looked up once
+			if err := f(from + i); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+		}
+		const n = 20
+		before := rt.Load()
+		for i := range n {
+			if err := f(from + 3 + i); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+		}
+		return float64(rt.Load()-before) / n
+	}
+	p, i := count("plain", plain, 0), count("idem", through, 100)
+	t.Logf("round trips a message: plain %.2f, idem %.2f", p, i)
+	if p != 3 {
+		t.Fatalf("the plain transaction takes %.2f round trips, want 3 (BEGIN, the upsert, COMMIT)", p)
+	}
+	if i > p {
+		t.Fatalf("idem takes %.2f round trips a message, the plain transaction %.2f", i, p)
+	}
+	before := rt.Load()
+	if out, err := proc.Process(ctx, h, &idem.Message{ID: "m-103", AggregateID: "a-5"}); out != idem.Duplicate || err != nil {
+		t.Fatalf("redelivery: (%v, %v)", out, err)
+	}
+	t.Logf("round trips of a redelivery: %d", rt.Load()-before)
+	want := map[string]int64{}
+	for i := range 23 {
+		want[fmt.Sprint("a-", i%7)]++
+		want[fmt.Sprint("a-", (100+i)%7)]++
+	}
+	checkBalances(t, db, want)
+}
+
+func checkBalances(t *testing.T, db *sql.DB, want map[string]int64) {
+	t.Helper()
+	got, err := readPairs(context.Background(), db, `SELECT account, CAST(amount AS CHAR) FROM balances`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != len(want) {
+		t.Fatalf("balances %v, want %v", got, want)
+	}
+	for a, n := range want {
+		if got[a] != fmt.Sprint(n) {
+			t.Fatalf("balance of %s = %s, want %d (all: %v)", a, got[a], n, got)
+		}
+	}
+}
+
+// inTransaction reports whether the pool's one connection is inside a
+// transaction.
+func inTransaction(t *testing.T, db *sql.DB) bool {
+	t.Helper()
+	var in int
+	if err := db.QueryRowContext(context.Background(), `SELECT @@in_transaction`).Scan(&in); err != nil {
+		t.Fatal(err)
+	}
+	return in != 0
+}
+
+// TestFoldedBeginEdges drives the transactions whose START TRANSACTION
+// waits for their first statement through the ways they can end: with no
+// statement, after a first statement that failed, with a query first.
+// Each must leave the connection outside any transaction, commit exactly
+// what ran after a failure, and send nothing for an empty transaction.
+func TestFoldedBeginEdges(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, drv, rt := openCounted(t, 1)
+
+	// Nothing ran: no round trip, for commit and rollback.
+	before := rt.Load()
+	for _, end := range []func(*sql.Tx) error{(*sql.Tx).Commit, (*sql.Tx).Rollback} {
+		tx, err := drv.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := end(tx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := rt.Load() - before; n != 0 {
+		t.Fatalf("two empty transactions took %d round trips, want 0", n)
+	}
+
+	// The first statement fails (no such table), then a write commits:
+	// the write is in a transaction of its own, committed once.
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO no_such_table VALUES (1)`); err == nil {
+		t.Fatal("insert into a missing table succeeded")
+	}
+	if _, err := tx.ExecContext(ctx, upsertBalance, "after-failure"); err != nil {
+		t.Fatal(err)
+	}
+	if !inTransactionTx(t, tx) {
+		t.Fatal("the write after a failed first statement ran outside a transaction")
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if inTransaction(t, db) {
+		t.Fatal("the connection is still in a transaction after commit")
+	}
+
+	// The first statement fails and the transaction ends at once: rolled
+	// back, the connection clean, for commit and rollback alike.
+	for _, end := range []func(*sql.Tx) error{(*sql.Tx).Commit, (*sql.Tx).Rollback} {
+		tx, err := drv.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.ExecContext(ctx, `INSERT INTO no_such_table VALUES (1)`); err == nil {
+			t.Fatal("insert into a missing table succeeded")
+		}
+		if err := end(tx); err != nil {
+			t.Fatal(err)
+		}
+		if inTransaction(t, db) {
+			t.Fatal("the connection is still in a transaction after a failed first statement")
+		}
+	}
+
+	// A duplicate key as the first statement leaves the transaction
+	// open; a write after it rolls back with it.
+	tx, err = drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = tx.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES ('after-failure', 5)`)
+	var me *gomysql.MySQLError
+	if !errors.As(err, &me) || me.Number != 1062 {
+		t.Fatalf("duplicate insert: %v, want error 1062", err)
+	}
+	if !inTransactionTx(t, tx) {
+		t.Fatal("a duplicate key as the first statement left no transaction open")
+	}
+	if _, err := tx.ExecContext(ctx, upsertBalance, "rolled-back"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+
+	// A query first: the begin goes before it, on its own.
+	tx, err = drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !inTransactionTx(t, tx) {
+		t.Fatal("a query as the first statement ran outside a transaction")
+	}
+	if _, err := tx.ExecContext(ctx, upsertBalance, "after-query"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+
+	// A transaction begun on the pool by anyone but the driver begins at
+	// once.
+	plain, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !inTransactionTx(t, plain) {
+		t.Fatal("a plain transaction is not open after BeginTx")
+	}
+	if err := plain.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	checkBalances(t, db, map[string]int64{"after-failure": 1, "after-query": 1})
+}
+
+func inTransactionTx(t *testing.T, tx *sql.Tx) bool {
+	t.Helper()
+	var in int
+	if err := tx.QueryRowContext(context.Background(), `SELECT @@in_transaction`).Scan(&in); err != nil {
+		t.Fatal(err)
+	}
+	return in != 0
+}
