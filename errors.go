@@ -30,6 +30,12 @@ var (
 	// no attempt, and adapters that count attempts themselves (Kafka) do
 	// not count it.
 	ErrStoreUnavailable = errors.New("idem: store unavailable")
+	// ErrSequenceMismatch matches the error of a batch whose store
+	// advanced an aggregate's sequence (driver.SequenceManyAdvancer) to
+	// another value than idem decided from the sequence before: a driver
+	// bug. The batch's transaction is rolled back, so nothing of it is
+	// applied.
+	ErrSequenceMismatch = errors.New("idem: the store's sequence advance disagrees with idem's decision")
 )
 
 // ValidationError describes why an envelope or a handler name was refused.

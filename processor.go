@@ -108,6 +108,7 @@ type Processor[TTx any] struct {
 	delMarkers  driver.MarkerDeleter[TTx]
 	seq         driver.SequenceGuard[TTx]
 	seqBatch    driver.SequenceBatchStore[TTx]
+	seqMany     driver.SequenceManyAdvancer[TTx]
 	beginSeq    driver.BeginSequenceAdvancer[TTx]
 	beginLater  driver.DeferredBeginner[TTx]
 	atCommit    driver.CommitMarkerInserter[TTx]
@@ -144,6 +145,9 @@ func NewProcessor[TTx any](drv driver.Driver[TTx], cfg *Config) (*Processor[TTx]
 	}
 	if sb, ok := drv.(driver.SequenceBatchStore[TTx]); ok {
 		p.seqBatch = sb
+	}
+	if sm, ok := drv.(driver.SequenceManyAdvancer[TTx]); ok {
+		p.seqMany = sm
 	}
 	if bs, ok := drv.(driver.BeginSequenceAdvancer[TTx]); ok {
 		p.beginSeq = bs
@@ -555,13 +559,14 @@ func (p *Processor[TTx]) guardBatch(ctx context.Context, tx TTx, h *Handler[TTx]
 }
 
 // advanceBatch runs the guard's advance for the messages at order (sorted
-// by aggregate, then sequence), in turn. With a driver.SequenceBatchStore
-// that is two calls: lock and read every aggregate's last sequence, decide
-// each message here as SequenceAdvance would, write the new ones back.
-// Otherwise it is one SequenceAdvance per message.
+// by aggregate, then sequence), in turn. With a driver.SequenceManyAdvancer
+// that is one call, whose decision is checked against the one made here;
+// with a driver.SequenceBatchStore two: lock and read every aggregate's
+// last sequence, decide each message here as SequenceAdvance would, write
+// the new ones back. Otherwise it is one SequenceAdvance per message.
 func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TTx], msgs []*Message, g *batchGuard, order []int) ([]driver.SequenceAdvanceResult, error) {
 	res := make([]driver.SequenceAdvanceResult, len(order))
-	if p.seqBatch == nil {
+	if p.seqBatch == nil && p.seqMany == nil {
 		for k, i := range order {
 			r, err := p.seq.SequenceAdvance(ctx, tx, p.advanceParams(h, msgs[i], g.keys[i]))
 			if err != nil {
@@ -571,24 +576,45 @@ func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TT
 		}
 		return res, nil
 	}
-	lp := &driver.SequenceLockManyParams{Handler: h.Name}
+	allowGap := h.Ordering.Gap == GapAllow
+	aggs := make([]string, 0, len(order))
 	for _, i := range order {
-		if n := len(lp.AggregateIDs); n == 0 || lp.AggregateIDs[n-1] != g.keys[i] {
-			lp.AggregateIDs = append(lp.AggregateIDs, g.keys[i])
+		if n := len(aggs); n == 0 || aggs[n-1] != g.keys[i] {
+			aggs = append(aggs, g.keys[i])
 		}
 	}
-	lasts, err := p.seqBatch.SequenceLockMany(ctx, tx, lp)
-	if err == nil && len(lasts) != len(lp.AggregateIDs) {
-		err = fmt.Errorf("driver returned %d sequences for %d aggregates", len(lasts), len(lp.AggregateIDs))
+	var (
+		lasts, after []int64
+		err          error
+	)
+	if p.seqMany != nil {
+		mp := &driver.SequenceAdvanceManyParams{Handler: h.Name, AggregateIDs: aggs, Seqs: make([][]int64, len(aggs)), AllowGap: allowGap}
+		a := -1
+		for _, i := range order {
+			if a < 0 || aggs[a] != g.keys[i] {
+				a++
+			}
+			if n := len(mp.Seqs[a]); n == 0 || mp.Seqs[a][n-1] != msgs[i].Seq {
+				mp.Seqs[a] = append(mp.Seqs[a], msgs[i].Seq)
+			}
+		}
+		lasts, after, err = p.seqMany.SequenceAdvanceMany(ctx, tx, mp)
+		if err == nil && (len(lasts) != len(aggs) || len(after) != len(aggs)) {
+			err = fmt.Errorf("driver returned %d and %d sequences for %d aggregates", len(lasts), len(after), len(aggs))
+		}
+	} else {
+		lasts, err = p.seqBatch.SequenceLockMany(ctx, tx, &driver.SequenceLockManyParams{Handler: h.Name, AggregateIDs: aggs})
+		if err == nil && len(lasts) != len(aggs) {
+			err = fmt.Errorf("driver returned %d sequences for %d aggregates", len(lasts), len(aggs))
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("idem: ordering guard: %w", err)
 	}
-	allowGap := h.Ordering.Gap == GapAllow
 	set := &driver.SequenceSetManyParams{Handler: h.Name}
-	a := -1 // index of the current aggregate in lp and lasts
+	a := -1 // index of the current aggregate in aggs and lasts
 	for k, i := range order {
-		if a < 0 || lp.AggregateIDs[a] != g.keys[i] {
+		if a < 0 || aggs[a] != g.keys[i] {
 			a++
 		}
 		last, seq := lasts[a], msgs[i].Seq
@@ -603,6 +629,18 @@ func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TT
 		} else {
 			set.AggregateIDs, set.Seqs = append(set.AggregateIDs, g.keys[i]), append(set.Seqs, seq)
 		}
+	}
+	if after != nil {
+		// lasts now holds what this decision leaves behind: the store's
+		// must be the same, or a message would be reported applied (or
+		// not) against what was written.
+		for a, want := range lasts {
+			if after[a] != want {
+				return nil, fmt.Errorf("idem: ordering guard: the store advanced %q to %d, idem's decision is %d: %w",
+					aggs[a], after[a], want, ErrSequenceMismatch)
+			}
+		}
+		return res, nil
 	}
 	if len(set.AggregateIDs) > 0 {
 		if err := p.seqBatch.SequenceSetMany(ctx, tx, set); err != nil {

@@ -51,6 +51,39 @@ type SequenceBatchStore[TTx any] interface {
 	SequenceSetMany(ctx context.Context, tx TTx, p *SequenceSetManyParams) error
 }
 
+// SequenceManyAdvancer is an optional fast path beyond SequenceBatchStore:
+// decide and advance many aggregates' sequences with one statement, which
+// takes each row's lock with its one write instead of a locking read and
+// a write. The core checks the store's decision against its own (see
+// SequenceAdvanceMany) and fails the batch, rolling it back, if they
+// differ.
+type SequenceManyAdvancer[TTx any] interface {
+	// SequenceAdvanceMany moves the last applied sequence L of (Handler,
+	// AggregateIDs[i]) (0 for one never seen) to the end of the run of
+	// consecutive sequences in Seqs[i] that starts at L+1, if there is
+	// one; with AllowGap, to the largest of Seqs[i] when it is greater
+	// than L. It returns, parallel to AggregateIDs, L before and the last
+	// applied sequence after. Concurrent calls serialize on each row, as
+	// SequenceAdvance's do, and take the rows in AggregateIDs' order
+	// (unique, sorted by byte order) so that batches queue instead of
+	// deadlocking.
+	SequenceAdvanceMany(ctx context.Context, tx TTx, p *SequenceAdvanceManyParams) (before, after []int64, err error)
+}
+
+// SequenceAdvanceManyParams are the parameters of
+// SequenceManyAdvancer.SequenceAdvanceMany.
+type SequenceAdvanceManyParams struct {
+	// Handler names the sequences' handler.
+	Handler string
+	// AggregateIDs are unique and sorted ascending (byte order).
+	AggregateIDs []string
+	// Seqs[i] are the sequences (≥ 1) of AggregateIDs[i]'s messages in the
+	// batch, ascending and unique.
+	Seqs [][]int64
+	// AllowGap advances to the largest sequence greater than the last.
+	AllowGap bool
+}
+
 // SequenceLockManyParams are the parameters of
 // SequenceBatchStore.SequenceLockMany.
 type SequenceLockManyParams struct {

@@ -698,7 +698,7 @@ func testBatchesConcurrent[TTx any](t *testing.T, s *Store[TTx], aggs int) {
 		t.Logf("%d batches failed and were delivered again; first: %v", len(failures), failures[0])
 	}
 	for _, err := range failures {
-		if errors.Is(err, idem.ErrInvalidConfig) || errors.Is(err, idem.ErrInvalidMessage) {
+		if errors.Is(err, idem.ErrInvalidConfig) || errors.Is(err, idem.ErrInvalidMessage) || errors.Is(err, idem.ErrSequenceMismatch) {
 			t.Fatalf("batch failed: %v", err)
 		}
 	}

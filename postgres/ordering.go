@@ -2,8 +2,10 @@ package postgres
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 
@@ -11,9 +13,10 @@ import (
 )
 
 var (
-	_ driver.SequenceGuard[Tx]      = (*Driver)(nil)
-	_ driver.SequenceBatchStore[Tx] = (*Driver)(nil)
-	_ driver.VersionStore[Tx]       = (*Driver)(nil)
+	_ driver.SequenceGuard[Tx]        = (*Driver)(nil)
+	_ driver.SequenceBatchStore[Tx]   = (*Driver)(nil)
+	_ driver.SequenceManyAdvancer[Tx] = (*Driver)(nil)
+	_ driver.VersionStore[Tx]         = (*Driver)(nil)
 )
 
 // SequenceAdvance implements driver.SequenceGuard. The in-order case is one
@@ -169,6 +172,87 @@ LATERAL (SELECT last_seq FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate
 		out[i] = l
 	}
 	return out, nil
+}
+
+// SequenceAdvanceMany implements driver.SequenceManyAdvancer with one
+// upsert, in byte order of the aggregate IDs, so that each row's lock
+// comes with its one write: no locking read before it, no second write
+// after. The batch's sequences travel as one jsonb object keyed by
+// aggregate ID, which the conflict branch looks its row up in: with
+// AllowGap the largest sequence, otherwise the runs of consecutive
+// sequences as [first, last] pairs, and the row moves to the end of the
+// run that holds last_seq + 1 (written first - 1 <= last_seq < last, which
+// cannot overflow at the largest bigint). The value replaced is kept in prev_seq and
+// returned (RETURNING sees only the new row before PostgreSQL 18).
+func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.SequenceAdvanceManyParams) ([]int64, []int64, error) {
+	if len(p.AggregateIDs) != len(p.Seqs) {
+		return nil, nil, fmt.Errorf("postgres: %d aggregates for %d sequence lists", len(p.AggregateIDs), len(p.Seqs))
+	}
+	batch := make(map[string]any, len(p.AggregateIDs))
+	for i, a := range p.AggregateIDs {
+		// encoding/json would turn invalid UTF-8 into U+FFFD, another
+		// key; such an ID cannot be stored in a text column anyway.
+		if !utf8.ValidString(a) {
+			return nil, nil, fmt.Errorf("postgres: aggregate ID %q is not valid UTF-8", a)
+		}
+		seqs := p.Seqs[i]
+		if len(seqs) == 0 {
+			return nil, nil, fmt.Errorf("postgres: no sequences for aggregate %q", a)
+		}
+		if p.AllowGap {
+			batch[a] = seqs[len(seqs)-1]
+			continue
+		}
+		var runs [][2]int64
+		for _, s := range seqs {
+			if n := len(runs); n > 0 && runs[n-1][1]+1 == s {
+				runs[n-1][1] = s
+			} else {
+				runs = append(runs, [2]int64{s, s})
+			}
+		}
+		batch[a] = runs
+	}
+	js, err := json.Marshal(batch)
+	if err != nil {
+		return nil, nil, fmt.Errorf("postgres: encode the batch's sequences: %w", err)
+	}
+	first := `COALESCE((SELECT (r->>1)::bigint FROM jsonb_array_elements(u.value) AS r WHERE (r->>0)::bigint = 1), 0)`
+	next := `COALESCE((SELECT (r->>1)::bigint FROM jsonb_array_elements($2::jsonb -> excluded.aggregate_id) AS r
+    WHERE (r->>0)::bigint - 1 <= s.last_seq AND s.last_seq < (r->>1)::bigint), s.last_seq)`
+	if p.AllowGap {
+		first = `(u.value::text)::bigint`
+		next = `GREATEST(s.last_seq, ($2::jsonb ->> excluded.aggregate_id)::bigint)`
+	}
+	rows, err := tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq, prev_seq)
+SELECT $1, u.key, `+first+`, 0 FROM jsonb_each($2::jsonb) AS u ORDER BY u.key COLLATE "C"
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET prev_seq = s.last_seq, last_seq = `+next+`
+RETURNING aggregate_id, prev_seq, last_seq`, p.Handler, string(js))
+	if err != nil {
+		return nil, nil, err
+	}
+	type pair struct{ before, after int64 }
+	got := make(map[string]pair, len(p.AggregateIDs))
+	var (
+		agg string
+		pr  pair
+	)
+	_, err = pgx.ForEachRow(rows, []any{&agg, &pr.before, &pr.after}, func() error {
+		got[agg] = pr
+		return nil
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	before, after := make([]int64, len(p.AggregateIDs)), make([]int64, len(p.AggregateIDs))
+	for i, a := range p.AggregateIDs {
+		r, ok := got[a]
+		if !ok {
+			return nil, nil, fmt.Errorf("postgres: sequence row of %q neither advanced nor created", a)
+		}
+		before[i], after[i] = r.before, r.after
+	}
+	return before, after, nil
 }
 
 // SequenceSetMany implements driver.SequenceBatchStore with one upsert on
