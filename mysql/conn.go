@@ -5,7 +5,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
-	"strings"
+	"fmt"
 )
 
 // A transaction's BEGIN sent with its first statement.
@@ -23,11 +23,13 @@ import (
 // pass through unchanged.
 //
 // MySQL runs a multi-statement in order and stops at the first error, so
-// the marker INSERT's duplicate key (1062) says the transaction is open.
-// After any other error the state is unknown, so the next statement first
-// rolls back whatever is open and begins again, and the end of the
-// transaction rolls back. A transaction that ends before any statement ran
-// sends nothing: there is nothing to commit or undo.
+// the marker INSERT's duplicate key (1062) says the transaction is open and
+// it goes on as usual. After any other error it is unknown whether the
+// begin ran, or whether the statement left part of its work (a procedure,
+// a statement string of several): the transaction is void. Its later
+// statements fail without reaching the server, Commit rolls back and
+// returns the error, Rollback rolls back. A transaction that ends before
+// any statement ran sends nothing: there is nothing to commit or undo.
 
 // foldBegin marks the context of a BeginTx whose begin may wait for the
 // first statement.
@@ -55,6 +57,8 @@ func (c foldConnector) Driver() driver.Driver { return c.inner.Driver() }
 // passes on.
 type innerConn interface {
 	driver.Conn
+	driver.Execer  //nolint:staticcheck // go-sql-driver's README offers it through Conn.Raw
+	driver.Queryer //nolint:staticcheck // likewise
 	driver.ConnBeginTx
 	driver.ExecerContext
 	driver.QueryerContext
@@ -68,12 +72,12 @@ type innerConn interface {
 // foldConn is a connection whose transaction's begin may be pending.
 type foldConn struct {
 	innerConn
-	// pending is what must run before the transaction's next statement,
-	// "" when nothing is.
+	// pending is the begin that must run before the transaction's next
+	// statement, "" when nothing is.
 	pending string
-	// unsure says pending starts with a ROLLBACK: a prefixed statement
-	// failed in a way that leaves unknown whether the begin ran.
-	unsure bool
+	// void is the error of a first statement that failed in a way that
+	// leaves the transaction's state unknown; nil otherwise.
+	void error
 }
 
 const startTx = "START TRANSACTION"
@@ -93,46 +97,54 @@ func (c *foldConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.T
 	default:
 		return c.innerConn.BeginTx(ctx, opts)
 	}
-	c.pending, c.unsure = begin, false
+	c.pending, c.void = begin, nil
 	return &foldTx{c: c}, nil
 }
 
 // ExecContext implements driver.ExecerContext, sending a pending begin in
 // the same packet as query.
 func (c *foldConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
+	if c.void != nil {
+		return nil, c.voidErr()
+	}
 	if c.pending == "" {
 		return c.innerConn.ExecContext(ctx, query, args)
 	}
 	pending := c.pending
 	c.pending = ""
 	res, err := c.innerConn.ExecContext(ctx, pending+";"+query, args)
-	if err != nil && errNumber(err) != errDupEntry {
-		c.retryBegin(pending)
+	if err != nil && errNumber(err) != errDupEntry && !errors.Is(err, driver.ErrSkip) {
+		c.void = err
+	}
+	if errors.Is(err, driver.ErrSkip) {
+		// Nothing was sent: database/sql prepares the statement
+		// instead, which flushes the begin first.
+		c.pending = pending
 	}
 	return res, err
 }
 
-// retryBegin makes the next statement roll back whatever is open and
-// begin again, after the statement that carried begin failed.
-func (c *foldConn) retryBegin(begin string) {
-	begin = strings.TrimPrefix(begin, "ROLLBACK;")
-	c.pending, c.unsure = "ROLLBACK;"+begin, true
+// voidErr is the error of a statement in a void transaction.
+func (c *foldConn) voidErr() error {
+	return fmt.Errorf("mysql: the transaction's first statement failed, so it was void and is rolled back: %w", c.void)
 }
 
 // flush sends a pending begin on its own, before a statement that cannot
 // carry it (a query, whose first result would be the begin's, or a
-// prepare).
+// prepared statement).
 func (c *foldConn) flush(ctx context.Context) error {
+	if c.void != nil {
+		return c.voidErr()
+	}
 	if c.pending == "" {
 		return nil
 	}
 	pending := c.pending
 	c.pending = ""
 	if _, err := c.innerConn.ExecContext(ctx, pending, nil); err != nil {
-		c.retryBegin(pending)
+		c.void = err
 		return err
 	}
-	c.unsure = false
 	return nil
 }
 
@@ -144,12 +156,39 @@ func (c *foldConn) QueryContext(ctx context.Context, query string, args []driver
 	return c.innerConn.QueryContext(ctx, query, args)
 }
 
-// PrepareContext implements driver.ConnPrepareContext.
+// Exec implements driver.Execer, for callers that reach the connection
+// through sql.Conn.Raw.
+func (c *foldConn) Exec(query string, args []driver.Value) (driver.Result, error) {
+	if err := c.flush(context.Background()); err != nil {
+		return nil, err
+	}
+	return c.innerConn.Exec(query, args)
+}
+
+// Query implements driver.Queryer, for callers that reach the connection
+// through sql.Conn.Raw.
+func (c *foldConn) Query(query string, args []driver.Value) (driver.Rows, error) {
+	if err := c.flush(context.Background()); err != nil {
+		return nil, err
+	}
+	return c.innerConn.Query(query, args)
+}
+
+// PrepareContext implements driver.ConnPrepareContext. The statement is
+// wrapped: database/sql reuses a statement prepared on this connection
+// inside a later transaction (Tx.Stmt), whose begin must then go first.
 func (c *foldConn) PrepareContext(ctx context.Context, query string) (driver.Stmt, error) {
 	if err := c.flush(ctx); err != nil {
 		return nil, err
 	}
-	return c.innerConn.PrepareContext(ctx, query)
+	st, err := c.innerConn.PrepareContext(ctx, query)
+	if err != nil {
+		return nil, err
+	}
+	if is, ok := st.(innerStmt); ok {
+		return foldStmt{innerStmt: is, c: c}, nil
+	}
+	return st, nil
 }
 
 // Prepare implements driver.Conn.
@@ -162,11 +201,59 @@ func (c *foldConn) Begin() (driver.Tx, error) {
 	return c.BeginTx(context.Background(), driver.TxOptions{})
 }
 
+// innerStmt is what go-sql-driver's statements implement and foldStmt
+// passes on.
+type innerStmt interface {
+	driver.Stmt
+	driver.StmtExecContext
+	driver.StmtQueryContext
+	driver.NamedValueChecker
+}
+
+// foldStmt is a prepared statement that sends its connection's pending
+// begin before it runs.
+type foldStmt struct {
+	innerStmt
+	c *foldConn
+}
+
+// ExecContext implements driver.StmtExecContext.
+func (s foldStmt) ExecContext(ctx context.Context, args []driver.NamedValue) (driver.Result, error) {
+	if err := s.c.flush(ctx); err != nil {
+		return nil, err
+	}
+	return s.innerStmt.ExecContext(ctx, args)
+}
+
+// QueryContext implements driver.StmtQueryContext.
+func (s foldStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (driver.Rows, error) {
+	if err := s.c.flush(ctx); err != nil {
+		return nil, err
+	}
+	return s.innerStmt.QueryContext(ctx, args)
+}
+
+// Exec implements driver.Stmt.
+func (s foldStmt) Exec(args []driver.Value) (driver.Result, error) {
+	if err := s.c.flush(context.Background()); err != nil {
+		return nil, err
+	}
+	return s.innerStmt.Exec(args) //nolint:staticcheck // the driver.Stmt method
+}
+
+// Query implements driver.Stmt.
+func (s foldStmt) Query(args []driver.Value) (driver.Rows, error) {
+	if err := s.c.flush(context.Background()); err != nil {
+		return nil, err
+	}
+	return s.innerStmt.Query(args) //nolint:staticcheck // the driver.Stmt method
+}
+
 // ResetSession implements driver.SessionResetter. database/sql always
 // ends a transaction before it pools the connection; a begin still
 // pending here would be a bug, and the connection is dropped.
 func (c *foldConn) ResetSession(ctx context.Context) error {
-	if c.pending != "" {
+	if c.pending != "" || c.void != nil {
 		return driver.ErrBadConn
 	}
 	return c.innerConn.ResetSession(ctx)
@@ -184,14 +271,20 @@ func (t *foldTx) end(stmt string) error {
 	}
 	t.c = nil
 	switch {
+	case c.void != nil:
+		// Whatever the failed first statement left open is undone;
+		// a commit says so.
+		err := c.voidErr()
+		c.void, c.pending = nil, ""
+		if _, rerr := c.innerConn.ExecContext(context.Background(), "ROLLBACK", nil); rerr != nil {
+			return rerr
+		}
+		if stmt == "COMMIT" {
+			return err
+		}
+		return nil
 	case c.pending == "":
 		_, err := c.innerConn.ExecContext(context.Background(), stmt, nil)
-		return err
-	case c.unsure:
-		// The statement that carried the begin failed: whatever it
-		// left open is rolled back, and there is nothing to commit.
-		c.pending, c.unsure = "", false
-		_, err := c.innerConn.ExecContext(context.Background(), "ROLLBACK", nil)
 		return err
 	default:
 		// No statement ran: nothing was begun.

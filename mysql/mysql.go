@@ -323,9 +323,10 @@ func notMigrated(err error) error {
 }
 
 // retryable reports whether err ended the transaction in a way that running
-// it again may cure: a deadlock victim, a lock wait timeout, or a pooled
-// connection found dead before the statement was sent (go-sql-driver
-// returns driver.ErrBadConn only then, so nothing ran).
+// it again may cure: a deadlock victim, a lock wait timeout, or
+// driver.ErrBadConn, which go-sql-driver returns when the statement was
+// not sent or the connection was closed already: either way nothing of it
+// ran, and the connection is dropped with whatever it had open.
 func retryable(err error) bool {
 	n := errNumber(err)
 	return n == errDeadlock || n == errLockWaitTimeout || errors.Is(err, sqldriver.ErrBadConn)

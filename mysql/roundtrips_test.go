@@ -193,31 +193,10 @@ func TestFoldedBeginEdges(t *testing.T) {
 		t.Fatalf("two empty transactions took %d round trips, want 0", n)
 	}
 
-	// The first statement fails (no such table), then a write commits:
-	// the write is in a transaction of its own, committed once.
-	tx, err := drv.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.ExecContext(ctx, `INSERT INTO no_such_table VALUES (1)`); err == nil {
-		t.Fatal("insert into a missing table succeeded")
-	}
-	if _, err := tx.ExecContext(ctx, upsertBalance, "after-failure"); err != nil {
-		t.Fatal(err)
-	}
-	if !inTransactionTx(t, tx) {
-		t.Fatal("the write after a failed first statement ran outside a transaction")
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	if inTransaction(t, db) {
-		t.Fatal("the connection is still in a transaction after commit")
-	}
-
-	// The first statement fails and the transaction ends at once: rolled
-	// back, the connection clean, for commit and rollback alike.
-	for _, end := range []func(*sql.Tx) error{(*sql.Tx).Commit, (*sql.Tx).Rollback} {
+	// The first statement fails (no such table): the transaction is
+	// void. A later statement fails without running, and a commit rolls
+	// back and says so; a rollback succeeds. The connection is clean.
+	for _, commit := range []bool{true, false} {
 		tx, err := drv.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -225,12 +204,40 @@ func TestFoldedBeginEdges(t *testing.T) {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO no_such_table VALUES (1)`); err == nil {
 			t.Fatal("insert into a missing table succeeded")
 		}
-		if err := end(tx); err != nil {
+		if _, err := tx.ExecContext(ctx, upsertBalance, "after-failure"); err == nil {
+			t.Fatal("a statement after a failed first statement ran")
+		}
+		if commit {
+			if err := tx.Commit(); err == nil {
+				t.Fatal("commit after a failed first statement reported success")
+			}
+		} else if err := tx.Rollback(); err != nil {
 			t.Fatal(err)
 		}
 		if inTransaction(t, db) {
 			t.Fatal("the connection is still in a transaction after a failed first statement")
 		}
+	}
+
+	// A statement prepared on the connection before, reused in the
+	// transaction: the begin goes first, and the rollback undoes it.
+	st, err := db.PrepareContext(ctx, upsertBalance)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if _, err := st.ExecContext(ctx, "prepared"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.StmtContext(ctx, st).ExecContext(ctx, "prepared"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
 	}
 
 	// A duplicate key as the first statement leaves the transaction
@@ -239,7 +246,7 @@ func TestFoldedBeginEdges(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = tx.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES ('after-failure', 5)`)
+	_, err = tx.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES ('prepared', 5)`)
 	var me *gomysql.MySQLError
 	if !errors.As(err, &me) || me.Number != 1062 {
 		t.Fatalf("duplicate insert: %v, want error 1062", err)
@@ -281,7 +288,7 @@ func TestFoldedBeginEdges(t *testing.T) {
 	if err := plain.Rollback(); err != nil {
 		t.Fatal(err)
 	}
-	checkBalances(t, db, map[string]int64{"after-failure": 1, "after-query": 1})
+	checkBalances(t, db, map[string]int64{"after-query": 1, "prepared": 1})
 }
 
 func inTransactionTx(t *testing.T, tx *sql.Tx) bool {
