@@ -7,6 +7,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
@@ -20,7 +22,8 @@ func TestSequenceAdvanceMany(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testenv.PostgresPool(t, 2)
-	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
+	schema := testenv.FreshSchema(t, pool)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -42,6 +45,9 @@ func TestSequenceAdvanceMany(t *testing.T) {
 		// The largest bigint, without overflow, both ways.
 		{[]string{"e", "f"}, [][]int64{{math.MaxInt64}, {math.MaxInt64}}, true, []int64{0, 0}, []int64{math.MaxInt64, math.MaxInt64}},
 		{[]string{"e", "f"}, [][]int64{{math.MaxInt64 - 1, math.MaxInt64}, {1}}, false, []int64{math.MaxInt64, math.MaxInt64}, []int64{math.MaxInt64, math.MaxInt64}},
+		// A redelivery moves nothing: the rows are read, not rewritten.
+		{[]string{"a", "b"}, [][]int64{{3, 4}, {1, 2, 3}}, false, []int64{8, 3}, []int64{8, 3}},
+		{[]string{"a", "c"}, [][]int64{{8}, {1}}, true, []int64{8, 1}, []int64{8, 1}},
 		// Aggregate IDs that need quoting in JSON.
 		{[]string{"\"q\"", "a\\b", "é\n"}, [][]int64{{1}, {1, 2}, {2}}, false, []int64{0, 0, 0}, []int64{1, 2, 0}},
 	}
@@ -62,6 +68,28 @@ func TestSequenceAdvanceMany(t *testing.T) {
 		if !slices.Equal(before, st.before) || !slices.Equal(after, st.after) {
 			t.Fatalf("step %d: before %v after %v, want %v and %v", i, before, after, st.before, st.after)
 		}
+	}
+	// A redelivery leaves the row version as it was.
+	version := func() string {
+		var v string
+		if err := pool.QueryRow(ctx, `SELECT xmin::text FROM `+pgx.Identifier{schema, "idem_sequences"}.Sanitize()+` WHERE handler = 'h' AND aggregate_id = 'a'`).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	v := version()
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := drv.SequenceAdvanceMany(ctx, tx, &driver.SequenceAdvanceManyParams{Handler: "h", AggregateIDs: []string{"a"}, Seqs: [][]int64{{7, 8}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Commit(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	if w := version(); w != v {
+		t.Fatalf("a redelivery rewrote the sequence row: xmin %s, then %s", v, w)
 	}
 }
 

@@ -182,7 +182,8 @@ LATERAL (SELECT last_seq FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate
 // AllowGap the largest sequence, otherwise the runs of consecutive
 // sequences as [first, last] pairs, and the row moves to the end of the
 // run that holds last_seq + 1 (written first - 1 <= last_seq < last, which
-// cannot overflow at the largest bigint). The value replaced is kept in prev_seq and
+// cannot overflow at the largest bigint). A row the batch does not move
+// (a redelivery) is locked but not rewritten, and read after. The value replaced is kept in prev_seq and
 // returned (RETURNING sees only the new row before PostgreSQL 18).
 func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.SequenceAdvanceManyParams) ([]int64, []int64, error) {
 	if len(p.AggregateIDs) != len(p.Seqs) {
@@ -227,6 +228,7 @@ func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.Seque
 	rows, err := tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq, prev_seq)
 SELECT $1, u.key, `+first+`, 0 FROM jsonb_each($2::jsonb) AS u ORDER BY u.key COLLATE "C"
 ON CONFLICT (handler, aggregate_id) DO UPDATE SET prev_seq = s.last_seq, last_seq = `+next+`
+WHERE `+next+` <> s.last_seq
 RETURNING aggregate_id, prev_seq, last_seq`, p.Handler, string(js))
 	if err != nil {
 		return nil, nil, err
@@ -243,6 +245,29 @@ RETURNING aggregate_id, prev_seq, last_seq`, p.Handler, string(js))
 	})
 	if err != nil {
 		return nil, nil, err
+	}
+	// A row the batch does not move (a redelivered batch) is locked by
+	// the conflict but not rewritten, nor returned: read it.
+	var still []string
+	for _, a := range p.AggregateIDs {
+		if _, ok := got[a]; !ok {
+			still = append(still, a)
+		}
+	}
+	if len(still) > 0 {
+		rows, err := tx.Query(ctx, `SELECT aggregate_id, last_seq FROM `+d.t.sequences+`
+WHERE handler = $1 AND aggregate_id = ANY($2::text[])`, p.Handler, still)
+		if err != nil {
+			return nil, nil, err
+		}
+		var last int64
+		_, err = pgx.ForEachRow(rows, []any{&agg, &last}, func() error {
+			got[agg] = pair{last, last}
+			return nil
+		})
+		if err != nil {
+			return nil, nil, err
+		}
 	}
 	before, after := make([]int64, len(p.AggregateIDs)), make([]int64, len(p.AggregateIDs))
 	for i, a := range p.AggregateIDs {
