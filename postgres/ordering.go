@@ -177,59 +177,70 @@ LATERAL (SELECT last_seq FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate
 // SequenceAdvanceMany implements driver.SequenceManyAdvancer with one
 // upsert, in byte order of the aggregate IDs, so that each row's lock
 // comes with its one write: no locking read before it, no second write
-// after. The batch's sequences travel as one jsonb object keyed by
-// aggregate ID, which the conflict branch looks its row up in: with
-// AllowGap the largest sequence, otherwise the runs of consecutive
-// sequences as [first, last] pairs, and the row moves to the end of the
-// run that holds last_seq + 1 (written first - 1 <= last_seq < last, which
-// cannot overflow at the largest bigint). A row the batch does not move
-// (a redelivery) is locked but not rewritten, and read after. The value replaced is kept in prev_seq and
-// returned (RETURNING sees only the new row before PostgreSQL 18).
+// after. With AllowGap each aggregate's largest sequence travels in an
+// array and a row moves to it if it is newer. Otherwise the runs of
+// consecutive sequences travel as one jsonb object keyed by aggregate ID,
+// [first, last] pairs, which the conflict branch looks its row up in; the
+// row moves to the end of the run that holds last_seq + 1 (written first -
+// 1 <= last_seq < last, which cannot overflow at the largest bigint). A row
+// the batch does not move (a redelivery) is locked but not rewritten, and
+// read after. The value replaced is kept in prev_seq and returned
+// (RETURNING sees only the new row before PostgreSQL 18).
 func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.SequenceAdvanceManyParams) ([]int64, []int64, error) {
 	if len(p.AggregateIDs) != len(p.Seqs) {
 		return nil, nil, fmt.Errorf("postgres: %d aggregates for %d sequence lists", len(p.AggregateIDs), len(p.Seqs))
 	}
-	batch := make(map[string]any, len(p.AggregateIDs))
-	for i, a := range p.AggregateIDs {
-		// encoding/json would turn invalid UTF-8 into U+FFFD, another
-		// key; such an ID cannot be stored in a text column anyway.
-		if !utf8.ValidString(a) {
-			return nil, nil, fmt.Errorf("postgres: aggregate ID %q is not valid UTF-8", a)
-		}
-		seqs := p.Seqs[i]
+	for i, seqs := range p.Seqs {
 		if len(seqs) == 0 {
-			return nil, nil, fmt.Errorf("postgres: no sequences for aggregate %q", a)
+			return nil, nil, fmt.Errorf("postgres: no sequences for aggregate %q", p.AggregateIDs[i])
 		}
-		if p.AllowGap {
-			batch[a] = seqs[len(seqs)-1]
-			continue
-		}
-		var runs [][2]int64
-		for _, s := range seqs {
-			if n := len(runs); n > 0 && runs[n-1][1]+1 == s {
-				runs[n-1][1] = s
-			} else {
-				runs = append(runs, [2]int64{s, s})
-			}
-		}
-		batch[a] = runs
 	}
-	js, err := json.Marshal(batch)
-	if err != nil {
-		return nil, nil, fmt.Errorf("postgres: encode the batch's sequences: %w", err)
-	}
-	first := `COALESCE((SELECT (r->>1)::bigint FROM jsonb_array_elements(u.value) AS r WHERE (r->>0)::bigint = 1), 0)`
-	next := `COALESCE((SELECT (r->>1)::bigint FROM jsonb_array_elements($2::jsonb -> excluded.aggregate_id) AS r
-    WHERE (r->>0)::bigint - 1 <= s.last_seq AND s.last_seq < (r->>1)::bigint), s.last_seq)`
+	var (
+		rows pgx.Rows
+		err  error
+	)
 	if p.AllowGap {
-		first = `(u.value::text)::bigint`
-		next = `GREATEST(s.last_seq, ($2::jsonb ->> excluded.aggregate_id)::bigint)`
-	}
-	rows, err := tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq, prev_seq)
-SELECT $1, u.key, `+first+`, 0 FROM jsonb_each($2::jsonb) AS u ORDER BY u.key COLLATE "C"
+		largest := make([]int64, len(p.Seqs))
+		for i, seqs := range p.Seqs {
+			largest[i] = seqs[len(seqs)-1]
+		}
+		rows, err = tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq, prev_seq)
+SELECT $1, u.a, u.l, 0 FROM unnest($2::text[], $3::bigint[]) AS u(a, l) ORDER BY u.a COLLATE "C"
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET prev_seq = s.last_seq, last_seq = excluded.last_seq
+WHERE excluded.last_seq > s.last_seq
+RETURNING aggregate_id, prev_seq, last_seq`, p.Handler, p.AggregateIDs, largest)
+	} else {
+		batch := make(map[string][][2]int64, len(p.AggregateIDs))
+		for i, a := range p.AggregateIDs {
+			// encoding/json would turn invalid UTF-8 into U+FFFD,
+			// another key; such an ID cannot be stored in a text
+			// column anyway.
+			if !utf8.ValidString(a) {
+				return nil, nil, fmt.Errorf("postgres: aggregate ID %q is not valid UTF-8", a)
+			}
+			var runs [][2]int64
+			for _, s := range p.Seqs[i] {
+				if n := len(runs); n > 0 && runs[n-1][1]+1 == s {
+					runs[n-1][1] = s
+				} else {
+					runs = append(runs, [2]int64{s, s})
+				}
+			}
+			batch[a] = runs
+		}
+		js, jerr := json.Marshal(batch)
+		if jerr != nil {
+			return nil, nil, fmt.Errorf("postgres: encode the batch's sequences: %w", jerr)
+		}
+		next := `COALESCE((SELECT (r->>1)::bigint FROM jsonb_array_elements($2::jsonb -> excluded.aggregate_id) AS r
+    WHERE (r->>0)::bigint - 1 <= s.last_seq AND s.last_seq < (r->>1)::bigint), s.last_seq)`
+		rows, err = tx.Query(ctx, `INSERT INTO `+d.t.sequences+` AS s (handler, aggregate_id, last_seq, prev_seq)
+SELECT $1, u.key, COALESCE((SELECT (r->>1)::bigint FROM jsonb_array_elements(u.value) AS r WHERE (r->>0)::bigint = 1), 0), 0
+FROM jsonb_each($2::jsonb) AS u ORDER BY u.key COLLATE "C"
 ON CONFLICT (handler, aggregate_id) DO UPDATE SET prev_seq = s.last_seq, last_seq = `+next+`
 WHERE `+next+` <> s.last_seq
 RETURNING aggregate_id, prev_seq, last_seq`, p.Handler, string(js))
+	}
 	if err != nil {
 		return nil, nil, err
 	}
