@@ -8,8 +8,6 @@ import (
 	"strings"
 	"testing"
 
-	gomysql "github.com/go-sql-driver/mysql"
-
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
@@ -146,18 +144,7 @@ func readPairs(ctx context.Context, db *sql.DB, q string) (map[string]string, er
 // connections are at READ COMMITTED already (Config.SessionIsolation).
 func openStoreSession(t testing.TB) *idemtest.Store[*sql.Tx] {
 	t.Helper()
-	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	db, err := mysql.Open(context.Background(), cfg)
-	if err != nil {
-		testenv.Unavailable(t, "MySQL/MariaDB", cfg.Addr, err)
-	}
-	db.SetMaxOpenConns(70)
-	db.SetMaxIdleConns(70)
-	t.Cleanup(func() { db.Close() })
-	return storeOn(t, db, &mysql.Config{SessionIsolation: true})
+	return storeOn(t, openFolded(t, testenv.MySQLDatabase(t), 70), &mysql.Config{SessionIsolation: true})
 }
 
 // TestConformance runs the suite with 64 goroutines delivering the same
