@@ -283,7 +283,13 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 		return cmp.Compare(a, b)
 	})
 	pending := slices.Clone(order) // cut into each aggregate's pending
-	var rows []rowState
+	distinct := 0
+	for k, i := range order {
+		if k == 0 || keys[i] != keys[order[k-1]] {
+			distinct++
+		}
+	}
+	rows := make([]rowState, 0, distinct)
 	for lo := 0; lo < len(order); {
 		hi := lo + 1
 		for hi < len(order) && keys[order[hi]] == keys[order[lo]] {
@@ -322,12 +328,12 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 		// This round's guards, their messages (indexes into msgs, and
 		// the messages), and the aggregate of each.
 		var (
-			guards []RowGuard
+			guards = make([]RowGuard, 0, len(rows))
 			gs     []*RowGuard
 			runs   = make([]int, 0, len(msgs))
 			gmsgs  = make([]*Message, 0, len(msgs))
-			ends   []int // where each guard's run ends in runs
-			of     []*rowState
+			ends   = make([]int, 0, len(rows)) // where each guard's run ends in runs
+			of     = make([]*rowState, 0, len(rows))
 		)
 		for r := range rows {
 			st := &rows[r]
