@@ -611,7 +611,10 @@ func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TT
 	if err != nil {
 		return nil, fmt.Errorf("idem: ordering guard: %w", err)
 	}
-	set := &driver.SequenceSetManyParams{Handler: h.Name}
+	var before []int64 // for SequenceSetMany: what moved
+	if after == nil {
+		before = slices.Clone(lasts)
+	}
 	a := -1 // index of the current aggregate in aggs and lasts
 	for k, i := range order {
 		if a < 0 || aggs[a] != g.keys[i] {
@@ -624,11 +627,6 @@ func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TT
 		}
 		res[k].Advanced = true
 		lasts[a] = seq
-		if n := len(set.AggregateIDs); n > 0 && set.AggregateIDs[n-1] == g.keys[i] {
-			set.Seqs[n-1] = seq
-		} else {
-			set.AggregateIDs, set.Seqs = append(set.AggregateIDs, g.keys[i]), append(set.Seqs, seq)
-		}
 	}
 	if after != nil {
 		// lasts now holds what this decision leaves behind: the store's
@@ -641,6 +639,12 @@ func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TT
 			}
 		}
 		return res, nil
+	}
+	set := &driver.SequenceSetManyParams{Handler: h.Name}
+	for a, last := range lasts {
+		if last != before[a] { // an advance only ever moves forward
+			set.AggregateIDs, set.Seqs = append(set.AggregateIDs, aggs[a]), append(set.Seqs, last)
+		}
 	}
 	if len(set.AggregateIDs) > 0 {
 		if err := p.seqBatch.SequenceSetMany(ctx, tx, set); err != nil {
