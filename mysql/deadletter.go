@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlfilter"
 )
 
 var _ driver.DeadLetterStore = (*Driver)(nil)
@@ -135,55 +136,15 @@ WHERE id = ?`, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fingerprin
 	return id, nil
 }
 
-// idsIn matches the rows whose IDs a JSON array holds (jsonIDs): one
+// idsIn matches the rows whose IDs a JSON array holds (sqlfilter.JSONIDs): one
 // parameter however many IDs, where a list of ? would stop at the
 // protocol's 65,535 placeholders. JSON_TABLE is in MySQL 8.0 and MariaDB
 // 10.6.
 const idsIn = `id IN (SELECT j.v FROM JSON_TABLE(?, '$[*]' COLUMNS (v BIGINT PATH '$')) AS j)`
 
-// jsonIDs is ids as a JSON array, for idsIn.
-func jsonIDs(ids []int64) string {
-	b := make([]byte, 0, 2+8*len(ids))
-	b = append(b, '[')
-	for i, id := range ids {
-		if i > 0 {
-			b = append(b, ',')
-		}
-		b = strconv.AppendInt(b, id, 10)
-	}
-	return string(append(b, ']'))
-}
-
 // DeadLetterList implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter) ([]driver.DeadLetter, error) {
-	where, args := []string{"1 = 1"}, []any{}
-	if f != nil {
-		if f.Handler != "" {
-			where, args = append(where, "handler = ?"), append(args, f.Handler)
-		}
-		if f.Fingerprint != "" {
-			where, args = append(where, "fingerprint = ?"), append(args, f.Fingerprint)
-		}
-		if f.State != "" {
-			where, args = append(where, "state = ?"), append(args, f.State)
-		}
-		if f.IDs != nil {
-			if len(f.IDs) == 0 {
-				where = append(where, "1 = 0")
-			} else {
-				where, args = append(where, idsIn), append(args, jsonIDs(f.IDs))
-			}
-		}
-		if !f.Since.IsZero() {
-			where, args = append(where, "last_failed_at >= ?"), append(args, micros(f.Since))
-		}
-		if !f.Until.IsZero() {
-			where, args = append(where, "last_failed_at < ?"), append(args, micros(f.Until))
-		}
-		if f.AfterID > 0 {
-			where, args = append(where, "id > ?"), append(args, f.AfterID)
-		}
-	}
+	where, args := sqlfilter.DeadLetters(f, idsIn)
 	cols := deadLetterColumns
 	if f != nil && f.Summary {
 		cols = deadLetterSummaryColumns
@@ -229,7 +190,7 @@ func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterSta
 	for _, s := range c.From {
 		args = append(args, s)
 	}
-	args = append(args, jsonIDs(c.IDs))
+	args = append(args, sqlfilter.JSONIDs(c.IDs))
 	var moved []int64
 	err := d.retry(ctx, func() error {
 		moved = moved[:0]
@@ -258,7 +219,7 @@ func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterSta
 		if len(moved) == 0 {
 			return nil
 		}
-		ids := jsonIDs(moved)
+		ids := sqlfilter.JSONIDs(moved)
 		if _, err := tx.ExecContext(ctx, `UPDATE `+d.t.deadLetters+` SET state = ? WHERE `+idsIn, c.To, ids); err != nil {
 			return err
 		}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlfilter"
 )
 
 var (
@@ -185,7 +186,7 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 		return nil
 	}
 	err := d.retry(ctx, func() error {
-		_, err := d.db.ExecContext(ctx, `UPDATE `+d.t.outbox+` SET published_at = `+nowMicros+` WHERE published_at IS NULL AND `+idsIn, jsonIDs(ids))
+		_, err := d.db.ExecContext(ctx, `UPDATE `+d.t.outbox+` SET published_at = `+nowMicros+` WHERE published_at IS NULL AND `+idsIn, sqlfilter.JSONIDs(ids))
 		return err
 	})
 	if err != nil {

@@ -9,16 +9,10 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlfilter"
 )
 
 var _ driver.OutboxAdmin = (*Driver)(nil)
-
-// outboxStateSQL is each state's condition on an unpublished row.
-var outboxStateSQL = map[driver.OutboxState]string{
-	driver.OutboxPending: "o.parked_at IS NULL AND o.attempts = 0",
-	driver.OutboxFailing: "o.parked_at IS NULL AND o.attempts > 0",
-	driver.OutboxParked:  "o.parked_at IS NOT NULL",
-}
 
 // OutboxList implements driver.OutboxAdmin.
 func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.OutboxPage, error) {
@@ -27,28 +21,14 @@ func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.
 	if err != nil {
 		return page, fmt.Errorf("mysql: list outbox: %w", err)
 	}
-	where, args := []string{"o.published_at IS NULL"}, []any{}
-	if f.Destination != "" {
-		where, args = append(where, "o.destination = ?"), append(args, f.Destination)
-	}
-	if f.OrderingKey != "" {
-		where, args = append(where, "o.ordering_key = ?"), append(args, f.OrderingKey)
-	}
-	if f.IDs != nil {
-		where, args = append(where, "o."+idsIn), append(args, jsonIDs(f.IDs))
-	}
-	err = d.db.QueryRowContext(ctx, `SELECT COALESCE(SUM(`+outboxStateSQL[driver.OutboxPending]+`), 0),
-COALESCE(SUM(`+outboxStateSQL[driver.OutboxFailing]+`), 0), COALESCE(SUM(`+outboxStateSQL[driver.OutboxParked]+`), 0)
+	where, args := sqlfilter.OutboxScope(f, idsIn)
+	err = d.db.QueryRowContext(ctx, `SELECT COALESCE(SUM(`+sqlfilter.OutboxState[driver.OutboxPending]+`), 0),
+COALESCE(SUM(`+sqlfilter.OutboxState[driver.OutboxFailing]+`), 0), COALESCE(SUM(`+sqlfilter.OutboxState[driver.OutboxParked]+`), 0)
 FROM `+d.t.outbox+` o WHERE `+strings.Join(where, " AND "), args...).Scan(&page.Counts.Pending, &page.Counts.Failing, &page.Counts.Parked)
 	if err != nil {
 		return page, fmt.Errorf("mysql: list outbox: %w", notMigrated(err))
 	}
-	if f.State != "" {
-		where = append(where, outboxStateSQL[f.State])
-	}
-	if f.AfterID > 0 {
-		where, args = append(where, "o.id > ?"), append(args, f.AfterID)
-	}
+	where, args = sqlfilter.Outbox(f, where, args)
 	args = append(args, limit+1)
 	rows, err := d.db.QueryContext(ctx, `SELECT o.id, o.destination, o.message_id, o.ordering_key, o.aggregate_id, o.seq, o.type, o.headers, o.payload, o.payload_hash,
   o.created_at, o.attempts, o.last_error, o.parked_at, o.parked_by, o.park_reason, c.owner, c.claimed_until,
@@ -105,7 +85,7 @@ WHERE `+strings.Join(where, " AND ")+` ORDER BY o.id LIMIT ?`, args...)
 func (d *Driver) OutboxRetryNow(ctx context.Context, ids []int64, actor string) (driver.OutboxActionResult, error) {
 	res, err := d.outboxAct(ctx, ids, false, func(tx *sql.Tx, rows []outboxTarget, now int64) ([]int64, error) {
 		done := targetIDs(rows, nil)
-		todo := jsonIDs(done)
+		todo := sqlfilter.JSONIDs(done)
 		if err := d.outboxLog(ctx, tx, todo, "retry", actor, "", now); err != nil {
 			return nil, err
 		}
@@ -129,7 +109,7 @@ func (d *Driver) OutboxPark(ctx context.Context, ids []int64, actor, reason stri
 		if len(done) == 0 {
 			return nil, nil
 		}
-		todo := jsonIDs(done)
+		todo := sqlfilter.JSONIDs(done)
 		if err := d.outboxLog(ctx, tx, todo, "park", actor, reason, now); err != nil {
 			return nil, err
 		}
@@ -147,7 +127,7 @@ func (d *Driver) OutboxPark(ctx context.Context, ids []int64, actor, reason stri
 func (d *Driver) OutboxDiscard(ctx context.Context, ids []int64, actor, reason string) (driver.OutboxActionResult, error) {
 	res, err := d.outboxAct(ctx, ids, true, func(tx *sql.Tx, rows []outboxTarget, now int64) ([]int64, error) {
 		done := targetIDs(rows, nil)
-		todo := jsonIDs(done)
+		todo := sqlfilter.JSONIDs(done)
 		if err := d.outboxLog(ctx, tx, todo, "discard", actor, reason, now); err != nil {
 			return nil, err
 		}
@@ -214,7 +194,7 @@ func (d *Driver) outboxAct(ctx context.Context, ids []int64, takeKeys bool, act 
 			return err
 		}
 		rows, err := tx.QueryContext(ctx, `SELECT id, ordering_key, parked_at IS NOT NULL FROM `+d.t.outbox+`
-WHERE published_at IS NULL AND `+idsIn+` ORDER BY id FOR UPDATE`, jsonIDs(ids))
+WHERE published_at IS NULL AND `+idsIn+` ORDER BY id FOR UPDATE`, sqlfilter.JSONIDs(ids))
 		if err != nil {
 			return err
 		}

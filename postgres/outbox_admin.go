@@ -10,16 +10,10 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlfilter"
 )
 
 var _ driver.OutboxAdmin = (*Driver)(nil)
-
-// outboxStateSQL is each state's condition on an unpublished row.
-var outboxStateSQL = map[driver.OutboxState]string{
-	driver.OutboxPending: "o.parked_at IS NULL AND o.attempts = 0",
-	driver.OutboxFailing: "o.parked_at IS NULL AND o.attempts > 0",
-	driver.OutboxParked:  "o.parked_at IS NOT NULL",
-}
 
 // OutboxList implements driver.OutboxAdmin.
 func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.OutboxPage, error) {
@@ -42,14 +36,14 @@ func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.
 	if f.IDs != nil {
 		add("o.id = ANY($?)", f.IDs)
 	}
-	err = d.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxPending]+`),
-count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxFailing]+`), count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxParked]+`)
+	err = d.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE `+sqlfilter.OutboxState[driver.OutboxPending]+`),
+count(*) FILTER (WHERE `+sqlfilter.OutboxState[driver.OutboxFailing]+`), count(*) FILTER (WHERE `+sqlfilter.OutboxState[driver.OutboxParked]+`)
 FROM `+d.t.outbox+` o WHERE `+strings.Join(where, " AND "), args...).Scan(&page.Counts.Pending, &page.Counts.Failing, &page.Counts.Parked)
 	if err != nil {
 		return page, fmt.Errorf("postgres: list outbox: %w", notMigrated(err))
 	}
 	if f.State != "" {
-		where = append(where, outboxStateSQL[f.State])
+		where = append(where, sqlfilter.OutboxState[f.State])
 	}
 	if f.AfterID > 0 {
 		add("o.id > $?", f.AfterID)

@@ -6,11 +6,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlfilter"
 )
 
 var _ driver.DeadLetterStore = (*Driver)(nil)
@@ -103,51 +103,15 @@ WHERE id = ?`, hash, dl.Envelope, dl.Raw, dl.Source, dl.Error, dl.Class, dl.Fing
 	return id, nil
 }
 
-// idsIn matches the rows whose IDs a JSON array holds (jsonIDs): one
+// idsIn matches the rows whose IDs a JSON array holds (sqlfilter.JSONIDs): one
 // parameter however many IDs, where a list of ? would stop at SQLite's
 // 32,766 bound variables — a backlog "idem dlq replay" must still move,
 // and a relay's batch of marks is the user's to size.
 const idsIn = `id IN (SELECT value FROM json_each(?))`
 
-// jsonIDs is ids as a JSON array, for idsIn.
-func jsonIDs(ids []int64) string {
-	b := make([]byte, 0, 2+8*len(ids))
-	b = append(b, '[')
-	for i, id := range ids {
-		if i > 0 {
-			b = append(b, ',')
-		}
-		b = strconv.AppendInt(b, id, 10)
-	}
-	return string(append(b, ']'))
-}
-
 // DeadLetterList implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter) ([]driver.DeadLetter, error) {
-	where, args := []string{"1 = 1"}, []any{}
-	if f != nil {
-		if f.Handler != "" {
-			where, args = append(where, "handler = ?"), append(args, f.Handler)
-		}
-		if f.Fingerprint != "" {
-			where, args = append(where, "fingerprint = ?"), append(args, f.Fingerprint)
-		}
-		if f.State != "" {
-			where, args = append(where, "state = ?"), append(args, f.State)
-		}
-		if f.IDs != nil {
-			where, args = append(where, idsIn), append(args, jsonIDs(f.IDs))
-		}
-		if !f.Since.IsZero() {
-			where, args = append(where, "last_failed_at >= ?"), append(args, f.Since.UnixMicro())
-		}
-		if !f.Until.IsZero() {
-			where, args = append(where, "last_failed_at < ?"), append(args, f.Until.UnixMicro())
-		}
-		if f.AfterID > 0 {
-			where, args = append(where, "id > ?"), append(args, f.AfterID)
-		}
-	}
+	where, args := sqlfilter.DeadLetters(f, idsIn)
 	cols := deadLetterColumns
 	if f != nil && f.Summary {
 		cols = deadLetterSummaryColumns
@@ -195,7 +159,7 @@ func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterSta
 	for _, s := range c.From {
 		args = append(args, s)
 	}
-	args = append(args, jsonIDs(c.IDs))
+	args = append(args, sqlfilter.JSONIDs(c.IDs))
 	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlfilter"
 )
 
 var (
@@ -152,7 +153,7 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 		return nil
 	}
 	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.tables.outbox+` SET published_at = ? WHERE published_at IS NULL AND `+idsIn,
-		time.Now().UnixMicro(), jsonIDs(ids)); err != nil {
+		time.Now().UnixMicro(), sqlfilter.JSONIDs(ids)); err != nil {
 		return fmt.Errorf("sqlite: mark outbox rows published: %w", err)
 	}
 	return nil

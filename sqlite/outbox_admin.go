@@ -8,16 +8,10 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlfilter"
 )
 
 var _ driver.OutboxAdmin = (*Driver)(nil)
-
-// outboxStateSQL is each state's condition on an unpublished row.
-var outboxStateSQL = map[driver.OutboxState]string{
-	driver.OutboxPending: "o.parked_at IS NULL AND o.attempts = 0",
-	driver.OutboxFailing: "o.parked_at IS NULL AND o.attempts > 0",
-	driver.OutboxParked:  "o.parked_at IS NOT NULL",
-}
 
 // OutboxList implements driver.OutboxAdmin.
 func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.OutboxPage, error) {
@@ -26,28 +20,14 @@ func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.
 	if err != nil {
 		return page, fmt.Errorf("sqlite: list outbox: %w", err)
 	}
-	where, args := []string{"o.published_at IS NULL"}, []any{}
-	if f.Destination != "" {
-		where, args = append(where, "o.destination = ?"), append(args, f.Destination)
-	}
-	if f.OrderingKey != "" {
-		where, args = append(where, "o.ordering_key = ?"), append(args, f.OrderingKey)
-	}
-	if f.IDs != nil {
-		where, args = append(where, "o."+idsIn), append(args, jsonIDs(f.IDs))
-	}
-	err = d.db.QueryRowContext(ctx, `SELECT count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxPending]+`),
-count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxFailing]+`), count(*) FILTER (WHERE `+outboxStateSQL[driver.OutboxParked]+`)
+	where, args := sqlfilter.OutboxScope(f, idsIn)
+	err = d.db.QueryRowContext(ctx, `SELECT count(*) FILTER (WHERE `+sqlfilter.OutboxState[driver.OutboxPending]+`),
+count(*) FILTER (WHERE `+sqlfilter.OutboxState[driver.OutboxFailing]+`), count(*) FILTER (WHERE `+sqlfilter.OutboxState[driver.OutboxParked]+`)
 FROM `+d.tables.outbox+` o WHERE `+strings.Join(where, " AND "), args...).Scan(&page.Counts.Pending, &page.Counts.Failing, &page.Counts.Parked)
 	if err != nil {
 		return page, fmt.Errorf("sqlite: list outbox: %w", err)
 	}
-	if f.State != "" {
-		where = append(where, outboxStateSQL[f.State])
-	}
-	if f.AfterID > 0 {
-		where, args = append(where, "o.id > ?"), append(args, f.AfterID)
-	}
+	where, args = sqlfilter.Outbox(f, where, args)
 	now := time.Now().UnixMicro()
 	args = append([]any{now}, append(args, limit+1)...)
 	rows, err := d.db.QueryContext(ctx, `SELECT o.id, o.destination, o.message_id, o.ordering_key, o.aggregate_id, o.seq, o.type, o.headers, o.payload, o.payload_hash,
@@ -142,7 +122,7 @@ func (d *Driver) OutboxPark(ctx context.Context, ids []int64, actor, reason stri
 		if len(unparked) == 0 {
 			return nil, nil
 		}
-		todo := jsonIDs(unparked)
+		todo := sqlfilter.JSONIDs(unparked)
 		done, err := d.outboxLog(ctx, tx, todo, "park", actor, reason, now)
 		if err != nil {
 			return nil, err
@@ -217,7 +197,7 @@ func (d *Driver) outboxAct(ctx context.Context, ids []int64, anyKey bool, act fu
 	now := time.Now().UnixMicro()
 	rows, err := tx.QueryContext(ctx, `SELECT o.id, c.owner IS NOT NULL FROM `+d.tables.outbox+` o
 LEFT JOIN `+d.tables.outboxClaims+` c ON c.ordering_key = o.ordering_key AND c.owner <> '' AND c.claimed_until > ?
-WHERE o.published_at IS NULL AND o.`+idsIn, now, jsonIDs(ids))
+WHERE o.published_at IS NULL AND o.`+idsIn, now, sqlfilter.JSONIDs(ids))
 	if err != nil {
 		return res, err
 	}
@@ -243,7 +223,7 @@ WHERE o.published_at IS NULL AND o.`+idsIn, now, jsonIDs(ids))
 	}
 	var done []int64
 	if len(free) > 0 {
-		if done, err = act(tx, jsonIDs(free), now); err != nil {
+		if done, err = act(tx, sqlfilter.JSONIDs(free), now); err != nil {
 			return res, err
 		}
 	}
