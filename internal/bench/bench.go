@@ -18,6 +18,7 @@ package bench
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -683,4 +684,22 @@ func runPrefix() (string, error) {
 		return "", fmt.Errorf("bench: random run prefix: %w", err)
 	}
 	return hex.EncodeToString(b), nil
+}
+
+// inSQLTx runs fn in a transaction begun on db with BeginTx (the driver's
+// defaults, as a plain database/sql caller has them) and commits it: the
+// plain and hand-rolled variants of the database/sql targets.
+func inSQLTx(ctx context.Context, db *sql.DB, fn func(tx *sql.Tx) error) error {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("bench: begin: %w", err)
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("bench: commit: %w", err)
+	}
+	return nil
 }

@@ -107,36 +107,19 @@ func (t *MySQLTarget) applyBatch(ctx context.Context, tx *sql.Tx, msgs []*idem.M
 	return nil
 }
 
-// inTx runs fn in a transaction begun with the pool's BeginTx (the
-// server's default isolation) and commits it.
-func (t *MySQLTarget) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	tx, err := t.db.BeginTx(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("bench: begin: %w", err)
-	}
-	if err := fn(tx); err != nil {
-		_ = tx.Rollback()
-		return err
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("bench: commit: %w", err)
-	}
-	return nil
-}
-
 // PlainOne implements Target.
 func (t *MySQLTarget) PlainOne(ctx context.Context, msg *idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyOne(ctx, tx, msg) })
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error { return t.applyOne(ctx, tx, msg) })
 }
 
 // PlainBatch implements Target.
 func (t *MySQLTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyBatch(ctx, tx, msgs) })
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error { return t.applyBatch(ctx, tx, msgs) })
 }
 
 // PlainBatchPerEvent implements PerEventTarget.
 func (t *MySQLTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error {
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error {
 		for _, m := range msgs {
 			if err := t.applyOne(ctx, tx, m); err != nil {
 				return err
@@ -150,7 +133,7 @@ func (t *MySQLTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Messa
 // upsert if it added a row, in a transaction begun with the pool's
 // BeginTx, as a team writes it on database/sql.
 func (t *MySQLTarget) HandOne(ctx context.Context, msg *idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error {
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error {
 		res, err := tx.ExecContext(ctx, `INSERT IGNORE INTO `+t.hand+` (message_id) VALUES (?)`, msg.ID)
 		if err != nil {
 			return fmt.Errorf("bench: insert processed ID: %w", err)
@@ -172,7 +155,7 @@ func (t *MySQLTarget) HandBatchPerEvent(ctx context.Context, msgs []*idem.Messag
 	for i, m := range msgs {
 		args[i] = m.ID
 	}
-	return t.inTx(ctx, func(tx *sql.Tx) error {
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error {
 		res, err := tx.ExecContext(ctx, `INSERT IGNORE INTO `+t.hand+` (message_id) VALUES (?)`+strings.Repeat(", (?)", len(msgs)-1), args...)
 		if err != nil {
 			return fmt.Errorf("bench: insert processed IDs: %w", err)

@@ -128,30 +128,14 @@ func (t *SQLiteTarget) applyBatch(ctx context.Context, tx *sql.Tx, msgs []*idem.
 	return nil
 }
 
-// inTx runs fn in a transaction and commits it.
-func (t *SQLiteTarget) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	tx, err := t.db.BeginTx(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("bench: begin: %w", err)
-	}
-	if err := fn(tx); err != nil {
-		_ = tx.Rollback()
-		return err
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("bench: commit: %w", err)
-	}
-	return nil
-}
-
 // PlainOne implements Target.
 func (t *SQLiteTarget) PlainOne(ctx context.Context, msg *idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyOne(ctx, tx, msg) })
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error { return t.applyOne(ctx, tx, msg) })
 }
 
 // PlainBatch implements Target.
 func (t *SQLiteTarget) PlainBatch(ctx context.Context, msgs []*idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error { return t.applyBatch(ctx, tx, msgs) })
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error { return t.applyBatch(ctx, tx, msgs) })
 }
 
 // Close closes the database and, with RemoveOnClose, deletes its files.
@@ -200,7 +184,7 @@ func checkApplied(msgs []*idem.Message, outs []idem.Outcome) error {
 
 // PlainBatchPerEvent implements PerEventTarget.
 func (t *SQLiteTarget) PlainBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error {
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error {
 		for _, m := range msgs {
 			if err := t.applyOne(ctx, tx, m); err != nil {
 				return err
@@ -230,13 +214,13 @@ func (t *SQLiteTarget) handApply(ctx context.Context, tx *sql.Tx, msg *idem.Mess
 
 // HandOne implements HandRolledTarget.
 func (t *SQLiteTarget) HandOne(ctx context.Context, msg *idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error { return t.handApply(ctx, tx, msg) })
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error { return t.handApply(ctx, tx, msg) })
 }
 
 // HandBatchPerEvent implements HandRolledTarget: the hand-rolled dedupe
 // per message, in one transaction.
 func (t *SQLiteTarget) HandBatchPerEvent(ctx context.Context, msgs []*idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error {
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error {
 		for _, m := range msgs {
 			if err := t.handApply(ctx, tx, m); err != nil {
 				return err
@@ -297,7 +281,7 @@ func (t *SQLiteTarget) writeRows(ctx context.Context, tx *sql.Tx, gs []*idem.Row
 
 // PlainOneInRow implements InRowTarget.
 func (t *SQLiteTarget) PlainOneInRow(ctx context.Context, msg *idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error {
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error {
 		gs := oneGuard(msg)
 		ws, err := t.writeRows(ctx, tx, gs)
 		if err != nil {
@@ -309,7 +293,7 @@ func (t *SQLiteTarget) PlainOneInRow(ctx context.Context, msg *idem.Message) err
 
 // PlainBatchInRow implements InRowTarget.
 func (t *SQLiteTarget) PlainBatchInRow(ctx context.Context, msgs []*idem.Message) error {
-	return t.inTx(ctx, func(tx *sql.Tx) error {
+	return inSQLTx(ctx, t.db, func(tx *sql.Tx) error {
 		gs := rowGuards(msgs)
 		ws, err := t.writeRows(ctx, tx, gs)
 		if err != nil {
