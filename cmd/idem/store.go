@@ -795,18 +795,8 @@ ORDER BY 1, 2`)
 WHERE m.type = 'table' AND m.name LIKE '%migrations' AND length(m.name) > 10
   AND EXISTS (SELECT 1 FROM sqlite_master p WHERE p.type = 'table' AND p.name = substr(m.name, 1, length(m.name) - 10) || 'processed')
 ORDER BY 1`)
-		if err != nil {
-			return "", nil, err
-		}
-		defer rows.Close()
-		for rows.Next() {
-			var prefix string
-			if err := rows.Scan(&prefix); err != nil {
-				return "", nil, err
-			}
-			found = append(found, fmt.Sprintf("prefix %q", prefix))
-		}
-		return here, found, rows.Err()
+		found, err = quotedPrefixes(rows, err)
+		return here, found, err
 	case kindMySQL:
 		// The DSN names the database; other prefixes in it are found.
 		here = fmt.Sprintf("prefix %q", s.opts.Prefix)
@@ -815,18 +805,26 @@ WHERE m.table_schema = DATABASE() AND m.table_name LIKE '%migrations' AND CHAR_L
   AND EXISTS (SELECT 1 FROM information_schema.tables p WHERE p.table_schema = m.table_schema
     AND p.table_name = CONCAT(LEFT(m.table_name, CHAR_LENGTH(m.table_name) - 10), 'markers'))
 ORDER BY 1`)
-		if err != nil {
-			return "", nil, err
-		}
-		defer rows.Close()
-		for rows.Next() {
-			var prefix string
-			if err := rows.Scan(&prefix); err != nil {
-				return "", nil, err
-			}
-			found = append(found, fmt.Sprintf("prefix %q", prefix))
-		}
-		return here, found, rows.Err()
+		found, err = quotedPrefixes(rows, err)
+		return here, found, err
 	}
 	return "", nil, fmt.Errorf("find tables: unsupported store %s", s)
+}
+
+// quotedPrefixes reads the table prefixes a query of findTables returned,
+// each as `prefix "…"`.
+func quotedPrefixes(rows *sql.Rows, err error) ([]string, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var found []string
+	for rows.Next() {
+		var prefix string
+		if err := rows.Scan(&prefix); err != nil {
+			return nil, err
+		}
+		found = append(found, fmt.Sprintf("prefix %q", prefix))
+	}
+	return found, rows.Err()
 }
