@@ -97,6 +97,39 @@ type OutboxPage struct {
 	Counts OutboxCounts
 }
 
+// SetListed fills in what a store's list derives from an unpublished row
+// read with its key's claim: the state (parked when parkedAt is set,
+// failing after a failed attempt, else pending) and the claim. claimed
+// says a claim row was read; its empty owner is a hold after a failed
+// publish (HeldUntil), any other a relay's claim (ClaimedBy,
+// ClaimedUntil). ParkedBy and ParkReason are the store's to set.
+func (e *OutboxEntry) SetListed(parkedAt time.Time, claimed bool, owner string, until time.Time) {
+	switch {
+	case !parkedAt.IsZero():
+		e.State, e.ParkedAt = OutboxParked, parkedAt
+	case e.Attempts > 0:
+		e.State = OutboxFailing
+	default:
+		e.State = OutboxPending
+	}
+	switch {
+	case !claimed:
+	case owner == "":
+		e.HeldUntil = until
+	default:
+		e.ClaimedBy, e.ClaimedUntil = owner, until
+	}
+}
+
+// Trim cuts a page a store read with one row more than limit (to learn
+// whether another page follows) to limit rows, and sets Next.
+func (p *OutboxPage) Trim(limit int) {
+	if len(p.Rows) > limit {
+		p.Rows = p.Rows[:limit]
+		p.Next = p.Rows[limit-1].ID
+	}
+}
+
 // OutboxActionResult reports what an operator's action did to each row
 // it named.
 type OutboxActionResult struct {

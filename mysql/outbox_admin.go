@@ -53,29 +53,15 @@ WHERE `+strings.Join(where, " AND ")+` ORDER BY o.id LIMIT ?`, args...)
 		}
 		e.CreatedAt = time.UnixMicro(created)
 		e.LastError = lastErr.String
-		switch {
-		case parked.Valid:
-			e.State, e.ParkedAt, e.ParkedBy, e.ParkReason = driver.OutboxParked, time.UnixMicro(parked.Int64), parkBy.String, parkWhy.String
-		case e.Attempts > 0:
-			e.State = driver.OutboxFailing
-		default:
-			e.State = driver.OutboxPending
-		}
-		if owner.Valid && owner.String == "" {
-			e.HeldUntil = time.UnixMicro(until.Int64)
-		} else if owner.Valid {
-			e.ClaimedBy, e.ClaimedUntil = owner.String, time.UnixMicro(until.Int64)
-		}
+		e.SetListed(fromMicros(parked), owner.Valid, owner.String, fromMicros(until))
+		e.ParkedBy, e.ParkReason = parkBy.String, parkWhy.String
 		e.BlockedBy = blocked.Int64
 		page.Rows = append(page.Rows, e)
 	}
 	if err := rows.Err(); err != nil {
 		return page, fmt.Errorf("mysql: list outbox: %w", err)
 	}
-	if len(page.Rows) > limit {
-		page.Rows = page.Rows[:limit]
-		page.Next = page.Rows[limit-1].ID
-	}
+	page.Trim(limit)
 	return page, nil
 }
 

@@ -70,19 +70,17 @@ WHERE `+strings.Join(where, " AND ")+fmt.Sprintf(` ORDER BY o.id LIMIT $%d`, len
 		if err != nil {
 			return e, err
 		}
-		switch {
-		case parked != nil:
-			e.State, e.ParkedAt = driver.OutboxParked, *parked
-		case e.Attempts > 0:
-			e.State = driver.OutboxFailing
-		default:
-			e.State = driver.OutboxPending
+		var (
+			parkedAt, claimEnd time.Time
+			claimant           string
+		)
+		if parked != nil {
+			parkedAt = *parked
 		}
-		if owner != nil && *owner == "" {
-			e.HeldUntil = *until
-		} else if owner != nil {
-			e.ClaimedBy, e.ClaimedUntil = *owner, *until
+		if owner != nil {
+			claimant, claimEnd = *owner, *until
 		}
+		e.SetListed(parkedAt, owner != nil, claimant, claimEnd)
 		if blocked != nil {
 			e.BlockedBy = *blocked
 		}
@@ -91,10 +89,7 @@ WHERE `+strings.Join(where, " AND ")+fmt.Sprintf(` ORDER BY o.id LIMIT $%d`, len
 	if err != nil {
 		return page, fmt.Errorf("postgres: list outbox: %w", err)
 	}
-	if len(page.Rows) > limit {
-		page.Rows = page.Rows[:limit]
-		page.Next = page.Rows[limit-1].ID
-	}
+	page.Trim(limit)
 	return page, nil
 }
 

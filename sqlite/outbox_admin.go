@@ -53,29 +53,21 @@ WHERE `+strings.Join(where, " AND ")+` ORDER BY o.id LIMIT ?`, args...)
 			return page, fmt.Errorf("sqlite: list outbox: %w", err)
 		}
 		e.CreatedAt = time.UnixMicro(created)
-		switch {
-		case parked.Valid:
-			e.State, e.ParkedAt, e.ParkedBy, e.ParkReason = driver.OutboxParked, time.UnixMicro(parked.Int64), parkBy, parkWhy
-		case e.Attempts > 0:
-			e.State = driver.OutboxFailing
-		default:
-			e.State = driver.OutboxPending
+		var parkedAt, claimEnd time.Time
+		if parked.Valid {
+			parkedAt, e.ParkedBy, e.ParkReason = time.UnixMicro(parked.Int64), parkBy, parkWhy
 		}
-		if owner.Valid && owner.String == "" {
-			e.HeldUntil = time.UnixMicro(until.Int64)
-		} else if owner.Valid {
-			e.ClaimedBy, e.ClaimedUntil = owner.String, time.UnixMicro(until.Int64)
+		if until.Valid {
+			claimEnd = time.UnixMicro(until.Int64)
 		}
+		e.SetListed(parkedAt, owner.Valid, owner.String, claimEnd)
 		e.BlockedBy = blocked.Int64
 		page.Rows = append(page.Rows, e)
 	}
 	if err := rows.Err(); err != nil {
 		return page, fmt.Errorf("sqlite: list outbox: %w", err)
 	}
-	if len(page.Rows) > limit {
-		page.Rows = page.Rows[:limit]
-		page.Next = page.Rows[limit-1].ID
-	}
+	page.Trim(limit)
 	return page, nil
 }
 
