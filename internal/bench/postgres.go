@@ -96,15 +96,7 @@ ON CONFLICT (account) DO UPDATE SET amount = b.amount + excluded.amount`
 	if err != nil {
 		return fmt.Errorf("bench: processor: %w", err)
 	}
-	h := &idem.Handler[postgres.Tx]{
-		Name: handlerName,
-		Apply: func(ctx context.Context, tx postgres.Tx, msg *idem.Message) error {
-			return t.applyOne(ctx, tx, msg)
-		},
-		ApplyBatch: func(ctx context.Context, tx postgres.Tx, msgs []*idem.Message) error {
-			return t.applyBatch(ctx, tx, msgs)
-		},
-	}
+	h := &idem.Handler[postgres.Tx]{Name: handlerName, Apply: t.applyOne, ApplyBatch: t.applyBatch}
 	t.idemVariants = newIdemVariants(proc, h)
 	return t.setupInRow(ctx, proc)
 }
