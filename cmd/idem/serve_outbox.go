@@ -132,13 +132,24 @@ func outboxForm(r *http.Request) (action string, ids []int64, reason string, err
 	return action, ids, strings.TrimSpace(r.PostFormValue("reason")), nil
 }
 
-func (c *console) outboxConfirm(w http.ResponseWriter, r *http.Request) {
-	if _, ok := c.authorizeForm(w, r); !ok {
-		return
+// outboxAction authorizes an outbox form and parses it, answering the
+// request itself when either fails (ok false), as action does for dead
+// letters.
+func (c *console) outboxAction(w http.ResponseWriter, r *http.Request) (actor, action string, ids []int64, reason string, ok bool) {
+	if actor, ok = c.authorizeForm(w, r); !ok {
+		return "", "", nil, "", false
 	}
 	action, ids, reason, err := outboxForm(r)
 	if err != nil {
 		c.fail(w, r, http.StatusBadRequest, err)
+		return "", "", nil, "", false
+	}
+	return actor, action, ids, reason, true
+}
+
+func (c *console) outboxConfirm(w http.ResponseWriter, r *http.Request) {
+	_, action, ids, reason, ok := c.outboxAction(w, r)
+	if !ok {
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), c.timeout)
@@ -162,13 +173,8 @@ func (c *console) outboxConfirm(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *console) outboxApply(w http.ResponseWriter, r *http.Request) {
-	actor, ok := c.authorizeForm(w, r)
+	actor, action, ids, reason, ok := c.outboxAction(w, r)
 	if !ok {
-		return
-	}
-	action, ids, reason, err := outboxForm(r)
-	if err != nil {
-		c.fail(w, r, http.StatusBadRequest, err)
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), c.timeout)
