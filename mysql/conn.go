@@ -57,8 +57,8 @@ func (c foldConnector) Driver() driver.Driver { return c.inner.Driver() }
 // passes on.
 type innerConn interface {
 	driver.Conn
-	driver.Execer  //nolint:staticcheck // go-sql-driver's README offers it through Conn.Raw
-	driver.Queryer //nolint:staticcheck // likewise
+	driver.Execer  // deprecated; go-sql-driver's README offers it through Conn.Raw
+	driver.Queryer // likewise
 	driver.ConnBeginTx
 	driver.ExecerContext
 	driver.QueryerContext
@@ -113,13 +113,13 @@ func (c *foldConn) ExecContext(ctx context.Context, query string, args []driver.
 	pending := c.pending
 	c.pending = ""
 	res, err := c.innerConn.ExecContext(ctx, pending+";"+query, args)
-	if err != nil && errNumber(err) != errDupEntry && !errors.Is(err, driver.ErrSkip) {
-		c.void = err
-	}
-	if errors.Is(err, driver.ErrSkip) {
+	switch {
+	case errors.Is(err, driver.ErrSkip):
 		// Nothing was sent: database/sql prepares the statement
 		// instead, which flushes the begin first.
 		c.pending = pending
+	case err != nil && errNumber(err) != errDupEntry:
+		c.void = err
 	}
 	return res, err
 }
@@ -238,7 +238,7 @@ func (s foldStmt) Exec(args []driver.Value) (driver.Result, error) {
 	if err := s.c.flush(context.Background()); err != nil {
 		return nil, err
 	}
-	return s.innerStmt.Exec(args) //nolint:staticcheck // the driver.Stmt method
+	return s.innerStmt.Exec(args)
 }
 
 // Query implements driver.Stmt.
@@ -246,7 +246,7 @@ func (s foldStmt) Query(args []driver.Value) (driver.Rows, error) {
 	if err := s.c.flush(context.Background()); err != nil {
 		return nil, err
 	}
-	return s.innerStmt.Query(args) //nolint:staticcheck // the driver.Stmt method
+	return s.innerStmt.Query(args)
 }
 
 // ResetSession implements driver.SessionResetter. database/sql always
