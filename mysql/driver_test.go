@@ -359,3 +359,204 @@ func TestDeadlockVictimsRetried(t *testing.T) {
 	}
 	t.Logf("applied %d of %d IDs, %d handler errors", applied.Load(), ids, handlerErrs.Load())
 }
+
+// TestAllocatorNewAggregateNoDeadlock starts 16 allocations of every one of
+// 40 new aggregates at once, a quarter of them rolled back. The first
+// allocation of an aggregate creates its row; were that row created in the
+// allocating transaction, a creator rolling back would leave the waiting
+// inserters to deadlock (InnoDB error 1213, the caller's transaction lost).
+// Every allocation must succeed, and the committed numbers of each
+// aggregate run 1…n without a gap or a repeat.
+func TestAllocatorNewAggregateNoDeadlock(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	ctx := context.Background()
+	v, err := idem.NewVersions(s.Driver)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const aggregates, goroutines = 40, 16
+	for a := range aggregates {
+		agg := fmt.Sprintf("order-%d", a)
+		var (
+			mu        sync.Mutex
+			committed = map[int64]int{}
+			wg        sync.WaitGroup
+			start     = make(chan struct{})
+		)
+		for g := range goroutines {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				tx, err := s.Driver.Begin(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				n, err := v.Next(ctx, tx, "orders", agg)
+				if err != nil {
+					_ = s.Driver.Rollback(ctx, tx)
+					t.Errorf("%s: %v", agg, err)
+					return
+				}
+				if g%4 == 0 {
+					time.Sleep(time.Millisecond) // the others queue on the row
+					_ = s.Driver.Rollback(ctx, tx)
+					return
+				}
+				if err := s.Driver.Commit(ctx, tx); err != nil {
+					t.Errorf("%s: commit: %v", agg, err)
+					return
+				}
+				mu.Lock()
+				committed[n]++
+				mu.Unlock()
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if t.Failed() {
+			t.FailNow()
+		}
+		for n := int64(1); n <= int64(len(committed)); n++ {
+			if committed[n] != 1 {
+				t.Fatalf("%s: number %d committed %d times; committed %v", agg, n, committed[n], committed)
+			}
+		}
+		if want := goroutines - goroutines/4; len(committed) != want {
+			t.Fatalf("%s: %d numbers committed, want %d", agg, len(committed), want)
+		}
+	}
+}
+
+// TestAdvanceNewAggregateNoDeadlock is TestAllocatorNewAggregateNoDeadlock
+// for optimistic concurrency: 16 transactions at once expect a new
+// aggregate at version 0, and whoever advances it rolls back one time in
+// four. No transaction may fail; at most one advance commits, and the
+// version read afterwards is the number that did.
+func TestAdvanceNewAggregateNoDeadlock(t *testing.T) {
+	t.Parallel()
+	s := openStore(t)
+	ctx := context.Background()
+	v, err := idem.NewVersions(s.Driver)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const aggregates, goroutines = 40, 16
+	for a := range aggregates {
+		agg := fmt.Sprintf("order-%d", a)
+		var (
+			committed atomic.Int64
+			wg        sync.WaitGroup
+			start     = make(chan struct{})
+		)
+		for g := range goroutines {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				tx, err := s.Driver.Begin(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				_, err = v.Advance(ctx, tx, "orders", agg, 0)
+				switch {
+				case errors.Is(err, idem.ErrExpectedVersion):
+					_ = s.Driver.Rollback(ctx, tx)
+				case err != nil:
+					_ = s.Driver.Rollback(ctx, tx)
+					t.Errorf("%s: %v", agg, err)
+				case g%4 == 0:
+					time.Sleep(time.Millisecond) // the others queue on the row
+					_ = s.Driver.Rollback(ctx, tx)
+				default:
+					if err := s.Driver.Commit(ctx, tx); err != nil {
+						t.Errorf("%s: commit: %v", agg, err)
+						return
+					}
+					committed.Add(1)
+				}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if t.Failed() {
+			t.FailNow()
+		}
+		tx, err := s.Driver.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cur, err := v.Current(ctx, tx, "orders", agg)
+		_ = s.Driver.Rollback(ctx, tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := committed.Load(); n > 1 || cur != n {
+			t.Fatalf("%s: %d advances from 0 committed, version %d", agg, n, cur)
+		}
+	}
+}
+
+// TestVersionRowCreationNeverWaitsOnItself allocates for a new aggregate
+// where the row cannot be created beside the caller's transaction: a
+// transaction at REPEATABLE READ (its UPDATE locked the gap the row goes
+// in) and a pool of one connection. Either would hang on itself if idem
+// created the row outside the transaction anyway; the context's deadline,
+// shorter than idem's own wait, turns such a hang into a failure.
+func TestVersionRowCreationNeverWaitsOnItself(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		maxConns int
+		begin    func(ctx context.Context, db *sql.DB, s *idemtest.Store[*sql.Tx]) (*sql.Tx, error)
+	}{
+		{"RepeatableRead", 8, func(ctx context.Context, db *sql.DB, _ *idemtest.Store[*sql.Tx]) (*sql.Tx, error) {
+			return db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+		}},
+		{"PoolOfOne", 1, func(ctx context.Context, _ *sql.DB, s *idemtest.Store[*sql.Tx]) (*sql.Tx, error) {
+			return s.Driver.Begin(ctx)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := testenv.MySQL(t, testenv.MySQLDatabase(t), tc.maxConns)
+			s := storeOn(t, db, nil)
+			v, err := idem.NewVersions(s.Driver)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range 3 {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+				tx, err := tc.begin(ctx, db, s)
+				if err != nil {
+					cancel()
+					t.Fatal(err)
+				}
+				n, err := v.Next(ctx, tx, "orders", "new-"+tc.name)
+				if err == nil {
+					var adv int64
+					adv, err = v.Advance(ctx, tx, "orders", fmt.Sprintf("fresh-%d", i), 0)
+					if err == nil && adv != 1 {
+						err = fmt.Errorf("advanced a new aggregate to %d, want 1", adv)
+					}
+				}
+				if err != nil {
+					_ = tx.Rollback()
+					cancel()
+					t.Fatalf("round %d: %v", i, err)
+				}
+				if err := tx.Commit(); err != nil {
+					cancel()
+					t.Fatal(err)
+				}
+				cancel()
+				if n != int64(i+1) {
+					t.Fatalf("round %d allocated %d, want %d", i, n, i+1)
+				}
+			}
+		})
+	}
+}

@@ -87,7 +87,10 @@ type Driver struct {
 	maxRetries int
 	// handlerIDs caches handler name → id (see handlerID).
 	handlerIDs sync.Map
-	sql        statements
+	// versionRows remembers the version rows known to exist (see
+	// createVersionRow).
+	versionRows seenRows
+	sql         statements
 }
 
 type tables struct {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/idemhq/idem/driver"
@@ -235,15 +236,21 @@ func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (in
 	return int(n), nil
 }
 
-// VersionNext implements driver.VersionStore. An existing row is
-// incremented with one UPDATE, whose LAST_INSERT_ID(expr) carries the new
-// version back in the statement's reply: concurrent allocations queue on
-// the row's lock, which a plain UPDATE takes without the gap locks of an
-// upsert (those make InnoDB pick deadlock victims among concurrent
-// upserts of one key). A new aggregate's row is created by an upsert in
-// the same transaction. The row stays locked until tx ends, so a rolled
-// back transaction gives its number back.
+// VersionNext implements driver.VersionStore. The row is incremented with
+// one UPDATE, whose LAST_INSERT_ID(expr) carries the new version back in
+// the statement's reply: concurrent allocations queue on the row's lock,
+// which a plain UPDATE takes without the gap locks of an upsert (those
+// make InnoDB pick deadlock victims among concurrent upserts of one key).
+// The row stays locked until tx ends, so a rolled back transaction gives
+// its number back.
+//
+// A new aggregate's row is first created at version 0, committed on its
+// own (see createVersionRow). Created inside tx, the row would vanish if
+// tx rolled back, and the allocations queued behind it would deadlock
+// among themselves (1213), losing their transactions, which are the
+// caller's.
 func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (int64, error) {
+	d.createVersionRow(ctx, p)
 	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = LAST_INSERT_ID(version + 1) WHERE stream = ? AND aggregate_id = ?`,
 		p.Stream, p.AggregateID)
 	if err != nil {
@@ -252,8 +259,10 @@ func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionP
 	if n, err := r.RowsAffected(); err != nil {
 		return 0, err
 	} else if n == 1 {
+		d.versionRows.add(p)
 		return r.LastInsertId()
 	}
+	// No row: createVersionRow could not create it.
 	r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
 ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.AggregateID)
 	if err != nil {
@@ -262,10 +271,66 @@ ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.Aggr
 	return r.LastInsertId()
 }
 
+// versionRowWait bounds how long createVersionRow waits for a connection
+// and for its statement.
+const versionRowWait = 2 * time.Second
+
+// createVersionRow creates the version row of an aggregate this driver has
+// not seen at version 0, if it is missing, with an INSERT IGNORE of its
+// own on another connection than the caller's transaction, before that
+// transaction touches the key: the transaction holds no lock the INSERT
+// could wait on, a gap lock of REPEATABLE READ included. Rows seen already
+// (versionRows) cost nothing. When the pool has no connection to spare (a
+// pool of one, say), none comes within versionRowWait, or the INSERT
+// fails, nothing is created, and the caller creates the row inside its
+// transaction, as idem did before this existed.
+func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) {
+	if d.versionRows.has(p) {
+		return
+	}
+	if st := d.db.Stats(); st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, versionRowWait)
+	defer cancel()
+	if _, err := d.db.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
+		p.Stream, p.AggregateID); err == nil {
+		d.versionRows.add(p)
+	}
+}
+
+// seenRows remembers, boundedly, the version rows known to exist.
+type seenRows struct {
+	mu sync.Mutex
+	m  map[[2]string]struct{}
+}
+
+// seenRowsMax bounds seenRows; past it, the set starts afresh.
+const seenRowsMax = 1 << 14
+
+func (s *seenRows) has(p *driver.VersionParams) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.m[[2]string{p.Stream, p.AggregateID}]
+	return ok
+}
+
+func (s *seenRows) add(p *driver.VersionParams) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.m == nil || len(s.m) >= seenRowsMax {
+		s.m = make(map[[2]string]struct{})
+	}
+	s.m[[2]string{p.Stream, p.AggregateID}] = struct{}{}
+}
+
 // VersionAdvance implements driver.VersionStore with one conditional
-// statement (Expected 0: the row at 0, as VersionNext creates it, or a
-// new row at 1).
+// statement. With Expected 0, a new aggregate's row is created at 0 first,
+// as VersionNext creates it.
 func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (bool, int64, error) {
+	if p.Expected == 0 {
+		d.createVersionRow(ctx, p)
+	}
 	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = version + 1 WHERE stream = ? AND aggregate_id = ? AND version = ?`,
 		p.Stream, p.AggregateID, p.Expected)
 	if err != nil {
@@ -276,6 +341,8 @@ func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.Versi
 		return false, 0, err
 	}
 	if n == 0 && p.Expected == 0 {
+		// createVersionRow could not create the row, or it exists at
+		// another version.
 		if r, err = tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 1)`, p.Stream, p.AggregateID); err != nil {
 			return false, 0, notMigrated(err)
 		}
@@ -284,6 +351,7 @@ func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.Versi
 		}
 	}
 	if n == 1 {
+		d.versionRows.add(p)
 		return true, p.Expected + 1, nil
 	}
 	var v int64
