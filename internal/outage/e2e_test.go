@@ -481,7 +481,8 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 		t.Logf("%-9s in flight at the outage %d, deliveries begun during it %d, refused during it %d, outages seen %d, resumed %s after the store answered",
 			c.name, st.inFlight, st.begunDuring, st.refusedDuring, c.outages.Load(), st.resumedAfter.Round(time.Millisecond))
 		if !c.relay && st.begunDuring > st.inFlight+maxNewPerLane*lanes {
-			t.Errorf("%s: %d deliveries begun during the outage, want at most %d in flight + %d", c.name, st.begunDuring, st.inFlight, maxNewPerLane*lanes)
+			t.Errorf("%s: %d deliveries begun during the outage, want at most %d in flight + %d; the first:\n\t%s",
+				c.name, st.begunDuring, st.inFlight, maxNewPerLane*lanes, strings.Join(st.begun, "\n\t"))
 		}
 		if st.refusedDuring > 0 {
 			t.Errorf("%s: %d deliveries refused (to be retried) during the outage, want 0", c.name, st.refusedDuring)
@@ -632,14 +633,20 @@ type rec struct {
 	in, out time.Time
 	ack     bool
 	attempt int
+	id      string // the message's ID, "" when it had none
+	err     error  // the verdict's error
 }
 
 // HandleDelivery implements idem.DeliveryHandler.
 func (c *component) HandleDelivery(ctx context.Context, d *idem.Delivery) idem.Verdict {
 	in := time.Now()
 	v := c.next.HandleDelivery(ctx, d)
+	id := ""
+	if d.Msg != nil {
+		id = d.Msg.ID
+	}
 	c.mu.Lock()
-	c.recs = append(c.recs, rec{in: in, out: time.Now(), ack: v.Ack || errors.Is(v.Err, idem.ErrStoreUnavailable), attempt: d.Attempt})
+	c.recs = append(c.recs, rec{in: in, out: time.Now(), ack: v.Ack || errors.Is(v.Err, idem.ErrStoreUnavailable), attempt: d.Attempt, id: id, err: v.Err})
 	c.mu.Unlock()
 	return v
 }
@@ -670,7 +677,7 @@ func (c *component) publisher(next outbox.Publisher) outbox.Publisher {
 			c.sent = map[string]bool{}
 		}
 		for _, m := range msgs {
-			c.recs = append(c.recs, rec{in: in, out: time.Now(), ack: err == nil})
+			c.recs = append(c.recs, rec{in: in, out: time.Now(), ack: err == nil, id: m.ID, err: err})
 			if err == nil {
 				c.sent[m.ID] = true
 			}
@@ -700,6 +707,9 @@ func (c *component) acks() int {
 type stats struct {
 	inFlight, begunDuring, refusedDuring, maxAttempt int
 	resumedAfter                                     time.Duration
+	// begun describes the first deliveries begun during the outage, for
+	// a failure's message.
+	begun []string
 }
 
 // stats measures the outage from down to up.
@@ -715,6 +725,10 @@ func (c *component) stats(down, up time.Time) stats {
 		}
 		if !r.in.Before(down) && r.in.Before(up) {
 			st.begunDuring++
+			if len(st.begun) < 20 {
+				st.begun = append(st.begun, fmt.Sprintf("%s attempt %d from +%s to +%s ack %t err %v",
+					r.id, r.attempt, r.in.Sub(down).Round(time.Millisecond), r.out.Sub(down).Round(time.Millisecond), r.ack, r.err))
+			}
 		}
 		if !r.ack && !r.out.Before(down) && r.out.Before(up) {
 			st.refusedDuring++
