@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	gomysql "github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	natsjs "github.com/nats-io/nats.go/jetstream"
@@ -26,6 +27,7 @@ import (
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/jetstream"
 	"github.com/idemhq/idem/kafka"
+	"github.com/idemhq/idem/mysql"
 	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/postgres"
 	"github.com/idemhq/idem/sqlite"
@@ -162,6 +164,92 @@ func TestOutagePostgres(t *testing.T) {
 				return err
 			}
 			return tx.Commit(ctx)
+		},
+	}
+	runOutage(t, s, true)
+}
+
+// TestOutageMySQL kills a MariaDB server of the test's own (SIGKILL) for
+// five seconds while the components run over it, then starts it again:
+// InnoDB recovers from its redo log, as after a crash.
+func TestOutageMySQL(t *testing.T) {
+	t.Parallel()
+	srv := testenv.NewMySQLServer(t)
+	ctx := context.Background()
+	logs := &logRecorder{}
+	logger := slog.New(logs)
+	cfg, err := gomysql.ParseDSN(srv.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := mysql.Open(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(24)
+	t.Cleanup(func() { db.Close() })
+	drv, err := mysql.New(db, &mysql.Config{SessionIsolation: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE balances (handler VARBINARY(64), account VARBINARY(64), amount BIGINT NOT NULL, PRIMARY KEY (handler, account))`); err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "outage-test", Logger: logger, TTL: leaseTTL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &store{
+		drv: drv, dl: drv, down: srv.Crash, up: srv.Start, logs: logs, events: events,
+		consumer: func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
+			h := &idem.Handler[*sql.Tx]{Name: name, Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+				acct, amt, err := idemtest.DecodeCredit(m.Payload)
+				if err != nil {
+					return idem.Permanent(err)
+				}
+				_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE amount = amount + VALUES(amount)`, name, acct, amt)
+				return err
+			}}
+			cons, err := idem.NewConsumer(proc, h, drv, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cons
+		},
+		lease: lp,
+		balances: func(ctx context.Context, handler string) (map[string]int64, error) {
+			rows, err := db.QueryContext(ctx, `SELECT account, amount FROM balances WHERE handler = ?`, handler)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			return scanBalances(rows)
+		},
+		markers: func(ctx context.Context, handler string) (n int, err error) {
+			err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_markers m JOIN idem_handlers h ON h.id = m.handler_id WHERE h.name = ?`, handler).Scan(&n)
+			return n, err
+		},
+		addOutbox: func(ctx context.Context, msgs []*idem.Message) error {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback()
+			if err := ob.Add(ctx, tx, msgs...); err != nil {
+				return err
+			}
+			return tx.Commit()
 		},
 	}
 	runOutage(t, s, true)
