@@ -74,6 +74,11 @@ func main() {
 	os.Exit(code)
 }
 
+// quietMySQL drops go-sql-driver's own log lines.
+type quietMySQL struct{}
+
+func (quietMySQL) Print(...any) {}
+
 // quietRedis drops go-redis's own log lines.
 type quietRedis struct{}
 

@@ -255,3 +255,23 @@ func testOutboxAdminMySQL(t *testing.T, vars map[string]string, drv *mysql.Drive
 		t.Fatalf("outbox log: %q, want %q", log, want)
 	}
 }
+
+// TestMySQLDSNQuietsTheDriversLog checks what parseMySQLDSN makes of a
+// mysql:// DSN: the credentials, parameters interpolated client-side, a
+// bounded lock wait, and go-sql-driver's own log lines dropped (the
+// command reports a failure itself, once).
+func TestMySQLDSNQuietsTheDriversLog(t *testing.T) {
+	cfg, err := parseMySQLDSN("mysql://app:s3cret@db.example:3307/orders?parseTime=true")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.User != "app" || cfg.Passwd != "s3cret" || cfg.Addr != "db.example:3307" || cfg.DBName != "orders" || !cfg.ParseTime {
+		t.Fatalf("parsed %+v", cfg)
+	}
+	if !cfg.InterpolateParams || cfg.Params["innodb_lock_wait_timeout"] != cliLockWaitSeconds {
+		t.Fatalf("interpolate %t, lock wait %q", cfg.InterpolateParams, cfg.Params["innodb_lock_wait_timeout"])
+	}
+	if _, ok := cfg.Logger.(quietMySQL); !ok {
+		t.Fatalf("logger %T, want quietMySQL", cfg.Logger)
+	}
+}

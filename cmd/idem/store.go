@@ -334,6 +334,10 @@ func parseMySQLDSN(dsn string) (*gomysql.Config, error) {
 	cfg.User = u.User.Username()
 	cfg.Passwd, _ = u.User.Password()
 	cfg.InterpolateParams = true
+	// go-sql-driver writes a line to stderr of its own for every broken
+	// connection; the command reports a failure itself, once, with what
+	// it was doing (and serve's banner and metrics show an outage).
+	cfg.Logger = quietMySQL{}
 	if cfg.Params == nil {
 		cfg.Params = map[string]string{}
 	}
