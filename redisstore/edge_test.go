@@ -8,7 +8,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/redisstore"
 )
 
@@ -149,5 +153,51 @@ func TestCancelledDuringHandler(t *testing.T) {
 	n, _ := c.Get(ctx, prefix+"n").Result()
 	if applied := gerr == nil && strings.HasPrefix(v, "d:"); (err == nil && out == idem.Applied) != applied || applied != (n == "1") {
 		t.Fatalf("out %v err %v; marker %q %v; n=%q", out, err, v, gerr, n)
+	}
+}
+
+// TestHoldsCutOffByAnOutageAreLetGo kills the server while a transaction
+// holds a message's marker, so that the transaction cannot let go of it,
+// and starts the server again (its append-only file kept the hold). The
+// redelivery must not wait out the hold's LockTTL (an hour here): the
+// driver lets go of the orphaned hold at its next transaction.
+func TestHoldsCutOffByAnOutageAreLetGo(t *testing.T) {
+	t.Parallel()
+	srv := testenv.NewRedisServer(t)
+	ctx := context.Background()
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), MaxRetries: -1,
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
+	t.Cleanup(func() { client.Close() })
+	drv, err := redisstore.New(client, &redisstore.Config{LockTTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*redisstore.Tx]{Name: "credit", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+		if string(m.Payload) == "crash" {
+			srv.Crash() // the marker is held; the commit will not answer
+		}
+		return tx.Queue().IncrBy(ctx, "balance", 1).Err()
+	}}
+	msg := &idem.Message{ID: "m-1", Payload: []byte("crash")}
+	if _, err := proc.Process(ctx, h, msg); err == nil {
+		t.Fatal("Process succeeded with the server killed mid-transaction")
+	}
+	srv.Start()
+	msg.Payload = []byte("again")
+	// Not the same payload: the first attempt's marker was a hold, never
+	// applied, so this is no conflict. A hold left to its LockTTL would
+	// block this call past the deadline.
+	dctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	out, err := proc.Process(dctx, h, msg)
+	if err != nil || out != idem.Applied {
+		t.Fatalf("redelivery after the outage: %v, %v; want Applied at once", out, err)
+	}
+	if n, err := client.Get(ctx, "balance").Int64(); err != nil || n != 1 {
+		t.Fatalf("balance %d (%v), want 1", n, err)
 	}
 }

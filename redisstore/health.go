@@ -4,20 +4,23 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 
 	"github.com/redis/go-redis/v9"
 )
 
 // Unavailable implements driver.Prober: err is the pool timing out for a
-// connection, or the server refusing to serve now: still loading its data
-// (LOADING), a replica refusing writes (READONLY, as after a failover),
-// its primary or cluster down (MASTERDOWN, CLUSTERDOWN). Network errors
-// are recognized by the core.
+// connection, the server closing a connection (go-redis returns io.EOF,
+// bare or in its bad-connection error, for a server killed mid-command),
+// or the server refusing to serve now: still loading its data (LOADING),
+// a replica refusing writes (READONLY, as after a failover), its primary
+// or cluster down (MASTERDOWN, CLUSTERDOWN). Other network errors are
+// recognized by the core.
 func (d *Driver) Unavailable(err error) bool {
 	if err == nil {
 		return false
 	}
-	if errors.Is(err, redis.ErrPoolTimeout) {
+	if errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, io.EOF) {
 		return true
 	}
 	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "BUSY "} {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"testing"
 
 	"github.com/redis/go-redis/v9"
@@ -24,6 +25,11 @@ func TestUnavailableAndProbe(t *testing.T) {
 	}
 	if !drv.Unavailable(fmt.Errorf("exec: %w", redis.ErrPoolTimeout)) {
 		t.Error("a pool timeout does not look like an outage")
+	}
+	// A server killed mid-command: go-redis returns io.EOF, bare or
+	// wrapped in its bad-connection error (TestOutageRedis meets both).
+	if !drv.Unavailable(fmt.Errorf("redisstore: commit: %w", io.EOF)) {
+		t.Error("a connection the server closed does not look like an outage")
 	}
 	if drv.Unavailable(errors.New("WRONGTYPE Operation against a key holding the wrong kind of value")) || drv.Unavailable(nil) {
 		t.Error("a plain error looks like an outage")

@@ -101,6 +101,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -206,6 +207,9 @@ type Driver struct {
 	// write-only commit (see scriptable).
 	commandsMu sync.Mutex
 	commands   map[string]*redis.CommandInfo
+	// orphans are the holds of finished transactions that could not be
+	// let go of (see releaseOrphans).
+	orphans orphanHolds
 }
 
 var _ driver.Driver[*Tx] = (*Driver)(nil)
@@ -286,6 +290,10 @@ type Tx struct {
 	// order taken.
 	claims map[string]*claim
 	order  []*claim
+	// unsure are marker keys this transaction tried to take without
+	// learning whether it did (the connection failed): a rollback lets
+	// go of them too, each only if it holds pending.
+	unsure []string
 	// watching: some key is WATCHed on conn. userWatched: the caller
 	// watched keys through Watch, whose reads the driver cannot check
 	// again, so it must never drop the watches.
@@ -396,6 +404,7 @@ func (d *Driver) Begin(ctx context.Context) (*Tx, error) {
 	if _, err := crand.Read(b[:]); err != nil {
 		return nil, fmt.Errorf("redisstore: lock token: %w", err)
 	}
+	d.releaseOrphans(ctx)
 	conn := d.client.Conn()
 	token := hex.EncodeToString(b[:])
 	return &Tx{d: d, conn: conn, queue: conn.TxPipeline(), token: token, pending: pendingPrefix + token, claims: map[string]*claim{}}, nil
@@ -760,12 +769,13 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 		mget := pipe.MGet(ctx, keys...)
 		return func() (bool, error) {
 			foreign = false
+			// The caller below names the handler.
 			vals, err := mget.Result()
 			if err != nil {
-				return false, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
+				return false, err
 			}
 			if len(vals) != len(keys) {
-				return false, fmt.Errorf("redisstore: insert markers of %q: MGET returned %d values for %d keys", p.Handler, len(vals), len(keys))
+				return false, fmt.Errorf("MGET returned %d values for %d keys", len(vals), len(keys))
 			}
 			gets := make([]string, len(vals))
 			for k, v := range vals {
@@ -821,6 +831,11 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 		}
 	})
 	if err != nil {
+		for _, k := range keys {
+			if _, ok := tx.claims[k]; !ok {
+				tx.unsure = append(tx.unsure, k)
+			}
+		}
 		return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
 	}
 	if foreign && !tx.userWatched {
@@ -954,17 +969,26 @@ func (d *Driver) finish(ctx context.Context, tx *Tx, release bool) error {
 	ctx = context.WithoutCancel(ctx)
 	var errs []error
 	held := tx.held()
-	release = release && len(held) > 0
+	release = release && len(held)+len(tx.unsure) > 0
 	if release || tx.watching {
 		pipe := tx.conn.Pipeline()
+		var (
+			keys []string
+			vals []any
+		)
 		if release {
-			keys := make([]string, len(held))
-			vals := make([]any, len(held))
+			keys = make([]string, len(held))
+			vals = make([]any, len(held))
 			for i, c := range held {
 				if c.marker() {
 					keys[i], vals[i] = c.key, tx.pending
 				} else {
 					keys[i], vals[i] = c.lock, tx.token
+				}
+			}
+			for _, k := range tx.unsure {
+				if _, ok := tx.claims[k]; !ok {
+					keys, vals = append(keys, k), append(vals, tx.pending)
 				}
 			}
 			// EVAL, not EVALSHA: letting go must not depend on the
@@ -976,6 +1000,9 @@ func (d *Driver) finish(ctx context.Context, tx *Tx, release bool) error {
 		}
 		if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 			errs = append(errs, fmt.Errorf("redisstore: release: %w", err))
+			if release {
+				d.orphans.add(keys, vals)
+			}
 		}
 	}
 	if tx.conn != nil {
@@ -984,6 +1011,55 @@ func (d *Driver) finish(ctx context.Context, tx *Tx, release bool) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// orphanHolds are holds (keys, each with the value that says it is still
+// the finished transaction's) that could not be let go of when their
+// transaction ended: the server did not answer, as when it went down
+// mid-commit. Left alone, a redelivery of their messages would wait for
+// them to expire, LockTTL after they were taken.
+type orphanHolds struct {
+	n    atomic.Int32 // len(keys), read without the lock
+	mu   sync.Mutex
+	keys []string
+	vals []any
+}
+
+// maxOrphanHolds bounds orphanHolds: past it, holds are left to expire.
+const maxOrphanHolds = 4096
+
+func (o *orphanHolds) add(keys []string, vals []any) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.keys)+len(keys) > maxOrphanHolds {
+		return
+	}
+	o.keys = append(o.keys, keys...)
+	o.vals = append(o.vals, vals...)
+	o.n.Store(int32(len(o.keys)))
+}
+
+// releaseOrphans lets go of the orphan holds, each only if it is still
+// the finished transaction's (the release script compares), and keeps
+// them for the next transaction if the server does not answer yet. The
+// first transaction after an outage runs it, so the redeliveries of the
+// messages whose commits the outage cut off go ahead at once.
+func (d *Driver) releaseOrphans(ctx context.Context) {
+	if d.orphans.n.Load() == 0 {
+		return
+	}
+	o := &d.orphans
+	o.mu.Lock()
+	keys, vals := o.keys, o.vals
+	o.keys, o.vals = nil, nil
+	o.n.Store(0)
+	o.mu.Unlock()
+	if len(keys) == 0 {
+		return
+	}
+	if err := releaseScript.Eval(ctx, d.client, keys, vals...).Err(); err != nil && !errors.Is(err, redis.Nil) {
+		o.add(keys, vals)
+	}
 }
 
 // plural returns "n word" or "n words".
