@@ -18,6 +18,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	natsjs "github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -30,6 +32,7 @@ import (
 	"github.com/idemhq/idem/mysql"
 	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/postgres"
+	"github.com/idemhq/idem/redisstore"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -72,13 +75,16 @@ type store struct {
 	dl     driver.DeadLetterStore
 	down   func() // starts the outage
 	up     func() // ends it, returning once the store answers
-	// process and lease build the consumers' handlers.
+	// consumer builds the consumers' handlers; lease, when the store
+	// has lease mode, the lease consumer's processor (nil: no lease
+	// consumer runs).
 	consumer func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler
 	lease    *idem.LeaseProcessor
 	// balances reads handler's balances; markers counts its markers.
 	balances func(ctx context.Context, handler string) (map[string]int64, error)
 	markers  func(ctx context.Context, handler string) (int, error)
-	// addOutbox adds msgs to the outbox in one transaction.
+	// addOutbox adds msgs to the outbox in one transaction; nil when the
+	// store has no outbox (no relay runs).
 	addOutbox func(ctx context.Context, msgs []*idem.Message) error
 }
 
@@ -255,6 +261,62 @@ func TestOutageMySQL(t *testing.T) {
 	runOutage(t, s, true)
 }
 
+// TestOutageRedis kills a Redis server of the test's own (SIGKILL) for five
+// seconds and starts it again; its append-only file, fsynced at every
+// write, keeps what it acknowledged. Redis has no lease mode and no
+// outbox: the JetStream and Kafka consumers run.
+func TestOutageRedis(t *testing.T) {
+	t.Parallel()
+	srv := testenv.NewRedisServer(t)
+	ctx := context.Background()
+	logs := &logRecorder{}
+	logger := slog.New(logs)
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), PoolSize: 24,
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
+	t.Cleanup(func() { client.Close() })
+	const prefix = "idem:"
+	drv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &store{
+		drv: drv, dl: drv, down: srv.Crash, up: srv.Start, logs: logs, events: events,
+		consumer: func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
+			h := &idem.Handler[*redisstore.Tx]{Name: name, Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+				acct, amt, err := idemtest.DecodeCredit(m.Payload)
+				if err != nil {
+					return idem.Permanent(err)
+				}
+				return tx.Queue().HIncrBy(ctx, "balances:"+name, acct, amt).Err()
+			}}
+			cons, err := idem.NewConsumer(proc, h, drv, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return cons
+		},
+		balances: func(ctx context.Context, handler string) (map[string]int64, error) {
+			return testenv.RedisInts(ctx, client, "balances:"+handler)
+		},
+		markers: func(ctx context.Context, handler string) (int, error) {
+			n := 0
+			iter := client.Scan(ctx, 0, prefix+"m:"+handler+"|*", 1000).Iterator()
+			for iter.Next(ctx) {
+				n++
+			}
+			return n, iter.Err()
+		},
+	}
+	runOutage(t, s, true)
+}
+
 // TestOutageSQLite makes a SQLite store unwritable for five seconds:
 // another connection holds its write lock (BEGIN EXCLUSIVE) far past the
 // busy timeout. A file made read-only would do as well, but not for root,
@@ -413,31 +475,41 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	run(jsAtomic, jsc.Run)
 
 	var effects sync.Map // idempotency key → *atomic.Int64
-	lease := &component{name: "lease"}
-	notify := &idem.LeaseHandler{Name: "notify", Call: func(_ context.Context, l *idem.Lease, _ *idem.Message) error {
-		n, _ := effects.LoadOrStore(l.IdempotencyKey, new(atomic.Int64))
-		n.(*atomic.Int64).Add(1)
-		return nil
-	}}
-	if lease.next, err = idem.NewLeaseConsumer(s.lease, notify, s.dl, consumerCfg(lease)); err != nil {
-		t.Fatal(err)
+	if s.lease != nil {
+		lease := &component{name: "lease"}
+		notify := &idem.LeaseHandler{Name: "notify", Call: func(_ context.Context, l *idem.Lease, _ *idem.Message) error {
+			n, _ := effects.LoadOrStore(l.IdempotencyKey, new(atomic.Int64))
+			n.(*atomic.Int64).Add(1)
+			return nil
+		}}
+		if lease.next, err = idem.NewLeaseConsumer(s.lease, notify, s.dl, consumerCfg(lease)); err != nil {
+			t.Fatal(err)
+		}
+		jsl, err := jetstream.New(js, &jetstream.Config{Stream: "CREDITS", Durable: "notify", Handler: lease, MaxDeliver: 3, Concurrency: lanes, Logger: logger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		run(lease, jsl.Run)
 	}
-	jsl, err := jetstream.New(js, &jetstream.Config{Stream: "CREDITS", Durable: "notify", Handler: lease, MaxDeliver: 3, Concurrency: lanes, Logger: logger})
-	if err != nil {
-		t.Fatal(err)
-	}
-	run(lease, jsl.Run)
 
-	// Producers send four fifths of their messages, then wait for the
-	// outage to end before the rest: every component has work pending
-	// while the store is down, and more when it answers again.
-	upCh := make(chan struct{})
+	// Producers send two fifths of their messages, wait for the outage to
+	// begin, send two fifths more, and wait for it to end before the
+	// rest: every component has work arriving while the store is down,
+	// however fast it kept up before, and more when it answers again.
+	downCh, upCh := make(chan struct{}), make(chan struct{})
 	half := func(i, n int) {
-		if i == n*4/5 {
-			select {
-			case <-upCh:
-			case <-ctx.Done():
-			}
+		var wait chan struct{}
+		switch i {
+		case n * 2 / 5:
+			wait = downCh
+		case n * 4 / 5:
+			wait = upCh
+		default:
+			return
+		}
+		select {
+		case <-wait:
+		case <-ctx.Done():
 		}
 	}
 	var produce []func()
@@ -492,35 +564,37 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	// The outbox: a producer adds rows (retrying its own transactions
 	// through the outage, as an application would) and a relay publishes
 	// them to the ORDERS stream.
-	pub, err := jetstream.NewPublisher(js)
-	if err != nil {
-		t.Fatal(err)
-	}
 	relayC := &component{name: "relay", relay: true}
-	relay, err := outbox.NewRelay(s.drv, relayC.publisher(pub), &outbox.RelayConfig{Logger: logger, PollInterval: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	run(relayC, relay.Run)
-	produce = append(produce, func() {
-		for lo := 0; lo < outboxRows; lo += 10 {
-			half(lo/10, outboxRows/10)
-			var msgs []*idem.Message
-			for i := lo; i < lo+10; i++ {
-				agg := fmt.Sprintf("order-%02d", i%20)
-				seq := int64(i/20 + 1)
-				msgs = append(msgs, &idem.Message{ID: outbox.MessageID("orders", agg, seq), Stream: "orders", AggregateID: agg, Seq: seq, Payload: []byte("placed")})
-			}
-			for s.addOutbox(ctx, msgs) != nil {
-				if ctx.Err() != nil {
-					return
-				}
-				time.Sleep(100 * time.Millisecond)
-			}
-			pace(ctx, 24) // 10 rows every 50 ms
-			pace(ctx, 24)
+	if s.addOutbox != nil {
+		pub, err := jetstream.NewPublisher(js)
+		if err != nil {
+			t.Fatal(err)
 		}
-	})
+		relay, err := outbox.NewRelay(s.drv, relayC.publisher(pub), &outbox.RelayConfig{Logger: logger, PollInterval: 100 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		run(relayC, relay.Run)
+		produce = append(produce, func() {
+			for lo := 0; lo < outboxRows; lo += 10 {
+				half(lo/10, outboxRows/10)
+				var msgs []*idem.Message
+				for i := lo; i < lo+10; i++ {
+					agg := fmt.Sprintf("order-%02d", i%20)
+					seq := int64(i/20 + 1)
+					msgs = append(msgs, &idem.Message{ID: outbox.MessageID("orders", agg, seq), Stream: "orders", AggregateID: agg, Seq: seq, Payload: []byte("placed")})
+				}
+				for s.addOutbox(ctx, msgs) != nil {
+					if ctx.Err() != nil {
+						return
+					}
+					time.Sleep(100 * time.Millisecond)
+				}
+				pace(ctx, 24) // 10 rows every 50 ms
+				pace(ctx, 24)
+			}
+		})
+	}
 	for _, p := range produce {
 		wg.Go(p)
 	}
@@ -536,7 +610,12 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	})
 	s.down()
 	downAt := time.Now()
+	close(downCh)
 	time.Sleep(outageFor)
+	// The store may answer, and the components resume, before up
+	// returns (pg_ctl start -w polls): the outage is over from the call
+	// on, and resuming is measured from its return.
+	upFrom := time.Now()
 	s.up()
 	upAt := time.Now()
 	close(upCh)
@@ -547,7 +626,7 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 		if n, err := s.markers(ctx, "js-balances"); err != nil || n < events {
 			return false
 		}
-		if n := countEffects(&effects); n < events {
+		if n := countEffects(&effects); s.lease != nil && n < events {
 			return false
 		}
 		if withKafka {
@@ -559,13 +638,13 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 		// outage go out again, and count twice in acks.
 		relayC.mu.Lock()
 		defer relayC.mu.Unlock()
-		return len(relayC.sent) >= outboxRows
+		return s.addOutbox == nil || len(relayC.sent) >= outboxRows
 	})
 	cancel()
 	wg.Wait()
 
 	for _, c := range comps {
-		st := c.stats(downAt, upAt)
+		st := c.stats(downAt, upFrom, upAt)
 		t.Logf("%-9s in flight at the outage %d, deliveries begun during it %d, refused during it %d, outages seen %d, resumed %s after the store answered",
 			c.name, st.inFlight, st.begunDuring, st.refusedDuring, c.outages.Load(), st.resumedAfter.Round(time.Millisecond))
 		if !c.relay && st.begunDuring > st.inFlight+maxNewPerLane*lanes {
@@ -593,7 +672,7 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 	if len(warns) > maxWarnLines {
 		t.Errorf("%d WARN lines, want at most %d:\n%s", len(warns), maxWarnLines, strings.Join(warns, "\n"))
 	}
-	if !slices.ContainsFunc(warns, func(l string) bool { return strings.Contains(l, "outbox relay") }) {
+	if s.addOutbox != nil && !slices.ContainsFunc(warns, func(l string) bool { return strings.Contains(l, "outbox relay") }) {
 		t.Errorf("the relay did not report the outage:\n%s", strings.Join(warns, "\n"))
 	}
 
@@ -625,37 +704,41 @@ func runOutage(t *testing.T, s *store, withKafka bool) {
 			t.Errorf("%s: %d markers, want %d", h, n, events)
 		}
 	}
-	for _, e := range evs {
-		n, ok := effects.Load(idem.IdempotencyKey("notify", e.ID))
-		if !ok || n.(*atomic.Int64).Load() != 1 {
-			got := int64(0)
-			if ok {
-				got = n.(*atomic.Int64).Load()
+	if s.lease != nil {
+		for _, e := range evs {
+			n, ok := effects.Load(idem.IdempotencyKey("notify", e.ID))
+			if !ok || n.(*atomic.Int64).Load() != 1 {
+				got := int64(0)
+				if ok {
+					got = n.(*atomic.Int64).Load()
+				}
+				t.Errorf("notify: %s called %d times, want once", e.ID, got)
 			}
-			t.Errorf("notify: %s called %d times, want once", e.ID, got)
 		}
 	}
-	published := map[string]bool{}
-	cons, err := js.OrderedConsumer(check, "ORDERS", natsjs.OrderedConsumerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		batch, err := cons.FetchNoWait(500)
+	if s.addOutbox != nil {
+		published := map[string]bool{}
+		cons, err := js.OrderedConsumer(check, "ORDERS", natsjs.OrderedConsumerConfig{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		n := 0
-		for m := range batch.Messages() {
-			published[m.Headers().Get(jetstream.HeaderMsgID)] = true
-			n++
+		for {
+			batch, err := cons.FetchNoWait(500)
+			if err != nil {
+				t.Fatal(err)
+			}
+			n := 0
+			for m := range batch.Messages() {
+				published[m.Headers().Get(jetstream.HeaderMsgID)] = true
+				n++
+			}
+			if n == 0 {
+				break
+			}
 		}
-		if n == 0 {
-			break
+		if len(published) != outboxRows {
+			t.Errorf("%d distinct outbox messages on the stream, want %d", len(published), outboxRows)
 		}
-	}
-	if len(published) != outboxRows {
-		t.Errorf("%d distinct outbox messages on the stream, want %d", len(published), outboxRows)
 	}
 }
 
@@ -800,8 +883,9 @@ type stats struct {
 	begun []string
 }
 
-// stats measures the outage from down to up.
-func (c *component) stats(down, up time.Time) stats {
+// stats measures the outage from down to upFrom, when the store was told
+// to start, and the resumption from up, when it answered.
+func (c *component) stats(down, upFrom, up time.Time) stats {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var st stats
@@ -811,14 +895,14 @@ func (c *component) stats(down, up time.Time) stats {
 		if r.in.Before(down) && r.out.After(down) {
 			st.inFlight++
 		}
-		if !r.in.Before(down) && r.in.Before(up) {
+		if !r.in.Before(down) && r.in.Before(upFrom) {
 			st.begunDuring++
 			if len(st.begun) < 20 {
 				st.begun = append(st.begun, fmt.Sprintf("%s attempt %d from +%s to +%s ack %t err %v",
 					r.id, r.attempt, r.in.Sub(down).Round(time.Millisecond), r.out.Sub(down).Round(time.Millisecond), r.ack, r.err))
 			}
 		}
-		if !r.ack && !r.out.Before(down) && r.out.Before(up) {
+		if !r.ack && !r.out.Before(down) && r.out.Before(upFrom) {
 			st.refusedDuring++
 		}
 		if r.ack && !r.out.Before(up) && (first.IsZero() || r.out.Before(first)) {
