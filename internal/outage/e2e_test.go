@@ -185,7 +185,6 @@ func TestOutageMySQL(t *testing.T) {
 	srv := testenv.NewMySQLServer(t)
 	ctx := context.Background()
 	logs := &logRecorder{}
-	logger := slog.New(logs)
 	cfg, err := gomysql.ParseDSN(srv.DSN())
 	if err != nil {
 		t.Fatal(err)
@@ -206,59 +205,11 @@ func TestOutageMySQL(t *testing.T) {
 	if _, err := db.ExecContext(ctx, `CREATE TABLE balances (handler VARBINARY(64), account VARBINARY(64), amount BIGINT NOT NULL, PRIMARY KEY (handler, account))`); err != nil {
 		t.Fatal(err)
 	}
-	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "outage-test", Logger: logger, TTL: leaseTTL})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ob, err := outbox.New(drv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := &store{
-		drv: drv, dl: drv, down: srv.Crash, up: srv.Start, logs: logs, events: events,
-		consumer: func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
-			h := &idem.Handler[*sql.Tx]{Name: name, Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
-				acct, amt, err := idemtest.DecodeCredit(m.Payload)
-				if err != nil {
-					return idem.Permanent(err)
-				}
-				_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE amount = amount + VALUES(amount)`, name, acct, amt)
-				return err
-			}}
-			cons, err := idem.NewConsumer(proc, h, drv, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return cons
-		},
-		lease: lp,
-		balances: func(ctx context.Context, handler string) (map[string]int64, error) {
-			rows, err := db.QueryContext(ctx, `SELECT account, amount FROM balances WHERE handler = ?`, handler)
-			if err != nil {
-				return nil, err
-			}
-			defer rows.Close()
-			return scanBalances(rows)
-		},
-		markers: func(ctx context.Context, handler string) (n int, err error) {
-			err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_markers m JOIN idem_handlers h ON h.id = m.handler_id WHERE h.name = ?`, handler).Scan(&n)
-			return n, err
-		},
-		addOutbox: func(ctx context.Context, msgs []*idem.Message) error {
-			tx, err := db.BeginTx(ctx, nil)
-			if err != nil {
-				return err
-			}
-			defer tx.Rollback()
-			if err := ob.Add(ctx, tx, msgs...); err != nil {
-				return err
-			}
-			return tx.Commit()
-		},
+	s := sqlStore(t, db, drv, logs, `INSERT INTO balances VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE amount = amount + VALUES(amount)`)
+	s.down, s.up, s.events = srv.Crash, srv.Start, events
+	s.markers = func(ctx context.Context, handler string) (n int, err error) {
+		err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_markers m JOIN idem_handlers h ON h.id = m.handler_id WHERE h.name = ?`, handler).Scan(&n)
+		return n, err
 	}
 	runOutage(t, s, true)
 }
@@ -331,7 +282,6 @@ func TestOutageSQLite(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	logs := &logRecorder{}
-	logger := slog.New(logs)
 	path := filepath.Join(t.TempDir(), "idem.db")
 	db, err := sqlite.Open(path, &sqlite.OpenOptions{BusyTimeout: 100 * time.Millisecond})
 	if err != nil {
@@ -354,6 +304,43 @@ func TestOutageSQLite(t *testing.T) {
 	}
 	t.Cleanup(func() { locker.Close() })
 	var lock *sql.Conn
+	s := sqlStore(t, db, drv, logs, `INSERT INTO balances VALUES (?, ?, ?) ON CONFLICT (handler, account) DO UPDATE SET amount = amount + excluded.amount`)
+	s.events = smallEvents
+	s.down = func() {
+		var err error
+		if lock, err = locker.Conn(ctx); err != nil {
+			t.Error(err)
+			return
+		}
+		// Wait out the busy timeout of a writer that holds the lock
+		// now: the exclusive lock is then ours.
+		for {
+			if _, err = lock.ExecContext(ctx, "BEGIN EXCLUSIVE"); err == nil {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	s.up = func() {
+		if _, err := lock.ExecContext(ctx, "ROLLBACK"); err != nil {
+			t.Error(err)
+		}
+		lock.Close()
+	}
+	s.markers = func(ctx context.Context, handler string) (n int, err error) {
+		err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_processed WHERE handler = ?`, handler).Scan(&n)
+		return n, err
+	}
+	runOutage(t, s, false)
+}
+
+// sqlStore is what TestOutageMySQL and TestOutageSQLite share: a store
+// over db whose consumers credit balances (handler, account, amount) with
+// upsert, with a lease consumer and an outbox over drv. The caller sets
+// down, up, events and markers.
+func sqlStore(t *testing.T, db *sql.DB, drv sqlDriver, logs *logRecorder, upsert string) *store {
+	t.Helper()
+	logger := slog.New(logs)
 	proc, err := idem.NewProcessor(drv, &idem.Config{Logger: logger})
 	if err != nil {
 		t.Fatal(err)
@@ -366,36 +353,15 @@ func TestOutageSQLite(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &store{
-		drv: drv, dl: drv, logs: logs, events: smallEvents,
-		down: func() {
-			var err error
-			if lock, err = locker.Conn(ctx); err != nil {
-				t.Error(err)
-				return
-			}
-			// Wait out the busy timeout of a writer that holds the lock
-			// now: the exclusive lock is then ours.
-			for {
-				if _, err = lock.ExecContext(ctx, "BEGIN EXCLUSIVE"); err == nil {
-					return
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
-		},
-		up: func() {
-			if _, err := lock.ExecContext(ctx, "ROLLBACK"); err != nil {
-				t.Error(err)
-			}
-			lock.Close()
-		},
+	return &store{
+		drv: drv, dl: drv, logs: logs,
 		consumer: func(t *testing.T, name string, cfg *idem.ConsumerConfig) idem.DeliveryHandler {
 			h := &idem.Handler[*sql.Tx]{Name: name, Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
 				acct, amt, err := idemtest.DecodeCredit(m.Payload)
 				if err != nil {
 					return idem.Permanent(err)
 				}
-				_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?, ?) ON CONFLICT (handler, account) DO UPDATE SET amount = amount + excluded.amount`, name, acct, amt)
+				_, err = tx.ExecContext(ctx, upsert, name, acct, amt)
 				return err
 			}}
 			cons, err := idem.NewConsumer(proc, h, drv, cfg)
@@ -413,10 +379,6 @@ func TestOutageSQLite(t *testing.T) {
 			defer rows.Close()
 			return scanBalances(rows)
 		},
-		markers: func(ctx context.Context, handler string) (n int, err error) {
-			err = db.QueryRowContext(ctx, `SELECT count(*) FROM idem_processed WHERE handler = ?`, handler).Scan(&n)
-			return n, err
-		},
 		addOutbox: func(ctx context.Context, msgs []*idem.Message) error {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {
@@ -429,7 +391,13 @@ func TestOutageSQLite(t *testing.T) {
 			return tx.Commit()
 		},
 	}
-	runOutage(t, s, false)
+}
+
+// sqlDriver is what sqlStore needs of a database/sql store's driver.
+type sqlDriver interface {
+	driver.Driver[*sql.Tx]
+	driver.LeaseDriver
+	driver.DeadLetterStore
 }
 
 // runOutage runs the components over s, stops s mid-stream for outageFor,

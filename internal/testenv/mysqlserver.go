@@ -1,10 +1,8 @@
 package testenv
 
 import (
-	"context"
 	"database/sql"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -22,8 +20,7 @@ type MySQLServer struct {
 	dir, data  string
 	port       int
 	asRoot     bool
-	cmd        *exec.Cmd
-	exited     chan struct{}
+	proc       *serverProcess
 	firstStart bool
 }
 
@@ -54,12 +51,7 @@ func NewMySQLServer(t testing.TB) *MySQLServer {
 	if err := os.Chmod(dir, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.port = l.Addr().(*net.TCPAddr).Port
-	l.Close()
+	s.port = freePort(t)
 	args := []string{"--no-defaults", "--datadir=" + s.data, "--auth-root-authentication-method=normal", "--skip-test-db"}
 	if s.asRoot {
 		args = append(args, "--user=mysql")
@@ -100,39 +92,12 @@ func (s *MySQLServer) Start() {
 	if s.asRoot {
 		args = append(args, "--user=mysql")
 	}
-	s.cmd = exec.Command(s.server, args...)
-	if err := s.cmd.Start(); err != nil {
-		s.t.Fatalf("start %s: %v", s.server, err)
-	}
-	s.exited = make(chan struct{})
-	go func(cmd *exec.Cmd, exited chan struct{}) {
-		_ = cmd.Wait()
-		close(exited)
-	}(s.cmd, s.exited)
 	db, err := sql.Open("mysql", "root@tcp(127.0.0.1:"+strconv.Itoa(s.port)+")/?timeout=1s")
 	if err != nil {
 		s.t.Fatal(err)
 	}
 	defer db.Close()
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		err = db.PingContext(ctx)
-		cancel()
-		if err == nil {
-			break
-		}
-		select {
-		case <-s.exited:
-			log, _ := os.ReadFile(filepath.Join(s.dir, "error.log"))
-			s.t.Fatalf("%s exited at start: %s", s.server, log)
-		default:
-		}
-		if time.Now().After(deadline) {
-			s.t.Fatalf("%s did not answer within a minute: %v", s.server, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	s.proc = startServer(s.t, exec.Command(s.server, args...), filepath.Join(s.dir, "error.log"), time.Minute, db.PingContext)
 	if s.firstStart {
 		s.firstStart = false
 		if _, err := db.Exec("CREATE DATABASE test CHARACTER SET utf8mb4"); err != nil {
@@ -144,12 +109,8 @@ func (s *MySQLServer) Start() {
 // Crash kills the server (SIGKILL), as a crash would: InnoDB recovers from
 // its redo log at the next start. Killing a stopped server does nothing.
 func (s *MySQLServer) Crash() {
-	if s.cmd == nil {
-		return
-	}
-	_ = s.cmd.Process.Kill()
-	<-s.exited
-	s.cmd = nil
+	s.proc.kill()
+	s.proc = nil
 }
 
 // DSN is the server's database test in go-sql-driver/mysql's form, with a

@@ -2,7 +2,6 @@ package testenv
 
 import (
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -42,12 +41,7 @@ func NewPostgresCluster(t testing.TB) *PostgresCluster {
 	if err := os.Chmod(dir, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.port = l.Addr().(*net.TCPAddr).Port
-	l.Close()
+	c.port = freePort(t)
 	if out, err := c.run("initdb", "-D", c.data, "-A", "trust", "-U", "postgres", "--no-sync"); err != nil {
 		t.Fatalf("initdb: %v\n%s", err, out)
 	}
