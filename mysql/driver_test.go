@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -370,64 +371,24 @@ func TestDeadlockVictimsRetried(t *testing.T) {
 func TestAllocatorNewAggregateNoDeadlock(t *testing.T) {
 	t.Parallel()
 	s := openStore(t)
-	ctx := context.Background()
 	v, err := idem.NewVersions(s.Driver)
 	if err != nil {
 		t.Fatal(err)
 	}
-	const aggregates, goroutines = 40, 16
-	for a := range aggregates {
-		agg := fmt.Sprintf("order-%d", a)
-		var (
-			mu        sync.Mutex
-			committed = map[int64]int{}
-			wg        sync.WaitGroup
-			start     = make(chan struct{})
-		)
-		for g := range goroutines {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				<-start
-				tx, err := s.Driver.Begin(ctx)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				n, err := v.Next(ctx, tx, "orders", agg)
-				if err != nil {
-					_ = s.Driver.Rollback(ctx, tx)
-					t.Errorf("%s: %v", agg, err)
-					return
-				}
-				if g%4 == 0 {
-					time.Sleep(time.Millisecond) // the others queue on the row
-					_ = s.Driver.Rollback(ctx, tx)
-					return
-				}
-				if err := s.Driver.Commit(ctx, tx); err != nil {
-					t.Errorf("%s: commit: %v", agg, err)
-					return
-				}
-				mu.Lock()
-				committed[n]++
-				mu.Unlock()
-			}()
-		}
-		close(start)
-		wg.Wait()
-		if t.Failed() {
-			t.FailNow()
-		}
-		for n := int64(1); n <= int64(len(committed)); n++ {
-			if committed[n] != 1 {
-				t.Fatalf("%s: number %d committed %d times; committed %v", agg, n, committed[n], committed)
+	raceNewAggregates(t, s, func(ctx context.Context, tx *sql.Tx, agg string) (int64, bool, error) {
+		n, err := v.Next(ctx, tx, "orders", agg)
+		return n, err == nil, err
+	}, func(agg string, committed []int64) {
+		slices.Sort(committed)
+		for i, n := range committed {
+			if n != int64(i+1) {
+				t.Fatalf("%s: committed numbers %v, want 1…%d", agg, committed, len(committed))
 			}
 		}
-		if want := goroutines - goroutines/4; len(committed) != want {
+		if want := raceGoroutines - raceGoroutines/4; len(committed) != want {
 			t.Fatalf("%s: %d numbers committed, want %d", agg, len(committed), want)
 		}
-	}
+	})
 }
 
 // TestAdvanceNewAggregateNoDeadlock is TestAllocatorNewAggregateNoDeadlock
@@ -443,48 +404,13 @@ func TestAdvanceNewAggregateNoDeadlock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const aggregates, goroutines = 40, 16
-	for a := range aggregates {
-		agg := fmt.Sprintf("order-%d", a)
-		var (
-			committed atomic.Int64
-			wg        sync.WaitGroup
-			start     = make(chan struct{})
-		)
-		for g := range goroutines {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				<-start
-				tx, err := s.Driver.Begin(ctx)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				_, err = v.Advance(ctx, tx, "orders", agg, 0)
-				switch {
-				case errors.Is(err, idem.ErrExpectedVersion):
-					_ = s.Driver.Rollback(ctx, tx)
-				case err != nil:
-					_ = s.Driver.Rollback(ctx, tx)
-					t.Errorf("%s: %v", agg, err)
-				case g%4 == 0:
-					time.Sleep(time.Millisecond) // the others queue on the row
-					_ = s.Driver.Rollback(ctx, tx)
-				default:
-					if err := s.Driver.Commit(ctx, tx); err != nil {
-						t.Errorf("%s: commit: %v", agg, err)
-						return
-					}
-					committed.Add(1)
-				}
-			}()
+	raceNewAggregates(t, s, func(ctx context.Context, tx *sql.Tx, agg string) (int64, bool, error) {
+		n, err := v.Advance(ctx, tx, "orders", agg, 0)
+		if errors.Is(err, idem.ErrExpectedVersion) {
+			return 0, false, nil
 		}
-		close(start)
-		wg.Wait()
-		if t.Failed() {
-			t.FailNow()
-		}
+		return n, err == nil, err
+	}, func(agg string, committed []int64) {
 		tx, err := s.Driver.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -494,9 +420,67 @@ func TestAdvanceNewAggregateNoDeadlock(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if n := committed.Load(); n > 1 || cur != n {
-			t.Fatalf("%s: %d advances from 0 committed, version %d", agg, n, cur)
+		if len(committed) > 1 || cur != int64(len(committed)) {
+			t.Fatalf("%s: %d advances from 0 committed, version %d", agg, len(committed), cur)
 		}
+	})
+}
+
+// raceGoroutines is how many transactions raceNewAggregates starts at once
+// on each aggregate.
+const raceGoroutines = 16
+
+// raceNewAggregates runs, on each of 40 new aggregates in turn,
+// raceGoroutines transactions at once that call step, and rolls back every
+// fourth of those whose step succeeded (after a pause, so that the others
+// queue behind it) and commits the rest. An error of step fails t; ok
+// false rolls the transaction back. check gets the numbers step returned
+// in the transactions that committed.
+func raceNewAggregates(t *testing.T, s *idemtest.Store[*sql.Tx], step func(ctx context.Context, tx *sql.Tx, agg string) (n int64, ok bool, err error), check func(agg string, committed []int64)) {
+	ctx := context.Background()
+	for a := range 40 {
+		agg := fmt.Sprintf("order-%d", a)
+		var (
+			mu        sync.Mutex
+			committed []int64
+			wg        sync.WaitGroup
+			start     = make(chan struct{})
+		)
+		for g := range raceGoroutines {
+			wg.Go(func() {
+				<-start
+				tx, err := s.Driver.Begin(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				n, ok, err := step(ctx, tx, agg)
+				switch {
+				case err != nil:
+					_ = s.Driver.Rollback(ctx, tx)
+					t.Errorf("%s: %v", agg, err)
+				case !ok:
+					_ = s.Driver.Rollback(ctx, tx)
+				case g%4 == 0:
+					time.Sleep(time.Millisecond)
+					_ = s.Driver.Rollback(ctx, tx)
+				default:
+					if err := s.Driver.Commit(ctx, tx); err != nil {
+						t.Errorf("%s: commit: %v", agg, err)
+						return
+					}
+					mu.Lock()
+					committed = append(committed, n)
+					mu.Unlock()
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		if t.Failed() {
+			t.FailNow()
+		}
+		check(agg, committed)
 	}
 }
 
