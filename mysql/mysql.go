@@ -47,6 +47,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	gomysql "github.com/go-sql-driver/mysql"
@@ -87,10 +88,12 @@ type Driver struct {
 	maxRetries int
 	// handlerIDs caches handler name → id (see handlerID).
 	handlerIDs sync.Map
-	// versionRows remembers the version rows known to exist (see
-	// createVersionRow).
-	versionRows seenRows
-	sql         statements
+	// versionRows remembers the version rows known to exist, committed;
+	// noVersionRows: the server cannot create them the way
+	// createVersionRow does.
+	versionRows   seenRows
+	noVersionRows atomic.Bool
+	sql           statements
 }
 
 type tables struct {
@@ -303,6 +306,7 @@ const (
 	errDupFieldName    = 1060
 	errDupKeyName      = 1061
 	errDupEntry        = 1062
+	errParse           = 1064
 	errNoSuchTable     = 1146
 	errLockWaitTimeout = 1205
 	errDeadlock        = 1213

@@ -259,10 +259,11 @@ func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionP
 	if n, err := r.RowsAffected(); err != nil {
 		return 0, err
 	} else if n == 1 {
-		d.versionRows.add(p)
 		return r.LastInsertId()
 	}
-	// No row: createVersionRow could not create it.
+	// No row: createVersionRow could not create it, or the row it saw
+	// once is gone.
+	d.versionRows.forget(p)
 	r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
 ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.AggregateID)
 	if err != nil {
@@ -271,21 +272,25 @@ ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.Aggr
 	return r.LastInsertId()
 }
 
-// versionRowWait bounds how long createVersionRow waits for a connection
-// and for its statement.
-const versionRowWait = 2 * time.Second
+// versionRowWait bounds how long createVersionRow waits for a connection.
+const versionRowWait = 500 * time.Millisecond
 
 // createVersionRow creates the version row of an aggregate this driver has
 // not seen at version 0, if it is missing, with an INSERT IGNORE of its
-// own on another connection than the caller's transaction, before that
-// transaction touches the key: the transaction holds no lock the INSERT
-// could wait on, a gap lock of REPEATABLE READ included. Rows seen already
-// (versionRows) cost nothing. When the pool has no connection to spare (a
-// pool of one, say), none comes within versionRowWait, or the INSERT
-// fails, nothing is created, and the caller creates the row inside its
-// transaction, as idem did before this existed.
+// own, committed on another connection than the caller's transaction.
+// Rows seen already (versionRows) cost nothing.
+//
+// The INSERT must not wait on a lock: the caller's transaction may hold
+// one it needs (a gap lock of REPEATABLE READ, the row itself, updated
+// earlier in the transaction), and nothing would release it. It runs with
+// innodb_lock_wait_timeout 0 (MariaDB's SET STATEMENT), which fails at
+// once instead. Whenever the row is not created (such a lock, a pool with
+// no connection to spare, as a pool of one, none within versionRowWait,
+// a server without SET STATEMENT), the caller creates the row inside its
+// transaction, as idem did before this existed. A server that cannot
+// parse SET STATEMENT (MySQL) is not asked again.
 func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) {
-	if d.versionRows.has(p) {
+	if d.noVersionRows.Load() || d.versionRows.has(p) {
 		return
 	}
 	if st := d.db.Stats(); st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
@@ -293,9 +298,15 @@ func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) 
 	}
 	ctx, cancel := context.WithTimeout(ctx, versionRowWait)
 	defer cancel()
-	if _, err := d.db.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
-		p.Stream, p.AggregateID); err == nil {
+	_, err := d.db.ExecContext(ctx, `SET STATEMENT innodb_lock_wait_timeout = 0 FOR INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
+		p.Stream, p.AggregateID)
+	switch {
+	case err == nil:
+		// The row exists, committed: the INSERT made it, or met it
+		// without waiting.
 		d.versionRows.add(p)
+	case errNumber(err) == errParse:
+		d.noVersionRows.Store(true)
 	}
 }
 
@@ -313,6 +324,12 @@ func (s *seenRows) has(p *driver.VersionParams) bool {
 	defer s.mu.Unlock()
 	_, ok := s.m[[2]string{p.Stream, p.AggregateID}]
 	return ok
+}
+
+func (s *seenRows) forget(p *driver.VersionParams) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.m, [2]string{p.Stream, p.AggregateID})
 }
 
 func (s *seenRows) add(p *driver.VersionParams) {
@@ -351,7 +368,6 @@ func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.Versi
 		}
 	}
 	if n == 1 {
-		d.versionRows.add(p)
 		return true, p.Expected + 1, nil
 	}
 	var v int64
