@@ -157,10 +157,11 @@ func TestCancelledDuringHandler(t *testing.T) {
 }
 
 // TestHoldsCutOffByAnOutageAreLetGo kills the server while a transaction
-// holds a message's marker, so that the transaction cannot let go of it,
-// and starts the server again (its append-only file kept the hold). The
-// redelivery must not wait out the hold's LockTTL (an hour here): the
-// driver lets go of the orphaned hold at its next transaction.
+// holds a message's marker and an aggregate's version lock, so that the
+// transaction cannot let go of them, and starts the server again (its
+// append-only file kept both). The redelivery must not wait out their
+// LockTTL (an hour here): the driver lets go of the orphaned holds at its
+// next transaction.
 func TestHoldsCutOffByAnOutageAreLetGo(t *testing.T) {
 	t.Parallel()
 	srv := testenv.NewRedisServer(t)
@@ -176,7 +177,14 @@ func TestHoldsCutOffByAnOutageAreLetGo(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	versions, err := idem.NewVersions(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
 	h := &idem.Handler[*redisstore.Tx]{Name: "credit", Apply: func(ctx context.Context, tx *redisstore.Tx, m *idem.Message) error {
+		if _, err := versions.Next(ctx, tx, "orders", "o-1"); err != nil {
+			return err
+		}
 		if string(m.Payload) == "crash" {
 			srv.Crash() // the marker is held; the commit will not answer
 		}
@@ -199,5 +207,13 @@ func TestHoldsCutOffByAnOutageAreLetGo(t *testing.T) {
 	}
 	if n, err := client.Get(ctx, "balance").Int64(); err != nil || n != 1 {
 		t.Fatalf("balance %d (%v), want 1", n, err)
+	}
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer drv.Rollback(ctx, tx)
+	if v, err := versions.Current(ctx, tx, "orders", "o-1"); err != nil || v != 1 {
+		t.Fatalf("version %d (%v), want 1: the cut-off transaction's number is given back", v, err)
 	}
 }

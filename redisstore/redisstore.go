@@ -290,10 +290,11 @@ type Tx struct {
 	// order taken.
 	claims map[string]*claim
 	order  []*claim
-	// unsure are marker keys this transaction tried to take without
-	// learning whether it did (the connection failed): a rollback lets
-	// go of them too, each only if it holds pending.
-	unsure []string
+	// unsure are the keys (markers, locks) this transaction tried to
+	// take without learning whether it did (the connection failed), each
+	// with the value it holds if taken: a rollback lets go of them too,
+	// each only if it holds that value.
+	unsure []unsureKey
 	// watching: some key is WATCHed on conn. userWatched: the caller
 	// watched keys through Watch, whose reads the driver cannot check
 	// again, so it must never drop the watches.
@@ -687,7 +688,7 @@ func (tx *Tx) lockValues(ctx context.Context, keys, locks []string) error {
 	if err := tx.checkKeys(len(keys), "locking "+plural(len(keys), "key")); err != nil {
 		return err
 	}
-	return tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
+	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
 		n := lockScript.EvalSha(ctx, pipe, locks, tx.token, tx.d.lockTTL.Milliseconds())
 		pipe.Do(ctx, watchArgs(keys)...)
 		gets := make([]*redis.StringCmd, len(keys))
@@ -711,7 +712,18 @@ func (tx *Tx) lockValues(ctx context.Context, keys, locks []string) error {
 			return held < len(keys), nil
 		}
 	})
+	if err != nil {
+		for k, l := range locks {
+			if _, ok := tx.claims[keys[k]]; !ok {
+				tx.unsure = append(tx.unsure, unsureKey{l, tx.token})
+			}
+		}
+	}
+	return err
 }
+
+// unsureKey is a key a transaction may hold, and the value it holds then.
+type unsureKey struct{ key, val string }
 
 // MarkerInsert implements driver.Driver.
 func (d *Driver) MarkerInsert(ctx context.Context, tx *Tx, p *driver.MarkerInsertParams) (driver.MarkerInsertResult, error) {
@@ -833,7 +845,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 	if err != nil {
 		for _, k := range keys {
 			if _, ok := tx.claims[k]; !ok {
-				tx.unsure = append(tx.unsure, k)
+				tx.unsure = append(tx.unsure, unsureKey{k, tx.pending})
 			}
 		}
 		return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
@@ -986,10 +998,8 @@ func (d *Driver) finish(ctx context.Context, tx *Tx, release bool) error {
 					keys[i], vals[i] = c.lock, tx.token
 				}
 			}
-			for _, k := range tx.unsure {
-				if _, ok := tx.claims[k]; !ok {
-					keys, vals = append(keys, k), append(vals, tx.pending)
-				}
+			for _, u := range tx.unsure {
+				keys, vals = append(keys, u.key), append(vals, u.val)
 			}
 			// EVAL, not EVALSHA: letting go must not depend on the
 			// script cache.
@@ -1025,17 +1035,19 @@ type orphanHolds struct {
 	vals []any
 }
 
-// maxOrphanHolds bounds orphanHolds: past it, holds are left to expire.
+// maxOrphanHolds bounds orphanHolds: past it, holds are left to expire
+// (after LockTTL).
 const maxOrphanHolds = 4096
 
 func (o *orphanHolds) add(keys []string, vals []any) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if len(o.keys)+len(keys) > maxOrphanHolds {
+	n := min(len(keys), maxOrphanHolds-len(o.keys))
+	if n <= 0 {
 		return
 	}
-	o.keys = append(o.keys, keys...)
-	o.vals = append(o.vals, vals...)
+	o.keys = append(o.keys, keys[:n]...)
+	o.vals = append(o.vals, vals[:n]...)
 	o.n.Store(int32(len(o.keys)))
 }
 
