@@ -2,10 +2,12 @@ package jetstream_test
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/adaptertest"
 	"github.com/idemhq/idem/internal/testenv"
@@ -89,4 +91,56 @@ func TestRedisStoreEndToEnd(t *testing.T) {
 		kills[1]()
 		e.waitExact(events, 150) // every tenth published twice
 	})
+}
+
+// TestBrokerRestartMidStream stops the NATS server (file store) for three
+// seconds while a consumer on redisstore works through 1,500 events, a
+// tenth published twice, and starts it again on the same port and store.
+// The consumer must ride it out: its Run still running, no dead letter,
+// and the balances exactly those of the unique events.
+func TestBrokerRestartMidStream(t *testing.T) {
+	t.Parallel()
+	srv := testenv.NewNATSServer(t)
+	b, e := newBroker(t, srv.URL()), newRedisEnv(t)
+	events := idemtest.Events(1500)
+	b.Publish(t, adaptertest.Messages(events), 10)
+	var decided atomic.Int64
+	nc, c := b.consumer(t, idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+		defer decided.Add(1)
+		return e.consumer.HandleDelivery(ctx, d)
+	}))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done; nc.Close() })
+	for deadline := time.Now().Add(30 * time.Second); decided.Load() < 100; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("not 100 deliveries decided within 30 s")
+		}
+	}
+	srv.Stop()
+	if n := decided.Load(); n >= int64(len(events)) {
+		t.Fatalf("%d deliveries decided before the broker stopped: not mid-stream", n)
+	} else {
+		t.Logf("broker stopped after %d of %d+ deliveries", n, len(events))
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned when the broker went away: %v", err)
+	case <-time.After(3 * time.Second):
+	}
+	srv.Start()
+	e.waitExact(events, 150)
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned: %v", err)
+	default:
+	}
+	dls, err := e.drv.DeadLetterList(ctx, &driver.DeadLetterFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dls) > 0 {
+		t.Fatalf("%d dead letters, the first %s: %s", len(dls), dls[0].Class, dls[0].Error)
+	}
 }
