@@ -96,4 +96,6 @@ func (s *NATSServer) Stop() {
 }
 
 // URL is the server's client URL.
-func (s *NATSServer) URL() string { return "nats://" + net.JoinHostPort(s.opts.Host, strconv.Itoa(s.opts.Port)) }
+func (s *NATSServer) URL() string {
+	return "nats://" + net.JoinHostPort(s.opts.Host, strconv.Itoa(s.opts.Port))
+}
