@@ -60,8 +60,13 @@ func TestStoreDownHoldsDeliveries(t *testing.T) {
 	var (
 		applied, retries, deadLetters, maxAttempt atomic.Int64
 	)
-	events := idemtest.Events(600)
-	b.Publish(t, adaptertest.Messages(events), 0)
+	// Half the events now; the other half once the store is locked, so
+	// that messages wait in the queue during the outage however fast the
+	// consumer drained the first half (it once applied all 600 before the
+	// lock was taken).
+	events := idemtest.Events(1200)
+	msgs := adaptertest.Messages(events)
+	b.Publish(t, msgs[:600], 0)
 	b.Start(t, idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
 		if int64(d.Attempt) > maxAttempt.Load() {
 			maxAttempt.Store(int64(d.Attempt))
@@ -97,6 +102,7 @@ func TestStoreDownHoldsDeliveries(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+	b.Publish(t, msgs[600:], 0)
 	time.Sleep(500 * time.Millisecond) // the lanes meet the lock and hold
 	readyAt, appliedAt := b.ready(t), applied.Load()
 	time.Sleep(2500 * time.Millisecond)
