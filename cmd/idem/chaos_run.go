@@ -471,14 +471,32 @@ func (h *chaosHarness) waitDrained(ctx context.Context, timeout time.Duration) e
 			return nil
 		}
 		if time.Since(start) > timeout {
-			return fmt.Errorf("chaos: not drained within %s: of %d events, balances applied %d, ordered %d, sink %d; %d outbox rows pending",
-				timeout, p.produced, p.applied[chaosBalances], p.applied[chaosOrdered], p.applied[chaosSinkHandler], st.Pending)
+			return fmt.Errorf("chaos: not drained within %s: of %d events, balances applied %d, ordered %d, sink %d; %d outbox rows pending; %s",
+				timeout, p.produced, p.applied[chaosBalances], p.applied[chaosOrdered], p.applied[chaosSinkHandler], st.Pending, h.sinkState(ctx))
 		}
 		sleepCtx(ctx, 100*time.Millisecond)
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 	}
+}
+
+// sinkState describes the lease handler's rows and the sink's calls, for
+// a run that did not drain: whether the missing effects were never
+// claimed, are held, or failed.
+func (h *chaosHarness) sinkState(ctx context.Context) string {
+	var done, running, failed, maxAttempts int64
+	err := h.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'done'), count(*) FILTER (WHERE status = 'running'),
+count(*) FILTER (WHERE status = 'failed'), coalesce(max(attempts), 0) FROM `+sqlident.Qualified(h.schema, "idem_processed")+`
+WHERE handler = $1`, chaosSinkHandler).Scan(&done, &running, &failed, &maxAttempts)
+	h.sink.mu.Lock()
+	calls, fenced := h.sink.calls, h.sink.fenced
+	h.sink.mu.Unlock()
+	if err != nil {
+		return fmt.Sprintf("sink leases unreadable (%v); sink calls %d, fenced %d", err, calls, fenced)
+	}
+	return fmt.Sprintf("sink leases %d done, %d running, %d failed (most attempts %d); sink calls %d, fenced %d",
+		done, running, failed, maxAttempts, calls, fenced)
 }
 
 // chaosResult is what a run did and what its check found.

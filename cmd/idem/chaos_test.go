@@ -212,3 +212,34 @@ func mustProcessor(t *testing.T, drv *postgres.Driver) *idem.Processor[postgres.
 	}
 	return p
 }
+
+// TestChaosSinkStateReadsTheLeases checks the diagnosis a run that did not
+// drain prints: the lease handler's rows by status, from the run's schema.
+func TestChaosSinkStateReadsTheLeases(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testenv.PostgresPool(t, 4)
+	schema := "idem_chaos_state_" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP SCHEMA `+schema+` CASCADE`) })
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "w"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.LeaseHandler{Name: chaosSinkHandler, Call: func(context.Context, *idem.Lease, *idem.Message) error { return nil }}
+	for _, id := range []string{"a", "b"} {
+		if _, err := lp.Process(ctx, h, &idem.Message{ID: id, Payload: []byte("x")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hs := &chaosHarness{pool: pool, schema: schema, sink: &chaosSink{calls: 3, fenced: 1}}
+	if got, want := hs.sinkState(ctx), "sink leases 2 done, 0 running, 0 failed (most attempts 1); sink calls 3, fenced 1"; got != want {
+		t.Fatalf("sinkState = %q, want %q", got, want)
+	}
+}
