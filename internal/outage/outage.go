@@ -244,13 +244,15 @@ func (w *Watch) probeLoop(up chan struct{}) {
 		cause, took := w.cause, time.Since(w.since)
 		w.down, w.probing, w.cause = false, false, nil
 		w.isDown.Store(false)
-		close(up)
 		w.mu.Unlock()
+		// Said before the waiters go on: the line and the hooks (a
+		// store-up gauge) come before the work they resume.
 		w.cfg.Logger.Info("idem: store answers again; resuming", slog.String("component", w.cfg.Component),
 			slog.Duration("outage", took.Round(time.Millisecond)), slog.Any("cause", cause))
 		if w.cfg.OnChange != nil {
 			w.cfg.OnChange(Change{Cause: cause, Duration: took})
 		}
+		close(up)
 		return
 	}
 }
