@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
@@ -166,9 +165,7 @@ func TestHoldsCutOffByAnOutageAreLetGo(t *testing.T) {
 	t.Parallel()
 	srv := testenv.NewRedisServer(t)
 	ctx := context.Background()
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), MaxRetries: -1,
-		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
-	t.Cleanup(func() { client.Close() })
+	client := srv.Client(redis.Options{MaxRetries: -1})
 	drv, err := redisstore.New(client, &redisstore.Config{LockTTL: time.Hour})
 	if err != nil {
 		t.Fatal(err)

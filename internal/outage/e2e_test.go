@@ -19,7 +19,6 @@ import (
 	"github.com/nats-io/nats.go"
 	natsjs "github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
-	"github.com/redis/go-redis/v9/maintnotifications"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -224,9 +223,7 @@ func TestOutageRedis(t *testing.T) {
 	ctx := context.Background()
 	logs := &logRecorder{}
 	logger := slog.New(logs)
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), PoolSize: 24,
-		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
-	t.Cleanup(func() { client.Close() })
+	client := srv.Client(redis.Options{PoolSize: 24})
 	const prefix = "idem:"
 	drv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix})
 	if err != nil {

@@ -39,16 +39,7 @@ func NATSConn(t testing.TB) *nats.Conn {
 // ends.
 func EmbeddedNATS(t testing.TB) string {
 	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("embedded NATS did not start")
-	}
-	t.Cleanup(ns.Shutdown)
-	return ns.ClientURL()
+	return NewNATSServer(t).URL()
 }
 
 // NATSServer is an in-process NATS server with JetStream that a test can

@@ -47,8 +47,7 @@ func (s *RedisServer) Start() {
 	s.t.Helper()
 	cmd := exec.Command(s.bin, "--port", strconv.Itoa(s.port), "--bind", "127.0.0.1", "--dir", s.dir,
 		"--save", "", "--appendonly", "yes", "--appendfsync", "always", "--logfile", filepath.Join(s.dir, "redis.log"))
-	c := redis.NewClient(&redis.Options{Addr: s.Addr(), MaxRetries: -1, DialerRetries: 1,
-		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
+	c := s.client(redis.Options{MaxRetries: -1, DialerRetries: 1})
 	defer c.Close()
 	// PING answers LOADING until the append-only file is read.
 	s.proc = startServer(s.t, cmd, filepath.Join(s.dir, "redis.log"), 30*time.Second, func(ctx context.Context) error {
@@ -60,6 +59,21 @@ func (s *RedisServer) Start() {
 func (s *RedisServer) Crash() {
 	s.proc.kill()
 	s.proc = nil
+}
+
+// Client returns a client of the server with opts (Addr set, maintenance
+// notifications off, as Redis before 8 lacks them), closed when the test
+// ends.
+func (s *RedisServer) Client(opts redis.Options) *redis.Client {
+	c := s.client(opts)
+	s.t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func (s *RedisServer) client(opts redis.Options) *redis.Client {
+	opts.Addr = s.Addr()
+	opts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+	return redis.NewClient(&opts)
 }
 
 // Addr is the server's host:port.
