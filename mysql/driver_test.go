@@ -564,3 +564,142 @@ func TestVersionRowCreationNeverWaitsOnItself(t *testing.T) {
 		})
 	}
 }
+
+// TestNewHandlerOnAFullPool: a handler's name is interned on first use.
+// When the transactions of a new handler's workers hold every connection
+// of the pool, none of them may wait for another connection to do it: on a
+// pool of one, and with four workers beginning at once on a pool of four,
+// every message is applied, once. Under REPEATABLE READ, a name another
+// process interned after the transaction's snapshot is found, not taken
+// for a new one.
+func TestNewHandlerOnAFullPool(t *testing.T) {
+	t.Parallel()
+	t.Run("PoolOfOne", func(t *testing.T) {
+		t.Parallel()
+		s := storeOn(t, testenv.MySQL(t, testenv.MySQLDatabase(t), 1), nil)
+		p, err := idem.NewProcessor(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		h := idemtest.CreditHandler(s, "one-conn", nil)
+		for _, want := range []idem.Outcome{idem.Applied, idem.Duplicate} {
+			if out, err := p.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != want || err != nil {
+				t.Fatalf("process on a pool of one: %v, %v; want %v", out, err, want)
+			}
+		}
+		hb := idemtest.CreditHandler(s, "one-conn-batch", nil)
+		outs, err := p.ProcessBatch(ctx, hb, []*idem.Message{{ID: "b-1", Payload: []byte("acct-2:1")}, {ID: "b-2", Payload: []byte("acct-2:1")}})
+		if err != nil || outs[0] != idem.Applied || outs[1] != idem.Applied {
+			t.Fatalf("batch on a pool of one: %v, %v", outs, err)
+		}
+		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 || bal["acct-2"] != 2 {
+			t.Fatalf("balances %v, %v; want acct-1 1, acct-2 2", bal, err)
+		}
+	})
+	t.Run("RepeatableReadSnapshot", func(t *testing.T) {
+		t.Parallel()
+		dsn := testenv.MySQLDatabase(t)
+		db := testenv.MySQL(t, dsn, 1)
+		s := storeOn(t, db, nil)
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		var n int
+		if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM balances`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		// Another process, on its own pool, interns the name now.
+		other, err := mysql.New(testenv.MySQL(t, dsn, 2), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		po, err := idem.NewProcessor(other, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := idemtest.CreditHandler(s, "snapshot", nil)
+		if out, err := po.Process(ctx, h, &idem.Message{ID: "x", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
+			t.Fatalf("the other process: %v, %v", out, err)
+		}
+		p, err := idem.NewProcessor(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range []struct {
+			id   string
+			want idem.Outcome
+		}{{"x", idem.Duplicate}, {"y", idem.Applied}} {
+			if out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: c.id, Payload: []byte("acct-1:1")}); out != c.want || err != nil {
+				t.Fatalf("%s in a REPEATABLE READ transaction older than the name: %v, %v; want %v", c.id, out, err, c.want)
+			}
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		var names int
+		if err := db.QueryRowContext(ctx, "SELECT count(*) FROM `idem_handlers` WHERE name = 'snapshot'").Scan(&names); err != nil || names != 1 {
+			t.Fatalf("%d handlers rows named snapshot, %v; want 1", names, err)
+		}
+		if m, err := s.Markers(ctx, "snapshot"); err != nil || m != 2 {
+			t.Fatalf("%d markers, %v; want 2 (x and y)", m, err)
+		}
+	})
+	t.Run("WorkersHoldEveryConnection", func(t *testing.T) {
+		t.Parallel()
+		const workers, rounds = 4, 12
+		db := testenv.MySQL(t, testenv.MySQLDatabase(t), workers)
+		s := storeOn(t, db, nil)
+		p, err := idem.NewProcessor(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		for r := range rounds {
+			h := idemtest.CreditHandler(s, fmt.Sprintf("full-pool-%d", r), nil)
+			start := make(chan struct{})
+			errs := make(chan error, workers)
+			for w := range workers {
+				go func() {
+					<-start
+					m := &idem.Message{ID: fmt.Sprintf("m-%d", w), Payload: []byte(fmt.Sprintf("acct-%d:1", w))}
+					var out idem.Outcome
+					var err error
+					if r%2 == 0 {
+						out, err = p.Process(ctx, h, m)
+					} else {
+						var outs []idem.Outcome
+						if outs, err = p.ProcessBatch(ctx, h, []*idem.Message{m}); err == nil {
+							out = outs[0]
+						}
+					}
+					if err == nil && out != idem.Applied {
+						err = fmt.Errorf("%s: %v, want applied", m.ID, out)
+					}
+					errs <- err
+				}()
+			}
+			close(start)
+			for range workers {
+				if err := <-errs; err != nil {
+					t.Fatalf("round %d: %v (a worker waiting for a connection its peers hold?)", r, err)
+				}
+			}
+		}
+		bal, err := s.Balances(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for w := range workers {
+			if a := fmt.Sprintf("acct-%d", w); bal[a] != rounds {
+				t.Fatalf("balance of %s: %d, want %d", a, bal[a], rounds)
+			}
+		}
+	})
+}

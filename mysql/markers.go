@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -32,19 +33,29 @@ func storedHash(h []byte) []byte {
 	return h
 }
 
-// querier is what reads the handlers table: the transaction at hand, so
-// that a caller's transaction holding the pool's last connection does not
-// wait for another, or the pool.
+// querier is what reads and, when it must, interns handler names: the
+// transaction at hand, or the pool.
 type querier interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 }
 
 // handlerID returns the id handler is interned under, adding it to the
-// handlers table on first use. Ids are cached for the driver's life: a
-// handlers row is never deleted or changed. A name already there is read
-// through q; a new one is inserted on a pooled connection of its own,
-// committed at once, so a caller's transaction that rolls back cannot take
-// the id with it.
+// handlers table on first use. A name already there is read through q and
+// cached for the driver's life: a handlers row is never deleted or
+// changed.
+//
+// A new name is best inserted on a pooled connection of its own and
+// committed at once, so that it does not depend on the caller's
+// transaction. But when q is a transaction, that transaction holds one of
+// the pool's connections, and when every worker of a new handler begins at
+// once they may hold them all: each would wait for a connection the others
+// hold, for ever. So in a transaction the pooled insert is tried only when
+// the pool has a connection to spare, waiting internWait at most;
+// otherwise the name is inserted in the caller's transaction, which then
+// waits on, or holds, the name's key until the first inserter ends. That
+// id is not cached (the transaction may roll back); the next call reads it
+// once committed.
 func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int32, error) {
 	if id, ok := d.handlerIDs.Load(handler); ok {
 		return id.(int32), nil
@@ -58,11 +69,51 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	if !errors.Is(err, sql.ErrNoRows) {
 		return 0, fmt.Errorf("mysql: look up handler name: %w", notMigrated(err))
 	}
-	err = d.retry(ctx, func() error {
-		if _, err := d.db.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
+	tx, inTx := q.(*sql.Tx)
+	if !inTx {
+		return d.internPooled(ctx, ctx, handler)
+	}
+	if d.spareConn() {
+		wctx, cancel := context.WithTimeout(ctx, internWait)
+		id, err := d.internPooled(ctx, wctx, handler)
+		cancel()
+		if err == nil || ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+			return id, err
+		}
+	}
+	// A locking read: under REPEATABLE READ the transaction's snapshot,
+	// taken by the SELECT above, would not show a name another
+	// transaction committed since.
+	if _, err := tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
+		return 0, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
+	}
+	if err := tx.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ? LOCK IN SHARE MODE`, handler).Scan(&id); err != nil {
+		return 0, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
+	}
+	return id, nil
+}
+
+// internWait bounds how long a transaction's handlerID waits for a pooled
+// connection, or for the name's key, before interning the name in the
+// transaction itself.
+const internWait = 500 * time.Millisecond
+
+// spareConn reports whether the pool may have a connection for a statement
+// of its own: it is unbounded or not all its connections are in use.
+func (d *Driver) spareConn() bool {
+	st := d.db.Stats()
+	return st.MaxOpenConnections == 0 || st.InUse < st.MaxOpenConnections
+}
+
+// internPooled inserts handler's name on a pooled connection, committed at
+// once, and caches its id. ctx bounds the retries, wctx each attempt.
+func (d *Driver) internPooled(ctx, wctx context.Context, handler string) (int32, error) {
+	var id int32
+	err := d.retry(ctx, func() error {
+		if _, err := d.db.ExecContext(wctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
 			return err
 		}
-		return d.db.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id)
+		return d.db.QueryRowContext(wctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id)
 	})
 	if err != nil {
 		return 0, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))

@@ -293,7 +293,7 @@ func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) 
 	if d.noVersionRows.Load() || d.versionRows.has(p) {
 		return
 	}
-	if st := d.db.Stats(); st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
+	if !d.spareConn() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(ctx, versionRowWait)
