@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -111,19 +112,30 @@ func storedHash(h []byte) []byte {
 	return h
 }
 
-// querier is what reads the handlers and the layout: the transaction at
-// hand, so that a caller's transaction holding the pool's last connection
-// does not wait for another, or the pool.
+// querier is what reads the handlers and the layout, and interns a new
+// handler name when it must: the transaction at hand, or the pool.
 type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 // handlerID returns the id handler is interned under, adding it to the
-// handlers table on first use. Ids are cached for the driver's life: a
-// handlers row is never deleted or changed. A name already there is read
-// through q. A new name is inserted on a pooled connection of its own and
-// committed at once, so that a caller's transaction that rolls back cannot
-// take the id with it.
+// handlers table on first use. A name already there is read through q and
+// cached for the driver's life: a handlers row is never deleted or
+// changed.
+//
+// A new name is best inserted on a pooled connection of its own and
+// committed at once, so that it does not depend on the caller's
+// transaction. But when q is a transaction, that transaction holds one of
+// the pool's connections, and when the workers of a new handler begin at
+// once they may hold them all: each would wait for a connection the others
+// hold, for ever. So in a transaction the pooled insert is tried only when
+// the pool has a connection to spare, waiting internWait at most;
+// otherwise the name is inserted in the caller's transaction, which then
+// waits on, or holds, the name's key until the first inserter ends. That
+// id is not cached (the transaction may roll back); the next call reads it
+// once committed. Under REPEATABLE READ or SERIALIZABLE, a name committed
+// after the transaction's snapshot fails that insert with a serialization
+// failure, which the caller retries as any other.
 func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int32, error) {
 	if id, ok := d.handlerIDs.Load(handler); ok {
 		return id.(int32), nil
@@ -137,11 +149,33 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	case !errors.Is(err, pgx.ErrNoRows):
 		return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
 	}
+	if _, pooled := q.(*pgxpool.Pool); pooled {
+		return d.intern(ctx, d.pool, handler, true)
+	}
+	if st := d.pool.Stat(); st.AcquiredConns() < st.MaxConns() {
+		wctx, cancel := context.WithTimeout(ctx, internWait)
+		id, err := d.intern(wctx, d.pool, handler, true)
+		cancel()
+		if err == nil || ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+			return id, err
+		}
+	}
+	return d.intern(ctx, q, handler, false)
+}
+
+// internWait bounds how long a transaction's handlerID waits for a pooled
+// connection, or for the name's key, before interning the name in the
+// transaction itself.
+const internWait = 500 * time.Millisecond
+
+// intern inserts handler's name through q and returns its id, cached when
+// q commits it at once.
+func (d *Driver) intern(ctx context.Context, q querier, handler string, cache bool) (int32, error) {
 	// ON CONFLICT DO NOTHING returns no row when a concurrent call added
 	// the name after this statement's snapshot; the next attempt sees it.
 	for range 3 {
 		var id int32
-		err := d.pool.QueryRow(ctx, `WITH ins AS (
+		err := q.QueryRow(ctx, `WITH ins AS (
   INSERT INTO `+d.t.handlers+` (name) VALUES ($1) ON CONFLICT (name) DO NOTHING RETURNING id
 )
 SELECT id FROM ins UNION ALL SELECT id FROM `+d.t.handlers+` WHERE name = $1 LIMIT 1`, handler).Scan(&id)
@@ -151,7 +185,9 @@ SELECT id FROM ins UNION ALL SELECT id FROM `+d.t.handlers+` WHERE name = $1 LIM
 		if err != nil {
 			return 0, fmt.Errorf("postgres: intern handler name: %w", notMigrated(err))
 		}
-		d.handlerIDs.Store(handler, id)
+		if cache {
+			d.handlerIDs.Store(handler, id)
+		}
 		return id, nil
 	}
 	return 0, fmt.Errorf("postgres: intern handler name %q: not found after insert; retry", handler)

@@ -1,0 +1,208 @@
+package postgres_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
+)
+
+// TestNewHandlerOnAFullPool: a handler's name is interned on first use.
+// When the callers' transactions of a new handler hold every connection of
+// the pool, none of them may wait for another connection to do it: on a
+// pool of one, and with four workers beginning at once on a pool of four,
+// every message is applied, once. Under REPEATABLE READ, a name another
+// process interned after the transaction's snapshot is a serialization
+// failure the caller retries, never a second name.
+func TestNewHandlerOnAFullPool(t *testing.T) {
+	t.Parallel()
+	inTx := func(ctx context.Context, pool interface {
+		BeginTx(context.Context, pgx.TxOptions) (pgx.Tx, error)
+	}, iso pgx.TxIsoLevel, f func(tx pgx.Tx) error) error {
+		tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(context.WithoutCancel(ctx))
+		if err := f(tx); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	t.Run("PoolOfOne", func(t *testing.T) {
+		t.Parallel()
+		pool := testenv.PostgresPool(t, 1)
+		s := storeIn(t, pool, testenv.FreshSchema(t, pool))
+		p, err := idem.NewProcessor(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		h := idemtest.CreditHandler(s, "one-conn", nil)
+		for _, want := range []idem.Outcome{idem.Applied, idem.Duplicate} {
+			err := inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+				out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")})
+				if err == nil && out != want {
+					err = fmt.Errorf("%v, want %v", out, want)
+				}
+				return err
+			})
+			if err != nil {
+				t.Fatalf("ProcessTx on a pool of one: %v", err)
+			}
+		}
+		hb := idemtest.CreditHandler(s, "one-conn-batch", nil)
+		err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+			outs, err := p.ProcessBatchTx(ctx, tx, hb, []*idem.Message{{ID: "b-1", Payload: []byte("acct-2:1")}, {ID: "b-2", Payload: []byte("acct-2:1")}})
+			if err == nil && (outs[0] != idem.Applied || outs[1] != idem.Applied) {
+				err = fmt.Errorf("%v, want both applied", outs)
+			}
+			return err
+		})
+		if err != nil {
+			t.Fatalf("ProcessBatchTx on a pool of one: %v", err)
+		}
+		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 || bal["acct-2"] != 2 {
+			t.Fatalf("balances %v, %v; want acct-1 1, acct-2 2", bal, err)
+		}
+	})
+	t.Run("RepeatableReadSnapshot", func(t *testing.T) {
+		t.Parallel()
+		pool := testenv.PostgresPool(t, 1)
+		schema := testenv.FreshSchema(t, pool)
+		s := storeIn(t, pool, schema)
+		p, err := idem.NewProcessor(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		h := idemtest.CreditHandler(s, "snapshot", nil)
+		first := true
+		for attempt := 0; ; attempt++ {
+			err := inTx(ctx, pool, pgx.RepeatableRead, func(tx pgx.Tx) error {
+				var n int
+				if err := tx.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "balances"}.Sanitize()).Scan(&n); err != nil {
+					return err
+				}
+				if first {
+					first = false
+					// Another process, on its own pool, interns the name
+					// after this transaction's snapshot.
+					other, err := postgres.New(testenv.PostgresPool(t, 2), &postgres.Config{Schema: schema})
+					if err != nil {
+						return err
+					}
+					po, err := idem.NewProcessor(other, nil)
+					if err != nil {
+						return err
+					}
+					if out, err := po.Process(ctx, h, &idem.Message{ID: "x", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
+						return fmt.Errorf("the other process: %v, %v", out, err)
+					}
+				}
+				for _, c := range []struct {
+					id   string
+					want idem.Outcome
+				}{{"x", idem.Duplicate}, {"y", idem.Applied}} {
+					out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: c.id, Payload: []byte("acct-1:1")})
+					if err != nil {
+						return err
+					}
+					if out != c.want {
+						return fmt.Errorf("%s: %v, want %v", c.id, out, c.want)
+					}
+				}
+				return nil
+			})
+			var pgErr *pgconn.PgError
+			if attempt == 0 && errors.As(err, &pgErr) && pgErr.Code == "40001" {
+				t.Logf("first attempt: %v; retried, as the caller of a REPEATABLE READ transaction does", err)
+				continue
+			}
+			if err != nil {
+				t.Fatalf("attempt %d: %v", attempt+1, err)
+			}
+			break
+		}
+		var names int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "idem_handlers"}.Sanitize()+` WHERE name = 'snapshot'`).Scan(&names); err != nil || names != 1 {
+			t.Fatalf("%d handlers rows named snapshot, %v; want 1", names, err)
+		}
+		if m, err := s.Markers(ctx, "snapshot"); err != nil || m != 2 {
+			t.Fatalf("%d markers, %v; want 2 (x and y)", m, err)
+		}
+		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 2 {
+			t.Fatalf("balances %v, %v; want acct-1 2", bal, err)
+		}
+	})
+	t.Run("WorkersHoldEveryConnection", func(t *testing.T) {
+		t.Parallel()
+		const workers, rounds = 4, 12
+		pool := testenv.PostgresPool(t, workers)
+		s := storeIn(t, pool, testenv.FreshSchema(t, pool))
+		p, err := idem.NewProcessor(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		for r := range rounds {
+			h := idemtest.CreditHandler(s, fmt.Sprintf("full-pool-%d", r), nil)
+			begun := make(chan struct{}, workers)
+			start := make(chan struct{})
+			errs := make(chan error, workers)
+			for w := range workers {
+				go func() {
+					m := &idem.Message{ID: fmt.Sprintf("m-%d", w), Payload: []byte(fmt.Sprintf("acct-%d:1", w))}
+					errs <- inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+						begun <- struct{}{}
+						<-start // every worker holds its connection now
+						var out idem.Outcome
+						var err error
+						if r%2 == 0 {
+							out, err = p.ProcessTx(ctx, tx, h, m)
+						} else {
+							var outs []idem.Outcome
+							if outs, err = p.ProcessBatchTx(ctx, tx, h, []*idem.Message{m}); err == nil {
+								out = outs[0]
+							}
+						}
+						if err == nil && out != idem.Applied {
+							err = fmt.Errorf("%s: %v, want applied", m.ID, out)
+						}
+						return err
+					})
+				}()
+			}
+			for range workers {
+				<-begun
+			}
+			close(start)
+			for range workers {
+				if err := <-errs; err != nil {
+					t.Fatalf("round %d: %v (a worker waiting for a connection its peers hold?)", r, err)
+				}
+			}
+		}
+		bal, err := s.Balances(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for w := range workers {
+			if a := fmt.Sprintf("acct-%d", w); bal[a] != rounds {
+				t.Fatalf("balance of %s: %d, want %d", a, bal[a], rounds)
+			}
+		}
+	})
+}
