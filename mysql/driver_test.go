@@ -596,6 +596,17 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		}
 		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 || bal["acct-2"] != 2 {
 			t.Fatalf("balances %v, %v; want acct-1 1, acct-2 2", bal, err)
+		}		// Pruning holds a connection for its lock and needs another: on a
+		// pool of one it is refused at once, and processing goes on.
+		pr, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{Retention: time.Hour})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pr.Prune(ctx); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Fatalf("prune on a pool of one: %v, want ErrInvalidConfig", err)
+		}
+		if out, err := p.Process(ctx, h, &idem.Message{ID: "m-2", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
+			t.Fatalf("process after the refused prune: %v, %v", out, err)
 		}
 	})
 	t.Run("RepeatableReadSnapshot", func(t *testing.T) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 )
 
@@ -175,9 +176,14 @@ SELECT handler, count(*) FROM `+d.t.leases+` WHERE processed_at < ? AND `+prunab
 
 // TryMaintenanceLock implements driver.MarkerPruner with GET_LOCK on a
 // connection the lock holds for its life (the lock is the session's), so
-// one instance at a time prunes a database's tables. The pool needs a
-// connection to spare for it.
+// one instance at a time prunes a database's tables. The pruning's own
+// statements run on the pool meanwhile, so a pool of one connection
+// (SetMaxOpenConns(1)) cannot prune: the lock is then refused with an
+// error wrapping idem.ErrInvalidConfig rather than waiting for ever.
 func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
+	if d.db.Stats().MaxOpenConnections == 1 {
+		return nil, false, fmt.Errorf("mysql: maintenance lock: %w: pruning holds a connection for its lock and runs its statements on another, and the pool allows one (SetMaxOpenConns(1)); allow two or more", idem.ErrInvalidConfig)
+	}
 	c, err := d.db.Conn(ctx)
 	if err != nil {
 		return nil, false, fmt.Errorf("mysql: maintenance lock: %w", err)
