@@ -596,7 +596,8 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		}
 		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 || bal["acct-2"] != 2 {
 			t.Fatalf("balances %v, %v; want acct-1 1, acct-2 2", bal, err)
-		}		// Pruning holds a connection for its lock and needs another: on a
+		}
+		// Pruning holds a connection for its lock and needs another: on a
 		// pool of one it is refused at once, and processing goes on.
 		pr, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{Retention: time.Hour})
 		if err != nil {
