@@ -299,13 +299,32 @@ func (d *Driver) MarkerInsert(ctx context.Context, tx *sql.Tx, p *driver.MarkerI
 	if d.insertMarker == nil {
 		return driver.MarkerInsertResult{}, errNotMigrated
 	}
-	ins := tx.StmtContext(ctx, d.insertMarker)
-	sel := tx.StmtContext(ctx, d.selectHash)
-	return d.insertOne(ctx, ins, sel, p.Handler, p.MessageID, p.PayloadHash, time.Now().UnixMicro())
+	// As in MarkerInsertMany: a statement of microseconds needs no
+	// interrupt armed on the caller's context.
+	if err := ctx.Err(); err != nil {
+		return driver.MarkerInsertResult{}, err
+	}
+	ctx = context.WithoutCancel(ctx)
+	st := d.markerStmts(ctx, tx)
+	return st.insertOne(ctx, p.Handler, p.MessageID, p.PayloadHash, time.Now().UnixMicro())
 }
 
-func (d *Driver) insertOne(ctx context.Context, ins, sel *sql.Stmt, handler, id string, hash []byte, now int64) (driver.MarkerInsertResult, error) {
-	r, err := ins.ExecContext(ctx, handler, id, hash, now)
+// markerStmts are a transaction's statements for markers one by one; the
+// read of an existing marker's hash is prepared on first use.
+type markerStmts struct {
+	d        *Driver
+	tx       *sql.Tx
+	ins, sel *sql.Stmt
+}
+
+func (d *Driver) markerStmts(ctx context.Context, tx *sql.Tx) *markerStmts {
+	return &markerStmts{d: d, tx: tx, ins: tx.StmtContext(ctx, d.insertMarker)}
+}
+
+// insertOne inserts one marker, reading the existing marker's hash when
+// there is one.
+func (m *markerStmts) insertOne(ctx context.Context, handler, id string, hash []byte, now int64) (driver.MarkerInsertResult, error) {
+	r, err := m.ins.ExecContext(ctx, handler, id, hash, now)
 	if err != nil {
 		return driver.MarkerInsertResult{}, err
 	}
@@ -317,7 +336,10 @@ func (d *Driver) insertOne(ctx context.Context, ins, sel *sql.Stmt, handler, id 
 		return driver.MarkerInsertResult{Inserted: true}, nil
 	}
 	var existing []byte
-	if err := sel.QueryRowContext(ctx, handler, id).Scan(&existing); err != nil {
+	if m.sel == nil {
+		m.sel = m.tx.StmtContext(ctx, m.d.selectHash)
+	}
+	if err := m.sel.QueryRowContext(ctx, handler, id).Scan(&existing); err != nil {
 		return driver.MarkerInsertResult{}, fmt.Errorf("sqlite: read existing marker: %w", err)
 	}
 	return driver.MarkerInsertResult{ExistingHash: existing}, nil
@@ -339,8 +361,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *sql.Tx, p *driver.Mar
 	if d.insertMarker == nil {
 		return nil, errNotMigrated
 	}
-	ins := tx.StmtContext(ctx, d.insertMarker)
-	sel := tx.StmtContext(ctx, d.selectHash)
+	st := d.markerStmts(ctx, tx)
 	now := time.Now().UnixMicro()
 	out := make([]driver.MarkerInsertResult, len(p.MessageIDs))
 	// A cancellable context makes the SQLite driver arm an interrupt for
@@ -374,7 +395,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *sql.Tx, p *driver.Mar
 			}
 		}
 		for i := lo; i < hi; i++ {
-			r, err := d.insertOne(rowCtx, ins, sel, p.Handler, p.MessageIDs[i], p.PayloadHashes[i], now)
+			r, err := st.insertOne(rowCtx, p.Handler, p.MessageIDs[i], p.PayloadHashes[i], now)
 			if err != nil {
 				return nil, err
 			}
