@@ -566,26 +566,67 @@ func TestVersionRowCreationNeverWaitsOnItself(t *testing.T) {
 }
 
 // TestNewHandlerOnAFullPool: a handler's name is interned on first use.
-// When the transactions of a new handler's workers hold every connection
-// of the pool, none of them may wait for another connection to do it: on a
-// pool of one, and with four workers beginning at once on a pool of four,
-// every message is applied, once. Under REPEATABLE READ, a name another
-// process interned after the transaction's snapshot is found, not taken
-// for a new one.
+// When the transactions of a new handler hold every connection of the
+// pool, none of them may wait for another connection to do it: on a pool
+// of one, and with four workers holding a pool of four, every message is
+// applied, once. A name interned in a transaction that rolls back leaves
+// no id behind that a redelivery could slip past; under REPEATABLE READ, a
+// name another process interned after the transaction's snapshot is found,
+// not taken for a new one.
 func TestNewHandlerOnAFullPool(t *testing.T) {
 	t.Parallel()
+	inTx := func(ctx context.Context, db *sql.DB, iso sql.IsolationLevel, f func(tx *sql.Tx) error) error {
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: iso})
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback()
+		if err := f(tx); err != nil {
+			return err
+		}
+		return tx.Commit()
+	}
+	processTx := func(ctx context.Context, p *idem.Processor[*sql.Tx], tx *sql.Tx, h *idem.Handler[*sql.Tx], id, payload string, batch bool) error {
+		m := &idem.Message{ID: id, Payload: []byte(payload)}
+		var out idem.Outcome
+		var err error
+		if batch {
+			var outs []idem.Outcome
+			if outs, err = p.ProcessBatchTx(ctx, tx, h, []*idem.Message{m}); err == nil {
+				out = outs[0]
+			}
+		} else {
+			out, err = p.ProcessTx(ctx, tx, h, m)
+		}
+		if err == nil && out != idem.Applied {
+			err = fmt.Errorf("%s: %v, want applied", id, out)
+		}
+		return err
+	}
 	t.Run("PoolOfOne", func(t *testing.T) {
 		t.Parallel()
-		s := storeOn(t, testenv.MySQL(t, testenv.MySQLDatabase(t), 1), nil)
+		db := testenv.MySQL(t, testenv.MySQLDatabase(t), 1)
+		s := storeOn(t, db, nil)
 		p, err := idem.NewProcessor(s.Driver, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		h := idemtest.CreditHandler(s, "one-conn", nil)
+		// In the caller's transaction, which holds the only connection.
+		h := idemtest.CreditHandler(s, "one-conn-tx", nil)
+		for i, batch := range []bool{false, true} {
+			err := inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
+				return processTx(ctx, p, tx, h, fmt.Sprintf("t-%d", i), "acct-1:1", batch)
+			})
+			if err != nil {
+				t.Fatalf("in the caller's transaction on a pool of one: %v", err)
+			}
+		}
+		// In transactions the processor begins.
+		hp := idemtest.CreditHandler(s, "one-conn", nil)
 		for _, want := range []idem.Outcome{idem.Applied, idem.Duplicate} {
-			if out, err := p.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != want || err != nil {
+			if out, err := p.Process(ctx, hp, &idem.Message{ID: "m-1", Payload: []byte("acct-2:1")}); out != want || err != nil {
 				t.Fatalf("process on a pool of one: %v, %v; want %v", out, err, want)
 			}
 		}
@@ -594,8 +635,8 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		if err != nil || outs[0] != idem.Applied || outs[1] != idem.Applied {
 			t.Fatalf("batch on a pool of one: %v, %v", outs, err)
 		}
-		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 || bal["acct-2"] != 2 {
-			t.Fatalf("balances %v, %v; want acct-1 1, acct-2 2", bal, err)
+		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 2 || bal["acct-2"] != 3 {
+			t.Fatalf("balances %v, %v; want acct-1 2, acct-2 3", bal, err)
 		}
 		// Pruning holds a connection for its lock and needs another: on a
 		// pool of one it is refused at once, and processing goes on.
@@ -606,8 +647,65 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		if _, err := pr.Prune(ctx); !errors.Is(err, idem.ErrInvalidConfig) {
 			t.Fatalf("prune on a pool of one: %v, want ErrInvalidConfig", err)
 		}
-		if out, err := p.Process(ctx, h, &idem.Message{ID: "m-2", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
+		if out, err := p.Process(ctx, hp, &idem.Message{ID: "m-2", Payload: []byte("acct-2:1")}); out != idem.Applied || err != nil {
 			t.Fatalf("process after the refused prune: %v, %v", out, err)
+		}
+	})
+	t.Run("RolledBackName", func(t *testing.T) {
+		t.Parallel()
+		dsn := testenv.MySQLDatabase(t)
+		db := testenv.MySQL(t, dsn, 1)
+		s := storeOn(t, db, nil)
+		p, err := idem.NewProcessor(s.Driver, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		h := idemtest.CreditHandler(s, "ghost", nil)
+		// Two messages in one transaction, which interns the name (the
+		// pool has no other connection), reads it back, and rolls back.
+		errRollback := errors.New("roll back")
+		err = inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
+			for _, id := range []string{"m-1", "m-2"} {
+				if err := processTx(ctx, p, tx, h, id, "acct-1:1", false); err != nil {
+					return err
+				}
+			}
+			return errRollback
+		})
+		if !errors.Is(err, errRollback) {
+			t.Fatalf("the rolled back transaction: %v", err)
+		}
+		// Another process interns the name anew and applies m-1.
+		other, err := mysql.New(testenv.MySQL(t, dsn, 2), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		po, err := idem.NewProcessor(other, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out, err := po.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
+			t.Fatalf("m-1 in the other process: %v, %v; want applied", out, err)
+		}
+		// Its redelivery to the first process is a duplicate, in either way
+		// of processing.
+		if out, err := p.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Duplicate || err != nil {
+			t.Fatalf("m-1 redelivered to the first process: %v, %v; want duplicate", out, err)
+		}
+		err = inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
+			out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")})
+			if err == nil && out != idem.Duplicate {
+				err = fmt.Errorf("%v, want duplicate", out)
+			}
+			return err
+		})
+		if err != nil {
+			t.Fatalf("m-1 redelivered to the first process's ProcessTx: %v", err)
+		}
+		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 {
+			t.Fatalf("balances %v, %v; want acct-1 1 (m-1 once)", bal, err)
 		}
 	})
 	t.Run("RepeatableReadSnapshot", func(t *testing.T) {
@@ -654,12 +752,11 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		if err := tx.Commit(); err != nil {
 			t.Fatal(err)
 		}
-		var names int
-		if err := db.QueryRowContext(ctx, "SELECT count(*) FROM `idem_handlers` WHERE name = 'snapshot'").Scan(&names); err != nil || names != 1 {
-			t.Fatalf("%d handlers rows named snapshot, %v; want 1", names, err)
-		}
 		if m, err := s.Markers(ctx, "snapshot"); err != nil || m != 2 {
 			t.Fatalf("%d markers, %v; want 2 (x and y)", m, err)
+		}
+		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 2 {
+			t.Fatalf("balances %v, %v; want acct-1 2", bal, err)
 		}
 	})
 	t.Run("WorkersHoldEveryConnection", func(t *testing.T) {
@@ -675,27 +772,26 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		defer cancel()
 		for r := range rounds {
 			h := idemtest.CreditHandler(s, fmt.Sprintf("full-pool-%d", r), nil)
+			begun := make(chan struct{}, workers)
 			start := make(chan struct{})
 			errs := make(chan error, workers)
 			for w := range workers {
 				go func() {
-					<-start
-					m := &idem.Message{ID: fmt.Sprintf("m-%d", w), Payload: []byte(fmt.Sprintf("acct-%d:1", w))}
-					var out idem.Outcome
-					var err error
-					if r%2 == 0 {
-						out, err = p.Process(ctx, h, m)
-					} else {
-						var outs []idem.Outcome
-						if outs, err = p.ProcessBatch(ctx, h, []*idem.Message{m}); err == nil {
-							out = outs[0]
+					errs <- inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
+						// The first statement takes the transaction's
+						// connection.
+						var one int
+						if err := tx.QueryRowContext(ctx, `SELECT 1`).Scan(&one); err != nil {
+							return err
 						}
-					}
-					if err == nil && out != idem.Applied {
-						err = fmt.Errorf("%s: %v, want applied", m.ID, out)
-					}
-					errs <- err
+						begun <- struct{}{}
+						<-start // every worker holds its connection now
+						return processTx(ctx, p, tx, h, fmt.Sprintf("m-%d", w), fmt.Sprintf("acct-%d:1", w), r%2 == 1)
+					})
 				}()
+			}
+			for range workers {
+				<-begun
 			}
 			close(start)
 			for range workers {

@@ -41,9 +41,8 @@ type querier interface {
 }
 
 // handlerID returns the id handler is interned under, adding it to the
-// handlers table on first use. A name already there is read through q and
-// cached for the driver's life: a handlers row is never deleted or
-// changed.
+// handlers table on first use. Ids known committed are cached for the
+// driver's life: a handlers row is never deleted or changed.
 //
 // A new name is best inserted on a pooled connection of its own and
 // committed at once, so that it does not depend on the caller's
@@ -53,43 +52,72 @@ type querier interface {
 // hold, for ever. So in a transaction the pooled insert is tried only when
 // the pool has a connection to spare, waiting internWait at most;
 // otherwise the name is inserted in the caller's transaction, which then
-// waits on, or holds, the name's key until the first inserter ends. That
-// id is not cached (the transaction may roll back); the next call reads it
-// once committed.
+// waits on, or holds, the name's key until the first inserter ends.
+//
+// Such an id may vanish with its transaction, so it is not cached, and the
+// name is marked as inserted in a transaction: from then on an id read
+// through a transaction, which may be that transaction's own row, is not
+// cached either, until a read on the pool (which sees committed rows only)
+// finds the name.
 func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int32, error) {
 	if id, ok := d.handlerIDs.Load(handler); ok {
 		return id.(int32), nil
-	}
-	var id int32
-	err := q.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id)
-	if err == nil {
-		d.handlerIDs.Store(handler, id)
-		return id, nil
-	}
-	if !errors.Is(err, sql.ErrNoRows) {
-		return 0, fmt.Errorf("mysql: look up handler name: %w", notMigrated(err))
 	}
 	tx, inTx := q.(*sql.Tx)
 	if !inTx {
 		return d.internPooled(ctx, ctx, handler)
 	}
+	var id int32
+	err := tx.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id)
+	if err == nil {
+		// Under READ UNCOMMITTED that may be another transaction's
+		// uncommitted row. A locking read of a row that exists locks that
+		// row alone (no gap, so concurrent interns cannot deadlock on it),
+		// waits for its inserter and sees the latest committed version.
+		err = tx.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ? LOCK IN SHARE MODE`, handler).Scan(&id)
+	}
+	switch {
+	case err == nil:
+		if _, pending := d.internedInTx.Load(handler); !pending {
+			d.handlerIDs.Store(handler, id)
+		} else if d.spareConn() {
+			// Confirm on the pool, so that later calls need not read.
+			wctx, cancel := context.WithTimeout(ctx, internWait)
+			_, _ = d.readPooled(wctx, handler)
+			cancel()
+		}
+		return id, nil
+	case !errors.Is(err, sql.ErrNoRows):
+		return 0, fmt.Errorf("mysql: look up handler name: %w", notMigrated(err))
+	}
 	if d.spareConn() {
 		wctx, cancel := context.WithTimeout(ctx, internWait)
 		id, err := d.internPooled(ctx, wctx, handler)
+		timedOut := wctx.Err() != nil
 		cancel()
-		if err == nil || ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+		if err == nil || !timedOut || ctx.Err() != nil {
 			return id, err
 		}
 	}
-	// A locking read: under REPEATABLE READ the transaction's snapshot,
-	// taken by the SELECT above, would not show a name another
-	// transaction committed since.
+	d.internedInTx.Store(handler, struct{}{})
 	if _, err := tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
 		return 0, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
 	}
 	if err := tx.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ? LOCK IN SHARE MODE`, handler).Scan(&id); err != nil {
 		return 0, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
 	}
+	return id, nil
+}
+
+// readPooled reads handler's id on the pool and, when found, caches it:
+// an autocommitted read sees committed rows only.
+func (d *Driver) readPooled(ctx context.Context, handler string) (int32, error) {
+	var id int32
+	if err := d.db.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id); err != nil {
+		return 0, err
+	}
+	d.handlerIDs.Store(handler, id)
+	d.internedInTx.Delete(handler)
 	return id, nil
 }
 
@@ -105,20 +133,25 @@ func (d *Driver) spareConn() bool {
 	return st.MaxOpenConnections == 0 || st.InUse < st.MaxOpenConnections
 }
 
-// internPooled inserts handler's name on a pooled connection, committed at
-// once, and caches its id. ctx bounds the retries, wctx each attempt.
+// internPooled reads handler's id on the pool, inserting the name first
+// when it is not there, each committed at once, and caches the id. ctx
+// bounds the retries, wctx each attempt.
 func (d *Driver) internPooled(ctx, wctx context.Context, handler string) (int32, error) {
 	var id int32
 	err := d.retry(ctx, func() error {
+		var err error
+		if id, err = d.readPooled(wctx, handler); !errors.Is(err, sql.ErrNoRows) {
+			return err
+		}
 		if _, err := d.db.ExecContext(wctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
 			return err
 		}
-		return d.db.QueryRowContext(wctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id)
+		id, err = d.readPooled(wctx, handler)
+		return err
 	})
 	if err != nil {
 		return 0, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
 	}
-	d.handlerIDs.Store(handler, id)
 	return id, nil
 }
 
@@ -167,6 +200,11 @@ func (d *Driver) markerInsert(ctx context.Context, tx *sql.Tx, p *driver.MarkerI
 // transaction and inserts the marker, and runs both again after a
 // deadlock or lock wait timeout (the handler has not run yet).
 func (d *Driver) BeginMarkerInsert(ctx context.Context, p *driver.MarkerInsertParams) (*sql.Tx, driver.MarkerInsertResult, error) {
+	// The handler's id first, on the pool, while this call holds no
+	// connection: a name interned here is committed and cached.
+	if _, err := d.handlerID(ctx, d.db, p.Handler); err != nil {
+		return nil, driver.MarkerInsertResult{}, err
+	}
 	var (
 		tx  *sql.Tx
 		res driver.MarkerInsertResult
@@ -319,6 +357,11 @@ func (d *Driver) existingHashes(ctx context.Context, tx *sql.Tx, hid int32, p *d
 // opens a transaction and inserts the batch's markers, and runs both again
 // after a deadlock or lock wait timeout (the handler has not run yet).
 func (d *Driver) BeginMarkerInsertMany(ctx context.Context, p *driver.MarkerInsertManyParams) (*sql.Tx, []driver.MarkerInsertResult, error) {
+	// The handler's id first, on the pool, while this call holds no
+	// connection: a name interned here is committed and cached.
+	if _, err := d.handlerID(ctx, d.db, p.Handler); err != nil {
+		return nil, nil, err
+	}
 	var (
 		tx  *sql.Tx
 		res []driver.MarkerInsertResult

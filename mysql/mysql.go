@@ -88,6 +88,9 @@ type Driver struct {
 	maxRetries int
 	// handlerIDs caches handler name → id (see handlerID).
 	handlerIDs sync.Map
+	// internedInTx holds the names this driver inserted in a caller's
+	// transaction and has not yet read on the pool (see handlerID).
+	internedInTx sync.Map
 	// versionRows remembers the version rows known to exist, committed;
 	// noVersionRows: the server cannot create them the way
 	// createVersionRow does.
