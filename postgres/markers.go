@@ -119,9 +119,8 @@ type querier interface {
 }
 
 // handlerID returns the id handler is interned under, adding it to the
-// handlers table on first use. A name already there is read through q and
-// cached for the driver's life: a handlers row is never deleted or
-// changed.
+// handlers table on first use. Ids known committed are cached for the
+// driver's life: a handlers row is never deleted or changed.
 //
 // A new name is best inserted on a pooled connection of its own and
 // committed at once, so that it does not depend on the caller's
@@ -131,35 +130,49 @@ type querier interface {
 // hold, for ever. So in a transaction the pooled insert is tried only when
 // the pool has a connection to spare, waiting internWait at most;
 // otherwise the name is inserted in the caller's transaction, which then
-// waits on, or holds, the name's key until the first inserter ends. That
-// id is not cached (the transaction may roll back); the next call reads it
-// once committed. Under REPEATABLE READ or SERIALIZABLE, a name committed
-// after the transaction's snapshot fails that insert with a serialization
-// failure, which the caller retries as any other.
+// waits on, or holds, the name's key until the first inserter ends. Under
+// REPEATABLE READ or SERIALIZABLE, a name committed after the
+// transaction's snapshot fails that insert with a serialization failure,
+// which the caller retries as any other.
+//
+// Such an id may vanish with its transaction, so it is not cached, and the
+// name is marked as inserted in a transaction: from then on an id read
+// through a transaction, which may be that transaction's own row, is not
+// cached either, until a read on the pool (which sees committed rows only)
+// finds the name.
 func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int32, error) {
 	if id, ok := d.handlerIDs.Load(handler); ok {
 		return id.(int32), nil
 	}
-	var known int32
-	err := q.QueryRow(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = $1`, handler).Scan(&known)
-	switch {
-	case err == nil:
-		d.handlerIDs.Store(handler, known)
-		return known, nil
-	case !errors.Is(err, pgx.ErrNoRows):
-		return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
-	}
 	if _, pooled := q.(*pgxpool.Pool); pooled {
 		return d.intern(ctx, d.pool, handler, true)
 	}
-	if st := d.pool.Stat(); st.AcquiredConns() < st.MaxConns() {
+	var id int32
+	err := q.QueryRow(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = $1`, handler).Scan(&id)
+	switch {
+	case err == nil:
+		if _, pending := d.internedInTx.Load(handler); !pending {
+			d.handlerIDs.Store(handler, id)
+		} else if d.spareConn() {
+			// Confirm on the pool, so that later calls need not read.
+			wctx, cancel := context.WithTimeout(ctx, internWait)
+			_, _ = d.readPooled(wctx, handler)
+			cancel()
+		}
+		return id, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
+	}
+	if d.spareConn() {
 		wctx, cancel := context.WithTimeout(ctx, internWait)
 		id, err := d.intern(wctx, d.pool, handler, true)
+		timedOut := wctx.Err() != nil
 		cancel()
-		if err == nil || ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+		if err == nil || !timedOut || ctx.Err() != nil {
 			return id, err
 		}
 	}
+	d.internedInTx.Store(handler, struct{}{})
 	return d.intern(ctx, q, handler, false)
 }
 
@@ -168,9 +181,37 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 // transaction itself.
 const internWait = 500 * time.Millisecond
 
-// intern inserts handler's name through q and returns its id, cached when
-// q commits it at once.
-func (d *Driver) intern(ctx context.Context, q querier, handler string, cache bool) (int32, error) {
+// spareConn reports whether the pool has a connection to spare.
+func (d *Driver) spareConn() bool {
+	st := d.pool.Stat()
+	return st.AcquiredConns() < st.MaxConns()
+}
+
+// readPooled reads handler's id on the pool and, when found, caches it:
+// a statement outside a transaction sees committed rows only.
+func (d *Driver) readPooled(ctx context.Context, handler string) (int32, error) {
+	var id int32
+	if err := d.pool.QueryRow(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = $1`, handler).Scan(&id); err != nil {
+		return 0, err
+	}
+	d.handlerIDs.Store(handler, id)
+	d.internedInTx.Delete(handler)
+	return id, nil
+}
+
+// intern reads handler's id through q, inserting the name first when it
+// is not there. pooled says q is the pool, whose statements commit at
+// once: the id is then cached.
+func (d *Driver) intern(ctx context.Context, q querier, handler string, pooled bool) (int32, error) {
+	if pooled {
+		id, err := d.readPooled(ctx, handler)
+		if !errors.Is(err, pgx.ErrNoRows) {
+			if err != nil {
+				return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
+			}
+			return id, nil
+		}
+	}
 	// ON CONFLICT DO NOTHING returns no row when a concurrent call added
 	// the name after this statement's snapshot; the next attempt sees it.
 	for range 3 {
@@ -185,8 +226,9 @@ SELECT id FROM ins UNION ALL SELECT id FROM `+d.t.handlers+` WHERE name = $1 LIM
 		if err != nil {
 			return 0, fmt.Errorf("postgres: intern handler name: %w", notMigrated(err))
 		}
-		if cache {
+		if pooled {
 			d.handlerIDs.Store(handler, id)
+			d.internedInTx.Delete(handler)
 		}
 		return id, nil
 	}
