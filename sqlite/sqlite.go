@@ -300,7 +300,9 @@ func (d *Driver) MarkerInsert(ctx context.Context, tx *sql.Tx, p *driver.MarkerI
 		return driver.MarkerInsertResult{}, errNotMigrated
 	}
 	// As in MarkerInsertMany: a statement of microseconds needs no
-	// interrupt armed on the caller's context.
+	// interrupt armed on the caller's context. On a pool from Open the
+	// transaction began IMMEDIATE and holds the write lock; on another,
+	// a first write waits for the lock no longer than the busy timeout.
 	if err := ctx.Err(); err != nil {
 		return driver.MarkerInsertResult{}, err
 	}
