@@ -708,6 +708,69 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 			t.Fatalf("balances %v, %v; want acct-1 1 (m-1 once)", bal, err)
 		}
 	})
+	for _, holderCommits := range []bool{true, false} {
+		// Another transaction has inserted the name and not ended: the
+		// pooled insert must not wait on it (and leave a statement
+		// behind when it gives up); the transaction's own insert waits,
+		// then finds the holder's row or inserts its own.
+		name := map[bool]string{true: "HolderCommits", false: "HolderRollsBack"}[holderCommits]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			dsn := testenv.MySQLDatabase(t)
+			db := testenv.MySQL(t, dsn, 4)
+			s := storeOn(t, db, nil)
+			p, err := idem.NewProcessor(s.Driver, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			holder, err := testenv.MySQL(t, dsn, 1).BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer holder.Rollback()
+			if _, err := holder.ExecContext(ctx, "INSERT INTO `idem_handlers` (name) VALUES ('held')"); err != nil {
+				t.Fatal(err)
+			}
+			ended := make(chan error, 1)
+			waitingDuring := -1
+			go func() {
+				// Longer than the pooled insert's wait for a connection:
+				// by now only the transaction's own insert waits.
+				time.Sleep(800 * time.Millisecond)
+				if err := db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.PROCESSLIST
+WHERE DB = DATABASE() AND ID <> CONNECTION_ID() AND INFO LIKE '%idem_handlers%'`).Scan(&waitingDuring); err != nil {
+					ended <- err
+					return
+				}
+				if holderCommits {
+					ended <- holder.Commit()
+				} else {
+					ended <- holder.Rollback()
+				}
+			}()
+			h := idemtest.CreditHandler(s, "held", nil)
+			err = inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
+				return processTx(ctx, p, tx, h, "m-1", "acct-1:1", false)
+			})
+			if err != nil {
+				t.Fatalf("ProcessTx while another transaction holds the new name: %v", err)
+			}
+			if err := <-ended; err != nil {
+				t.Fatal(err)
+			}
+			if out, err := p.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Duplicate || err != nil {
+				t.Fatalf("m-1 again: %v, %v; want duplicate", out, err)
+			}
+			if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 {
+				t.Fatalf("balances %v, %v; want acct-1 1", bal, err)
+			}
+			if waitingDuring != 1 {
+				t.Fatalf("%d statements waited on the held name; want 1, the transaction's own (a pooled insert given up on keeps waiting on the server)", waitingDuring)
+			}
+		})
+	}
 	t.Run("RepeatableReadSnapshot", func(t *testing.T) {
 		t.Parallel()
 		dsn := testenv.MySQLDatabase(t)

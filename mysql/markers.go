@@ -90,12 +90,9 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	case !errors.Is(err, sql.ErrNoRows):
 		return 0, fmt.Errorf("mysql: look up handler name: %w", notMigrated(err))
 	}
-	if d.spareConn() {
-		wctx, cancel := context.WithTimeout(ctx, internWait)
-		id, err := d.internPooled(ctx, wctx, handler)
-		timedOut := wctx.Err() != nil
-		cancel()
-		if err == nil || !timedOut || ctx.Err() != nil {
+	if d.spareConn() && !d.noSetStatement.Load() {
+		id, ok, err := d.tryInternPooled(ctx, handler)
+		if ok || err != nil {
 			return id, err
 		}
 	}
@@ -122,9 +119,43 @@ func (d *Driver) readPooled(ctx context.Context, handler string) (int32, error) 
 }
 
 // internWait bounds how long a transaction's handlerID waits for a pooled
-// connection, or for the name's key, before interning the name in the
-// transaction itself.
+// connection before interning the name in the transaction itself.
 const internWait = 500 * time.Millisecond
+
+// tryInternPooled interns handler on a pooled connection, committed at
+// once, and caches its id, if it gets a connection within internWait and
+// the insert need not wait on a lock: another transaction's uncommitted
+// insert of the name would hold it until that transaction ends. ok false
+// with a nil error means it could not; the caller then interns the name in
+// its transaction.
+func (d *Driver) tryInternPooled(ctx context.Context, handler string) (id int32, ok bool, err error) {
+	wctx, cancel := context.WithTimeout(ctx, internWait)
+	c, err := d.db.Conn(wctx)
+	cancel()
+	if err != nil {
+		if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+			return 0, false, nil
+		}
+		return 0, false, fmt.Errorf("mysql: intern handler name: %w", err)
+	}
+	defer c.Close()
+	_, err = c.ExecContext(ctx, `SET STATEMENT innodb_lock_wait_timeout = 0 FOR INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler)
+	switch n := errNumber(err); {
+	case n == errParse:
+		d.noSetStatement.Store(true)
+		return 0, false, nil
+	case n == errLockWaitTimeout || n == errDeadlock:
+		return 0, false, nil
+	case err != nil:
+		return 0, false, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
+	}
+	if err := c.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id); err != nil {
+		return 0, false, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
+	}
+	d.handlerIDs.Store(handler, id)
+	d.internedInTx.Delete(handler)
+	return id, true, nil
+}
 
 // spareConn reports whether the pool may have a connection for a statement
 // of its own: it is unbounded or not all its connections are in use.

@@ -91,12 +91,12 @@ type Driver struct {
 	// internedInTx holds the names this driver inserted in a caller's
 	// transaction and has not yet read on the pool (see handlerID).
 	internedInTx sync.Map
-	// versionRows remembers the version rows known to exist, committed;
-	// noVersionRows: the server cannot create them the way
-	// createVersionRow does.
-	versionRows   seenRows
-	noVersionRows atomic.Bool
-	sql           statements
+	// versionRows remembers the version rows known to exist, committed.
+	versionRows seenRows
+	// noSetStatement: the server has no SET STATEMENT (MySQL 8), which
+	// createVersionRow and tryInternPooled use to insert without waiting.
+	noSetStatement atomic.Bool
+	sql            statements
 }
 
 type tables struct {

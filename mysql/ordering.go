@@ -290,7 +290,7 @@ const versionRowWait = 500 * time.Millisecond
 // transaction, as idem did before this existed. A server that cannot
 // parse SET STATEMENT (MySQL) is not asked again.
 func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) {
-	if d.noVersionRows.Load() || d.versionRows.has(p) {
+	if d.noSetStatement.Load() || d.versionRows.has(p) {
 		return
 	}
 	if !d.spareConn() {
@@ -306,7 +306,7 @@ func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) 
 		// without waiting.
 		d.versionRows.add(p)
 	case errNumber(err) == errParse:
-		d.noVersionRows.Store(true)
+		d.noSetStatement.Store(true)
 	}
 }
 
