@@ -139,6 +139,74 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 			t.Fatalf("balances %v, %v; want acct-1 1 (m-1 once)", bal, err)
 		}
 	})
+	for _, holderCommits := range []bool{true, false} {
+		// Another transaction has inserted the name and not ended: the
+		// pooled insert must not wait on it (and leave a statement
+		// behind when it gives up); the transaction's own insert waits,
+		// then finds the holder's row or inserts its own.
+		name := map[bool]string{true: "HolderCommits", false: "HolderRollsBack"}[holderCommits]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			pool := testenv.PostgresPool(t, 4)
+			schema := testenv.FreshSchema(t, pool)
+			s := storeIn(t, pool, schema)
+			p, err := idem.NewProcessor(s.Driver, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			handlers := pgx.Identifier{schema, "idem_handlers"}.Sanitize()
+			holder, err := testenv.PostgresPool(t, 1).Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer holder.Rollback(context.WithoutCancel(ctx))
+			if _, err := holder.Exec(ctx, `INSERT INTO `+handlers+` (name) VALUES ('held')`); err != nil {
+				t.Fatal(err)
+			}
+			ended := make(chan error, 1)
+			waitingDuring := -1
+			go func() {
+				// Longer than the pooled insert's wait for a connection:
+				// by now only the transaction's own insert waits.
+				time.Sleep(800 * time.Millisecond)
+				if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND strpos(query, $1) > 0`, handlers).Scan(&waitingDuring); err != nil {
+					ended <- err
+					return
+				}
+				if holderCommits {
+					ended <- holder.Commit(ctx)
+				} else {
+					ended <- holder.Rollback(ctx)
+				}
+			}()
+			h := idemtest.CreditHandler(s, "held", nil)
+			err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+				out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")})
+				if err == nil && out != idem.Applied {
+					err = fmt.Errorf("%v, want applied", out)
+				}
+				return err
+			})
+			if err != nil {
+				t.Fatalf("ProcessTx while another transaction holds the new name: %v", err)
+			}
+			if err := <-ended; err != nil {
+				t.Fatal(err)
+			}
+			if waitingDuring != 1 {
+				t.Fatalf("%d statements waited on the held name; want 1, the transaction's own (a pooled insert given up on keeps waiting on the server)", waitingDuring)
+			}
+			if out, err := p.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Duplicate || err != nil {
+				t.Fatalf("m-1 again: %v, %v; want duplicate", out, err)
+			}
+			if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 {
+				t.Fatalf("balances %v, %v; want acct-1 1", bal, err)
+			}
+		})
+	}
 	t.Run("RepeatableReadSnapshot", func(t *testing.T) {
 		t.Parallel()
 		pool := testenv.PostgresPool(t, 1)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
@@ -164,11 +165,8 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 		return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
 	}
 	if d.spareConn() {
-		wctx, cancel := context.WithTimeout(ctx, internWait)
-		id, err := d.intern(wctx, d.pool, handler, true)
-		timedOut := wctx.Err() != nil
-		cancel()
-		if err == nil || !timedOut || ctx.Err() != nil {
+		id, ok, err := d.tryInternPooled(ctx, handler)
+		if ok || err != nil {
 			return id, err
 		}
 	}
@@ -177,9 +175,50 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 }
 
 // internWait bounds how long a transaction's handlerID waits for a pooled
-// connection, or for the name's key, before interning the name in the
-// transaction itself.
+// connection before interning the name in the transaction itself.
 const internWait = 500 * time.Millisecond
+
+// tryInternPooled interns handler on a pooled connection, committed at
+// once, and caches its id, if it gets a connection within internWait and
+// the insert need not wait on a lock: another transaction's uncommitted
+// insert of the name would hold it until that transaction ends. ok false
+// with a nil error means it could not; the caller then interns the name in
+// its transaction.
+func (d *Driver) tryInternPooled(ctx context.Context, handler string) (id int32, ok bool, err error) {
+	wctx, cancel := context.WithTimeout(ctx, internWait)
+	c, err := d.pool.Acquire(wctx)
+	cancel()
+	if err != nil {
+		if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+			return 0, false, nil
+		}
+		return 0, false, fmt.Errorf("postgres: intern handler name: %w", err)
+	}
+	defer c.Release()
+	tx, err := c.BeginTx(ctx, readCommitted())
+	if err != nil {
+		return 0, false, fmt.Errorf("postgres: intern handler name: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// lock_timeout 0 means none: 10 ms is as near to not waiting as it has.
+	if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '10ms'`); err != nil {
+		return 0, false, fmt.Errorf("postgres: intern handler name: %w", err)
+	}
+	id, err = d.intern(ctx, tx, handler, false)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, false, fmt.Errorf("postgres: intern handler name: %w", err)
+	}
+	d.handlerIDs.Store(handler, id)
+	d.internedInTx.Delete(handler)
+	return id, true, nil
+}
 
 // spareConn reports whether the pool has a connection to spare.
 func (d *Driver) spareConn() bool {
