@@ -651,63 +651,100 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 			t.Fatalf("process after the refused prune: %v, %v", out, err)
 		}
 	})
-	t.Run("RolledBackName", func(t *testing.T) {
-		t.Parallel()
-		dsn := testenv.MySQLDatabase(t)
-		db := testenv.MySQL(t, dsn, 1)
-		s := storeOn(t, db, nil)
-		p, err := idem.NewProcessor(s.Driver, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		h := idemtest.CreditHandler(s, "ghost", nil)
-		// Two messages in one transaction, which interns the name (the
-		// pool has no other connection), reads it back, and rolls back.
-		errRollback := errors.New("roll back")
-		err = inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
-			for _, id := range []string{"m-1", "m-2"} {
-				if err := processTx(ctx, p, tx, h, id, "acct-1:1", false); err != nil {
-					return err
+	for _, v := range []struct {
+		name       string
+		twoDrivers bool // the second message goes through another driver on the pool
+		ru         bool // the pool's sessions default to READ UNCOMMITTED
+	}{{"OneDriver", false, false}, {"TwoDriversOneTx", true, false}, {"ReadUncommittedPool", false, true}} {
+		t.Run("RolledBackName/"+v.name, func(t *testing.T) {
+			t.Parallel()
+			dsn := testenv.MySQLDatabase(t)
+			conns, params := 1, ""
+			if v.ru {
+				conns, params = 2, "&tx_isolation=%27READ-UNCOMMITTED%27"
+			}
+			db := testenv.MySQL(t, dsn+params, conns)
+			s := storeOn(t, db, nil)
+			p, err := idem.NewProcessor(s.Driver, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p2 := p
+			if v.twoDrivers {
+				b, err := mysql.New(db, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if p2, err = idem.NewProcessor(b, nil); err != nil {
+					t.Fatal(err)
 				}
 			}
-			return errRollback
-		})
-		if !errors.Is(err, errRollback) {
-			t.Fatalf("the rolled back transaction: %v", err)
-		}
-		// Another process interns the name anew and applies m-1.
-		other, err := mysql.New(testenv.MySQL(t, dsn, 2), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		po, err := idem.NewProcessor(other, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if out, err := po.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
-			t.Fatalf("m-1 in the other process: %v, %v; want applied", out, err)
-		}
-		// Its redelivery to the first process is a duplicate, in either way
-		// of processing.
-		if out, err := p.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Duplicate || err != nil {
-			t.Fatalf("m-1 redelivered to the first process: %v, %v; want duplicate", out, err)
-		}
-		err = inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
-			out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")})
-			if err == nil && out != idem.Duplicate {
-				err = fmt.Errorf("%v, want duplicate", out)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			var spare *sql.Conn
+			if v.ru {
+				// Busy while the first message interns the name in the
+				// transaction, free for the second.
+				if spare, err = db.Conn(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if err := spare.PingContext(ctx); err != nil {
+					t.Fatal(err)
+				}
 			}
-			return err
+			h := idemtest.CreditHandler(s, "ghost", nil)
+			// Two messages in one transaction, which interns the name (no
+			// connection is spare), reads it back, and rolls back.
+			errRollback := errors.New("roll back")
+			err = inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
+				if err := processTx(ctx, p, tx, h, "m-1", "acct-1:1", false); err != nil {
+					return err
+				}
+				if spare != nil {
+					spare.Close()
+				}
+				if err := processTx(ctx, p2, tx, h, "m-2", "acct-1:1", false); err != nil {
+					return err
+				}
+				return errRollback
+			})
+			if !errors.Is(err, errRollback) {
+				t.Fatalf("the rolled back transaction: %v", err)
+			}
+			// Another process interns the name anew and applies m-1.
+			other, err := mysql.New(testenv.MySQL(t, dsn, 2), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			po, err := idem.NewProcessor(other, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if out, err := po.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
+				t.Fatalf("m-1 in the other process: %v, %v; want applied", out, err)
+			}
+			// Its redelivery to the first process is a duplicate, in either
+			// way of processing, through either driver.
+			for _, proc := range []*idem.Processor[*sql.Tx]{p, p2} {
+				if out, err := proc.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Duplicate || err != nil {
+					t.Fatalf("m-1 redelivered to the first process: %v, %v; want duplicate", out, err)
+				}
+				err = inTx(ctx, db, sql.LevelDefault, func(tx *sql.Tx) error {
+					out, err := proc.ProcessTx(ctx, tx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")})
+					if err == nil && out != idem.Duplicate {
+						err = fmt.Errorf("%v, want duplicate", out)
+					}
+					return err
+				})
+				if err != nil {
+					t.Fatalf("m-1 redelivered to the first process's ProcessTx: %v", err)
+				}
+			}
+			if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 {
+				t.Fatalf("balances %v, %v; want acct-1 1 (m-1 once)", bal, err)
+			}
 		})
-		if err != nil {
-			t.Fatalf("m-1 redelivered to the first process's ProcessTx: %v", err)
-		}
-		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 {
-			t.Fatalf("balances %v, %v; want acct-1 1 (m-1 once)", bal, err)
-		}
-	})
+	}
 	for _, holderCommits := range []bool{true, false} {
 		// Another transaction has inserted the name and not ended: the
 		// pooled insert must not wait on it (and leave a statement

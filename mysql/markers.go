@@ -54,11 +54,11 @@ type querier interface {
 // otherwise the name is inserted in the caller's transaction, which then
 // waits on, or holds, the name's key until the first inserter ends.
 //
-// Such an id may vanish with its transaction, so it is not cached, and the
-// name is marked as inserted in a transaction: from then on an id read
-// through a transaction, which may be that transaction's own row, is not
-// cached either, until a read on the pool (which sees committed rows only)
-// finds the name.
+// Such an id may vanish with its transaction, so an id read through a
+// transaction is never cached: it may be that transaction's own row,
+// inserted here or by another driver. It is used, and cached once a read
+// on the pool at READ COMMITTED, which sees committed rows only, finds it
+// too.
 func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int32, error) {
 	if id, ok := d.handlerIDs.Load(handler); ok {
 		return id.(int32), nil
@@ -78,9 +78,7 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	}
 	switch {
 	case err == nil:
-		if _, pending := d.internedInTx.Load(handler); !pending {
-			d.handlerIDs.Store(handler, id)
-		} else if d.spareConn() {
+		if d.spareConn() {
 			// Confirm on the pool, so that later calls need not read.
 			wctx, cancel := context.WithTimeout(ctx, internWait)
 			_, _ = d.readPooled(wctx, handler)
@@ -96,7 +94,6 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 			return id, err
 		}
 	}
-	d.internedInTx.Store(handler, struct{}{})
 	if _, err := tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
 		return 0, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
 	}
@@ -106,15 +103,27 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	return id, nil
 }
 
-// readPooled reads handler's id on the pool and, when found, caches it:
-// an autocommitted read sees committed rows only.
+// readPooled reads handler's id on the pool and, when found, caches it.
+// It reads in a read-only transaction at READ COMMITTED, which sees
+// committed rows only, whatever the sessions' default level.
 func (d *Driver) readPooled(ctx context.Context, handler string) (int32, error) {
+	return d.readCommitted(ctx, d.db, handler)
+}
+
+// readCommitted is readPooled on b, the pool or a connection of it.
+func (d *Driver) readCommitted(ctx context.Context, b interface {
+	BeginTx(context.Context, *sql.TxOptions) (*sql.Tx, error)
+}, handler string) (int32, error) {
+	tx, err := b.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted, ReadOnly: true})
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback() }()
 	var id int32
-	if err := d.db.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id); err != nil {
+	if err := tx.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id); err != nil {
 		return 0, err
 	}
 	d.handlerIDs.Store(handler, id)
-	d.internedInTx.Delete(handler)
 	return id, nil
 }
 
@@ -149,11 +158,9 @@ func (d *Driver) tryInternPooled(ctx context.Context, handler string) (id int32,
 	case err != nil:
 		return 0, false, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
 	}
-	if err := c.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id); err != nil {
+	if id, err = d.readCommitted(ctx, c, handler); err != nil {
 		return 0, false, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
 	}
-	d.handlerIDs.Store(handler, id)
-	d.internedInTx.Delete(handler)
 	return id, true, nil
 }
 

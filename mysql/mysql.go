@@ -88,9 +88,6 @@ type Driver struct {
 	maxRetries int
 	// handlerIDs caches handler name → id (see handlerID).
 	handlerIDs sync.Map
-	// internedInTx holds the names this driver inserted in a caller's
-	// transaction and has not yet read on the pool (see handlerID).
-	internedInTx sync.Map
 	// versionRows remembers the version rows known to exist, committed.
 	versionRows seenRows
 	// noSetStatement: the server has no SET STATEMENT (MySQL 8), which
