@@ -78,67 +78,82 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 			t.Fatalf("balances %v, %v; want acct-1 1, acct-2 2", bal, err)
 		}
 	})
-	t.Run("RolledBackName", func(t *testing.T) {
-		t.Parallel()
-		pool := testenv.PostgresPool(t, 1)
-		schema := testenv.FreshSchema(t, pool)
-		s := storeIn(t, pool, schema)
-		p, err := idem.NewProcessor(s.Driver, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
-		h := idemtest.CreditHandler(s, "ghost", nil)
-		// Two messages in one transaction, which interns the name (the
-		// pool has no other connection), reads it back, and rolls back.
-		errRollback := errors.New("roll back")
-		err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
-			for _, id := range []string{"m-1", "m-2"} {
-				out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: id, Payload: []byte("acct-1:1")})
+	for _, twoDrivers := range []bool{false, true} {
+		name := map[bool]string{false: "OneDriver", true: "TwoDriversOneTx"}[twoDrivers]
+		t.Run("RolledBackName/"+name, func(t *testing.T) {
+			t.Parallel()
+			pool := testenv.PostgresPool(t, 1)
+			schema := testenv.FreshSchema(t, pool)
+			s := storeIn(t, pool, schema)
+			p, err := idem.NewProcessor(s.Driver, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p2 := p // the second message's processor: another driver on the pool
+			if twoDrivers {
+				b, err := postgres.New(pool, &postgres.Config{Schema: schema})
 				if err != nil {
+					t.Fatal(err)
+				}
+				if p2, err = idem.NewProcessor(b, nil); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			h := idemtest.CreditHandler(s, "ghost", nil)
+			// Two messages in one transaction, which interns the name (the
+			// pool has no other connection), reads it back, and rolls back.
+			errRollback := errors.New("roll back")
+			err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+				for i, id := range []string{"m-1", "m-2"} {
+					out, err := []*idem.Processor[postgres.Tx]{p, p2}[i].ProcessTx(ctx, tx, h, &idem.Message{ID: id, Payload: []byte("acct-1:1")})
+					if err != nil {
+						return err
+					}
+					if out != idem.Applied {
+						return fmt.Errorf("%s: %v, want applied", id, out)
+					}
+				}
+				return errRollback
+			})
+			if !errors.Is(err, errRollback) {
+				t.Fatalf("the rolled back transaction: %v", err)
+			}
+			// Another process interns the name anew and applies m-1.
+			other, err := postgres.New(testenv.PostgresPool(t, 2), &postgres.Config{Schema: schema})
+			if err != nil {
+				t.Fatal(err)
+			}
+			po, err := idem.NewProcessor(other, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if out, err := po.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
+				t.Fatalf("m-1 in the other process: %v, %v; want applied", out, err)
+			}
+			// Its redelivery to the first process is a duplicate, in either way
+			// of processing.
+			for _, proc := range []*idem.Processor[postgres.Tx]{p, p2} {
+				if out, err := proc.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Duplicate || err != nil {
+					t.Fatalf("m-1 redelivered to the first process: %v, %v; want duplicate", out, err)
+				}
+				err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+					out, err := proc.ProcessTx(ctx, tx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")})
+					if err == nil && out != idem.Duplicate {
+						err = fmt.Errorf("%v, want duplicate", out)
+					}
 					return err
-				}
-				if out != idem.Applied {
-					return fmt.Errorf("%s: %v, want applied", id, out)
+				})
+				if err != nil {
+					t.Fatalf("m-1 redelivered to the first process's ProcessTx: %v", err)
 				}
 			}
-			return errRollback
-		})
-		if !errors.Is(err, errRollback) {
-			t.Fatalf("the rolled back transaction: %v", err)
-		}
-		// Another process interns the name anew and applies m-1.
-		other, err := postgres.New(testenv.PostgresPool(t, 2), &postgres.Config{Schema: schema})
-		if err != nil {
-			t.Fatal(err)
-		}
-		po, err := idem.NewProcessor(other, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if out, err := po.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
-			t.Fatalf("m-1 in the other process: %v, %v; want applied", out, err)
-		}
-		// Its redelivery to the first process is a duplicate, in either way
-		// of processing.
-		if out, err := p.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Duplicate || err != nil {
-			t.Fatalf("m-1 redelivered to the first process: %v, %v; want duplicate", out, err)
-		}
-		err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
-			out, err := p.ProcessTx(ctx, tx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")})
-			if err == nil && out != idem.Duplicate {
-				err = fmt.Errorf("%v, want duplicate", out)
+			if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 {
+				t.Fatalf("balances %v, %v; want acct-1 1 (m-1 once)", bal, err)
 			}
-			return err
 		})
-		if err != nil {
-			t.Fatalf("m-1 redelivered to the first process's ProcessTx: %v", err)
-		}
-		if bal, err := s.Balances(ctx); err != nil || bal["acct-1"] != 1 {
-			t.Fatalf("balances %v, %v; want acct-1 1 (m-1 once)", bal, err)
-		}
-	})
+	}
 	for _, holderCommits := range []bool{true, false} {
 		// Another transaction has inserted the name and not ended: the
 		// pooled insert must not wait on it (and leave a statement

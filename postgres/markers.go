@@ -136,11 +136,10 @@ type querier interface {
 // transaction's snapshot fails that insert with a serialization failure,
 // which the caller retries as any other.
 //
-// Such an id may vanish with its transaction, so it is not cached, and the
-// name is marked as inserted in a transaction: from then on an id read
-// through a transaction, which may be that transaction's own row, is not
-// cached either, until a read on the pool (which sees committed rows only)
-// finds the name.
+// Such an id may vanish with its transaction, so an id read through a
+// transaction is never cached: it may be that transaction's own row,
+// inserted here or by another driver. It is used, and cached once a read
+// on the pool, which sees committed rows only, finds it too.
 func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int32, error) {
 	if id, ok := d.handlerIDs.Load(handler); ok {
 		return id.(int32), nil
@@ -152,9 +151,7 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	err := q.QueryRow(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = $1`, handler).Scan(&id)
 	switch {
 	case err == nil:
-		if _, pending := d.internedInTx.Load(handler); !pending {
-			d.handlerIDs.Store(handler, id)
-		} else if d.spareConn() {
+		if d.spareConn() {
 			// Confirm on the pool, so that later calls need not read.
 			wctx, cancel := context.WithTimeout(ctx, internWait)
 			_, _ = d.readPooled(wctx, handler)
@@ -170,7 +167,6 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 			return id, err
 		}
 	}
-	d.internedInTx.Store(handler, struct{}{})
 	return d.intern(ctx, q, handler, false)
 }
 
@@ -216,7 +212,6 @@ func (d *Driver) tryInternPooled(ctx context.Context, handler string) (id int32,
 		return 0, false, fmt.Errorf("postgres: intern handler name: %w", err)
 	}
 	d.handlerIDs.Store(handler, id)
-	d.internedInTx.Delete(handler)
 	return id, true, nil
 }
 
@@ -234,7 +229,6 @@ func (d *Driver) readPooled(ctx context.Context, handler string) (int32, error) 
 		return 0, err
 	}
 	d.handlerIDs.Store(handler, id)
-	d.internedInTx.Delete(handler)
 	return id, nil
 }
 
@@ -267,7 +261,6 @@ SELECT id FROM ins UNION ALL SELECT id FROM `+d.t.handlers+` WHERE name = $1 LIM
 		}
 		if pooled {
 			d.handlerIDs.Store(handler, id)
-			d.internedInTx.Delete(handler)
 		}
 		return id, nil
 	}

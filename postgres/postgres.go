@@ -119,9 +119,6 @@ type Driver struct {
 	deleteMarkers string
 	// handlerIDs caches handler name → id (see handlerID).
 	handlerIDs sync.Map
-	// internedInTx holds the names this driver inserted in a caller's
-	// transaction and has not yet read on the pool (see handlerID).
-	internedInTx sync.Map
 	// legacy is legacyUnknown, legacyPresent or legacyGone (see
 	// legacyAtomic); legacyAt is when it was last read, in Unix
 	// nanoseconds.
