@@ -207,6 +207,16 @@ func TestProcessBeforeMigrate(t *testing.T) {
 	if _, err := p.Process(context.Background(), h, &idem.Message{ID: "m"}); !errors.Is(err, mysql.ErrNotMigrated) {
 		t.Fatalf("got %v, want ErrNotMigrated", err)
 	}
+	ctx := context.Background()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	_, err = p.ProcessTx(ctx, tx, h, &idem.Message{ID: "m"})
+	if !errors.Is(err, mysql.ErrNotMigrated) || strings.Count(err.Error(), "call Migrate first") != 1 {
+		t.Fatalf("ProcessTx: got %v, want ErrNotMigrated, said once", err)
+	}
 }
 
 func TestUnavailableAndProbe(t *testing.T) {

@@ -323,7 +323,7 @@ func errNumber(err error) uint16 {
 
 // notMigrated wraps ErrNotMigrated around a "table doesn't exist" error.
 func notMigrated(err error) error {
-	if errNumber(err) == errNoSuchTable {
+	if errNumber(err) == errNoSuchTable && !errors.Is(err, ErrNotMigrated) {
 		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
 	}
 	return err
