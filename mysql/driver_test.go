@@ -785,11 +785,19 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 			go func() {
 				// Longer than the pooled insert's wait for a connection:
 				// by now only the transaction's own insert waits.
-				time.Sleep(800 * time.Millisecond)
-				if err := db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.PROCESSLIST
+				// Until the transaction's insert waits, and at least
+				// 800 ms.
+				start := time.Now()
+				for {
+					time.Sleep(50 * time.Millisecond)
+					if err := db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.PROCESSLIST
 WHERE DB = DATABASE() AND ID <> CONNECTION_ID() AND INFO LIKE '%idem_handlers%'`).Scan(&waitingDuring); err != nil {
-					ended <- err
-					return
+						ended <- err
+						return
+					}
+					if waitingDuring >= 1 && time.Since(start) >= 800*time.Millisecond || time.Since(start) > 10*time.Second {
+						break
+					}
 				}
 				if holderCommits {
 					ended <- holder.Commit()

@@ -185,11 +185,19 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 			go func() {
 				// Longer than the pooled insert's wait for a connection:
 				// by now only the transaction's own insert waits.
-				time.Sleep(800 * time.Millisecond)
-				if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				// Until the transaction's insert waits, and at least
+				// 800 ms.
+				start := time.Now()
+				for {
+					time.Sleep(50 * time.Millisecond)
+					if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND strpos(query, $1) > 0`, handlers).Scan(&waitingDuring); err != nil {
-					ended <- err
-					return
+						ended <- err
+						return
+					}
+					if waitingDuring >= 1 && time.Since(start) >= 800*time.Millisecond || time.Since(start) > 10*time.Second {
+						break
+					}
 				}
 				if holderCommits {
 					ended <- holder.Commit(ctx)
