@@ -299,7 +299,7 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	cancel()
 	r.fault(FaultAfterPublish)
 	// The marks must land even if ctx just ended: the broker has the rows.
-	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), markBudget(len(published)))
 	defer scancel()
 	if len(published) > 0 {
 		if err := r.store.OutboxMarkPublished(sctx, published); err != nil {
@@ -321,6 +321,14 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
 	}
 	return res, storeFailed || noHold.Load(), late, errors.Join(errs...)
+}
+
+// markBudget is how long marking n published rows may take once the
+// cycle's context has ended: 10 s, and 1 ms more a row. A budget that did
+// not grow with the claim would fail the same large mark on a slow store
+// every cycle, publishing the same rows again and again.
+func markBudget(n int) time.Duration {
+	return 10*time.Second + time.Duration(n)*time.Millisecond
 }
 
 // errLate is a key left for the next cycle: its turn came after half the
