@@ -33,11 +33,10 @@ func storedHash(h []byte) []byte {
 	return h
 }
 
-// querier is what reads and, when it must, interns handler names: the
-// transaction at hand, or the pool.
+// querier is where handlerID reads handler names: the transaction at
+// hand, or the pool.
 type querier interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 }
 
 // handlerID returns the id handler is interned under, adding it to the
@@ -65,7 +64,7 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	}
 	tx, inTx := q.(*sql.Tx)
 	if !inTx {
-		return d.internPooled(ctx, ctx, handler)
+		return d.internPooled(ctx, handler)
 	}
 	var id int32
 	err := tx.QueryRowContext(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = ?`, handler).Scan(&id)
@@ -81,7 +80,7 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 		if d.spareConn() {
 			// Confirm on the pool, so that later calls need not read.
 			wctx, cancel := context.WithTimeout(ctx, internWait)
-			_, _ = d.readPooled(wctx, handler)
+			_, _ = d.readCommitted(wctx, d.db, handler)
 			cancel()
 		}
 		return id, nil
@@ -103,14 +102,10 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 	return id, nil
 }
 
-// readPooled reads handler's id on the pool and, when found, caches it.
-// It reads in a read-only transaction at READ COMMITTED, which sees
-// committed rows only, whatever the sessions' default level.
-func (d *Driver) readPooled(ctx context.Context, handler string) (int32, error) {
-	return d.readCommitted(ctx, d.db, handler)
-}
-
-// readCommitted is readPooled on b, the pool or a connection of it.
+// readCommitted reads handler's id on b, the pool or a connection of it,
+// and when found caches it. It reads in a read-only transaction at READ
+// COMMITTED, which sees committed rows only, whatever the sessions'
+// default level.
 func (d *Driver) readCommitted(ctx context.Context, b interface {
 	BeginTx(context.Context, *sql.TxOptions) (*sql.Tx, error)
 }, handler string) (int32, error) {
@@ -148,12 +143,9 @@ func (d *Driver) tryInternPooled(ctx context.Context, handler string) (id int32,
 		return 0, false, fmt.Errorf("mysql: intern handler name: %w", err)
 	}
 	defer c.Close()
-	_, err = c.ExecContext(ctx, `SET STATEMENT innodb_lock_wait_timeout = 0 FOR INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler)
+	err = d.execNoWait(ctx, c, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler)
 	switch n := errNumber(err); {
-	case n == errParse:
-		d.noSetStatement.Store(true)
-		return 0, false, nil
-	case n == errLockWaitTimeout || n == errDeadlock:
+	case errors.Is(err, errNoSetStatement) || n == errLockWaitTimeout || n == errDeadlock:
 		return 0, false, nil
 	case err != nil:
 		return 0, false, fmt.Errorf("mysql: intern handler name: %w", notMigrated(err))
@@ -172,19 +164,18 @@ func (d *Driver) spareConn() bool {
 }
 
 // internPooled reads handler's id on the pool, inserting the name first
-// when it is not there, each committed at once, and caches the id. ctx
-// bounds the retries, wctx each attempt.
-func (d *Driver) internPooled(ctx, wctx context.Context, handler string) (int32, error) {
+// when it is not there, each committed at once, and caches the id.
+func (d *Driver) internPooled(ctx context.Context, handler string) (int32, error) {
 	var id int32
 	err := d.retry(ctx, func() error {
 		var err error
-		if id, err = d.readPooled(wctx, handler); !errors.Is(err, sql.ErrNoRows) {
+		if id, err = d.readCommitted(ctx, d.db, handler); !errors.Is(err, sql.ErrNoRows) {
 			return err
 		}
-		if _, err := d.db.ExecContext(wctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
+		if _, err := d.db.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler); err != nil {
 			return err
 		}
-		id, err = d.readPooled(wctx, handler)
+		id, err = d.readCommitted(ctx, d.db, handler)
 		return err
 	})
 	if err != nil {

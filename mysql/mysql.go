@@ -90,8 +90,8 @@ type Driver struct {
 	handlerIDs sync.Map
 	// versionRows remembers the version rows known to exist, committed.
 	versionRows seenRows
-	// noSetStatement: the server has no SET STATEMENT (MySQL 8), which
-	// createVersionRow and tryInternPooled use to insert without waiting.
+	// noSetStatement: the server has no SET STATEMENT (MySQL 8); see
+	// execNoWait.
 	noSetStatement atomic.Bool
 	sql            statements
 }

@@ -290,24 +290,39 @@ const versionRowWait = 500 * time.Millisecond
 // transaction, as idem did before this existed. A server that cannot
 // parse SET STATEMENT (MySQL) is not asked again.
 func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) {
-	if d.noSetStatement.Load() || d.versionRows.has(p) {
-		return
-	}
-	if !d.spareConn() {
+	if d.noSetStatement.Load() || d.versionRows.has(p) || !d.spareConn() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(ctx, versionRowWait)
 	defer cancel()
-	_, err := d.db.ExecContext(ctx, `SET STATEMENT innodb_lock_wait_timeout = 0 FOR INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
-		p.Stream, p.AggregateID)
-	switch {
-	case err == nil:
+	if d.execNoWait(ctx, d.db, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
+		p.Stream, p.AggregateID) == nil {
 		// The row exists, committed: the INSERT made it, or met it
 		// without waiting.
 		d.versionRows.add(p)
-	case errNumber(err) == errParse:
-		d.noSetStatement.Store(true)
 	}
+}
+
+// errNoSetStatement is execNoWait's error on a server without SET
+// STATEMENT.
+var errNoSetStatement = errors.New("mysql: the server has no SET STATEMENT")
+
+// execNoWait runs stmt on e with innodb_lock_wait_timeout 0 (MariaDB's SET
+// STATEMENT), so that a lock it meets fails it at once (1205) instead of
+// being waited on. On a server that cannot parse SET STATEMENT (MySQL) it
+// returns errNoSetStatement, and the driver does not ask again.
+func (d *Driver) execNoWait(ctx context.Context, e interface {
+	ExecContext(context.Context, string, ...any) (sql.Result, error)
+}, stmt string, args ...any) error {
+	if d.noSetStatement.Load() {
+		return errNoSetStatement
+	}
+	_, err := e.ExecContext(ctx, `SET STATEMENT innodb_lock_wait_timeout = 0 FOR `+stmt, args...)
+	if errNumber(err) == errParse {
+		d.noSetStatement.Store(true)
+		return errNoSetStatement
+	}
+	return err
 }
 
 // seenRows remembers, boundedly, the version rows known to exist.
