@@ -145,7 +145,7 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 		return id.(int32), nil
 	}
 	if _, pooled := q.(*pgxpool.Pool); pooled {
-		return d.intern(ctx, d.pool, handler, true)
+		return d.internPooled(ctx, handler)
 	}
 	var id int32
 	err := q.QueryRow(ctx, `SELECT id FROM `+d.t.handlers+` WHERE name = $1`, handler).Scan(&id)
@@ -167,7 +167,7 @@ func (d *Driver) handlerID(ctx context.Context, q querier, handler string) (int3
 			return id, err
 		}
 	}
-	return d.intern(ctx, q, handler, false)
+	return d.intern(ctx, q, handler)
 }
 
 // internWait bounds how long a transaction's handlerID waits for a pooled
@@ -200,7 +200,7 @@ func (d *Driver) tryInternPooled(ctx context.Context, handler string) (id int32,
 	if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '10ms'`); err != nil {
 		return 0, false, fmt.Errorf("postgres: intern handler name: %w", err)
 	}
-	id, err = d.intern(ctx, tx, handler, false)
+	id, err = d.intern(ctx, tx, handler)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
 		return 0, false, nil
@@ -232,19 +232,25 @@ func (d *Driver) readPooled(ctx context.Context, handler string) (int32, error) 
 	return id, nil
 }
 
-// intern reads handler's id through q, inserting the name first when it
-// is not there. pooled says q is the pool, whose statements commit at
-// once: the id is then cached.
-func (d *Driver) intern(ctx context.Context, q querier, handler string, pooled bool) (int32, error) {
-	if pooled {
-		id, err := d.readPooled(ctx, handler)
-		if !errors.Is(err, pgx.ErrNoRows) {
-			if err != nil {
-				return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
-			}
-			return id, nil
+// internPooled reads handler's id on the pool, inserting the name first
+// when it is not there, each committed at once, and caches the id.
+func (d *Driver) internPooled(ctx context.Context, handler string) (int32, error) {
+	id, err := d.readPooled(ctx, handler)
+	if !errors.Is(err, pgx.ErrNoRows) {
+		if err != nil {
+			return 0, fmt.Errorf("postgres: look up handler name: %w", notMigrated(err))
 		}
+		return id, nil
 	}
+	if id, err = d.intern(ctx, d.pool, handler); err == nil {
+		d.handlerIDs.Store(handler, id)
+	}
+	return id, err
+}
+
+// intern reads handler's id through q, inserting the name first when it
+// is not there. It caches nothing: q may be a transaction that rolls back.
+func (d *Driver) intern(ctx context.Context, q querier, handler string) (int32, error) {
 	// ON CONFLICT DO NOTHING returns no row when a concurrent call added
 	// the name after this statement's snapshot; the next attempt sees it.
 	for range 3 {
@@ -258,9 +264,6 @@ SELECT id FROM ins UNION ALL SELECT id FROM `+d.t.handlers+` WHERE name = $1 LIM
 		}
 		if err != nil {
 			return 0, fmt.Errorf("postgres: intern handler name: %w", notMigrated(err))
-		}
-		if pooled {
-			d.handlerIDs.Store(handler, id)
 		}
 		return id, nil
 	}
