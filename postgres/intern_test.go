@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
@@ -22,9 +23,9 @@ import (
 // pool of one, and with four workers beginning at once on a pool of four,
 // every message is applied, once. A name interned in a transaction that
 // rolls back leaves no id behind that a redelivery could slip past. Under
-// REPEATABLE READ, a name another
-// process interned after the transaction's snapshot is a serialization
-// failure the caller retries, never a second name.
+// REPEATABLE READ, a name another process interned after the
+// transaction's snapshot is a serialization failure the caller retries,
+// never a second name.
 func TestNewHandlerOnAFullPool(t *testing.T) {
 	t.Parallel()
 	inTx := func(ctx context.Context, pool interface {
@@ -42,14 +43,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 	}
 	t.Run("PoolOfOne", func(t *testing.T) {
 		t.Parallel()
-		pool := testenv.PostgresPool(t, 1)
-		s := storeIn(t, pool, testenv.FreshSchema(t, pool))
-		p, err := idem.NewProcessor(s.Driver, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
+		pool, _, s, p, ctx := fullPool(t, 1, 20*time.Second)
 		h := idemtest.CreditHandler(s, "one-conn", nil)
 		for _, want := range []idem.Outcome{idem.Applied, idem.Duplicate} {
 			err := inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
@@ -64,7 +58,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 			}
 		}
 		hb := idemtest.CreditHandler(s, "one-conn-batch", nil)
-		err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+		err := inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
 			outs, err := p.ProcessBatchTx(ctx, tx, hb, []*idem.Message{{ID: "b-1", Payload: []byte("acct-2:1")}, {ID: "b-2", Payload: []byte("acct-2:1")}})
 			if err == nil && (outs[0] != idem.Applied || outs[1] != idem.Applied) {
 				err = fmt.Errorf("%v, want both applied", outs)
@@ -82,13 +76,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		name := map[bool]string{false: "OneDriver", true: "TwoDriversOneTx"}[twoDrivers]
 		t.Run("RolledBackName/"+name, func(t *testing.T) {
 			t.Parallel()
-			pool := testenv.PostgresPool(t, 1)
-			schema := testenv.FreshSchema(t, pool)
-			s := storeIn(t, pool, schema)
-			p, err := idem.NewProcessor(s.Driver, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			pool, schema, s, p, ctx := fullPool(t, 1, 20*time.Second)
 			p2 := p // the second message's processor: another driver on the pool
 			if twoDrivers {
 				b, err := postgres.New(pool, &postgres.Config{Schema: schema})
@@ -99,13 +87,11 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
 			h := idemtest.CreditHandler(s, "ghost", nil)
 			// Two messages in one transaction, which interns the name (the
 			// pool has no other connection), reads it back, and rolls back.
 			errRollback := errors.New("roll back")
-			err = inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
+			err := inTx(ctx, pool, pgx.ReadCommitted, func(tx pgx.Tx) error {
 				for i, id := range []string{"m-1", "m-2"} {
 					out, err := []*idem.Processor[postgres.Tx]{p, p2}[i].ProcessTx(ctx, tx, h, &idem.Message{ID: id, Payload: []byte("acct-1:1")})
 					if err != nil {
@@ -162,15 +148,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		name := map[bool]string{true: "HolderCommits", false: "HolderRollsBack"}[holderCommits]
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			pool := testenv.PostgresPool(t, 4)
-			schema := testenv.FreshSchema(t, pool)
-			s := storeIn(t, pool, schema)
-			p, err := idem.NewProcessor(s.Driver, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
+			pool, schema, s, p, ctx := fullPool(t, 4, 20*time.Second)
 			handlers := pgx.Identifier{schema, "idem_handlers"}.Sanitize()
 			holder, err := testenv.PostgresPool(t, 1).Begin(ctx)
 			if err != nil {
@@ -232,15 +210,7 @@ WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND strpos(query, $1)
 	}
 	t.Run("RepeatableReadSnapshot", func(t *testing.T) {
 		t.Parallel()
-		pool := testenv.PostgresPool(t, 1)
-		schema := testenv.FreshSchema(t, pool)
-		s := storeIn(t, pool, schema)
-		p, err := idem.NewProcessor(s.Driver, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
+		pool, schema, s, p, ctx := fullPool(t, 1, 20*time.Second)
 		h := idemtest.CreditHandler(s, "snapshot", nil)
 		first := true
 		for attempt := 0; ; attempt++ {
@@ -299,14 +269,7 @@ WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND strpos(query, $1)
 	t.Run("WorkersHoldEveryConnection", func(t *testing.T) {
 		t.Parallel()
 		const workers, rounds = 4, 12
-		pool := testenv.PostgresPool(t, workers)
-		s := storeIn(t, pool, testenv.FreshSchema(t, pool))
-		p, err := idem.NewProcessor(s.Driver, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
+		pool, _, s, p, ctx := fullPool(t, workers, 30*time.Second)
 		for r := range rounds {
 			h := idemtest.CreditHandler(s, fmt.Sprintf("full-pool-%d", r), nil)
 			begun := make(chan struct{}, workers)
@@ -355,4 +318,20 @@ WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND strpos(query, $1)
 			}
 		}
 	})
+}
+
+// fullPool is a subtest's store on a pool of conns connections, in a
+// schema of its own, its processor, and a context that bounds its waits.
+func fullPool(t *testing.T, conns int32, wait time.Duration) (*pgxpool.Pool, string, *idemtest.Store[postgres.Tx], *idem.Processor[postgres.Tx], context.Context) {
+	t.Helper()
+	pool := testenv.PostgresPool(t, conns)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	t.Cleanup(cancel)
+	return pool, schema, s, p, ctx
 }
