@@ -615,14 +615,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 	}
 	t.Run("PoolOfOne", func(t *testing.T) {
 		t.Parallel()
-		db := testenv.MySQL(t, testenv.MySQLDatabase(t), 1)
-		s := storeOn(t, db, nil)
-		p, err := idem.NewProcessor(s.Driver, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		defer cancel()
+		_, db, s, p, ctx := fullPool(t, 1, 20*time.Second)
 		// In the caller's transaction, which holds the only connection.
 		h := idemtest.CreditHandler(s, "one-conn-tx", nil)
 		for i, batch := range []bool{false, true} {
@@ -763,15 +756,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 		name := map[bool]string{true: "HolderCommits", false: "HolderRollsBack"}[holderCommits]
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			dsn := testenv.MySQLDatabase(t)
-			db := testenv.MySQL(t, dsn, 4)
-			s := storeOn(t, db, nil)
-			p, err := idem.NewProcessor(s.Driver, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
+			dsn, db, s, p, ctx := fullPool(t, 4, 20*time.Second)
 			holder, err := testenv.MySQL(t, dsn, 1).BeginTx(ctx, nil)
 			if err != nil {
 				t.Fatal(err)
@@ -880,14 +865,7 @@ WHERE DB = DATABASE() AND ID <> CONNECTION_ID() AND INFO LIKE '%idem_handlers%'`
 	t.Run("WorkersHoldEveryConnection", func(t *testing.T) {
 		t.Parallel()
 		const workers, rounds = 4, 12
-		db := testenv.MySQL(t, testenv.MySQLDatabase(t), workers)
-		s := storeOn(t, db, nil)
-		p, err := idem.NewProcessor(s.Driver, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
+		_, db, s, p, ctx := fullPool(t, workers, 30*time.Second)
 		for r := range rounds {
 			h := idemtest.CreditHandler(s, fmt.Sprintf("full-pool-%d", r), nil)
 			begun := make(chan struct{}, workers)
@@ -928,4 +906,21 @@ WHERE DB = DATABASE() AND ID <> CONNECTION_ID() AND INFO LIKE '%idem_handlers%'`
 			}
 		}
 	})
+}
+
+// fullPool is a subtest's store on a pool of conns connections, in a
+// database of its own (dsn), its processor, and a context that bounds its
+// waits.
+func fullPool(t *testing.T, conns int, wait time.Duration) (string, *sql.DB, *idemtest.Store[*sql.Tx], *idem.Processor[*sql.Tx], context.Context) {
+	t.Helper()
+	dsn := testenv.MySQLDatabase(t)
+	db := testenv.MySQL(t, dsn, conns)
+	s := storeOn(t, db, nil)
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	t.Cleanup(cancel)
+	return dsn, db, s, p, ctx
 }
