@@ -715,14 +715,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 				t.Fatalf("the rolled back transaction: %v", err)
 			}
 			// Another process interns the name anew and applies m-1.
-			other, err := mysql.New(testenv.MySQL(t, dsn, 2), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			po, err := idem.NewProcessor(other, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			po := otherProcess(t, dsn)
 			if out, err := po.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
 				t.Fatalf("m-1 in the other process: %v, %v; want applied", out, err)
 			}
@@ -828,14 +821,7 @@ WHERE DB = DATABASE() AND ID <> CONNECTION_ID() AND INFO LIKE '%idem_handlers%'`
 			t.Fatal(err)
 		}
 		// Another process, on its own pool, interns the name now.
-		other, err := mysql.New(testenv.MySQL(t, dsn, 2), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		po, err := idem.NewProcessor(other, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		po := otherProcess(t, dsn)
 		h := idemtest.CreditHandler(s, "snapshot", nil)
 		if out, err := po.Process(ctx, h, &idem.Message{ID: "x", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
 			t.Fatalf("the other process: %v, %v", out, err)
@@ -923,4 +909,19 @@ func fullPool(t *testing.T, conns int, wait time.Duration) (string, *sql.DB, *id
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	t.Cleanup(cancel)
 	return dsn, db, s, p, ctx
+}
+
+// otherProcess is another process's processor on the database at dsn: a
+// driver of its own, on a pool of its own.
+func otherProcess(t *testing.T, dsn string) *idem.Processor[*sql.Tx] {
+	t.Helper()
+	other, err := mysql.New(testenv.MySQL(t, dsn, 2), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	po, err := idem.NewProcessor(other, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return po
 }

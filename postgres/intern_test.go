@@ -107,14 +107,7 @@ func TestNewHandlerOnAFullPool(t *testing.T) {
 				t.Fatalf("the rolled back transaction: %v", err)
 			}
 			// Another process interns the name anew and applies m-1.
-			other, err := postgres.New(testenv.PostgresPool(t, 2), &postgres.Config{Schema: schema})
-			if err != nil {
-				t.Fatal(err)
-			}
-			po, err := idem.NewProcessor(other, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			po := otherProcess(t, schema)
 			if out, err := po.Process(ctx, h, &idem.Message{ID: "m-1", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
 				t.Fatalf("m-1 in the other process: %v, %v; want applied", out, err)
 			}
@@ -223,14 +216,7 @@ WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND strpos(query, $1)
 					first = false
 					// Another process, on its own pool, interns the name
 					// after this transaction's snapshot.
-					other, err := postgres.New(testenv.PostgresPool(t, 2), &postgres.Config{Schema: schema})
-					if err != nil {
-						return err
-					}
-					po, err := idem.NewProcessor(other, nil)
-					if err != nil {
-						return err
-					}
+					po := otherProcess(t, schema)
 					if out, err := po.Process(ctx, h, &idem.Message{ID: "x", Payload: []byte("acct-1:1")}); out != idem.Applied || err != nil {
 						return fmt.Errorf("the other process: %v, %v", out, err)
 					}
@@ -334,4 +320,19 @@ func fullPool(t *testing.T, conns int32, wait time.Duration) (*pgxpool.Pool, str
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	t.Cleanup(cancel)
 	return pool, schema, s, p, ctx
+}
+
+// otherProcess is another process's processor on schema: a driver of its
+// own, on a pool of its own.
+func otherProcess(t *testing.T, schema string) *idem.Processor[postgres.Tx] {
+	t.Helper()
+	other, err := postgres.New(testenv.PostgresPool(t, 2), &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	po, err := idem.NewProcessor(other, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return po
 }
