@@ -6,9 +6,10 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"strings"
 )
 
-// A transaction's BEGIN sent with its first statement.
+// A transaction's BEGIN sent with its first statement, and then not at all.
 //
 // database/sql begins a transaction with a statement of its own, START
 // TRANSACTION, one round trip before the first real statement; on a
@@ -16,20 +17,31 @@ import (
 // COMMIT) that is a fourth round trip where a plain transaction of the
 // handler's write takes three. The pools Open returns wrap each
 // connection so that a transaction the driver begins (Driver.Begin marks
-// its context with foldBegin) sends nothing at BEGIN and prefixes its
-// first Exec with the begin: "START TRANSACTION;INSERT …" in one packet,
-// which needs the connection's multi-statement capability. Transactions
-// begun by anyone else on the pool, and statements outside transactions,
-// pass through unchanged.
+// its context with foldBegin) sends nothing at BEGIN. Its first Exec
+// carries what the begin needs in the same packet, which takes the
+// connection's multi-statement capability: on a fresh session "SET
+// autocommit=0;INSERT …". The session then stays at autocommit=0, where
+// a statement outside a transaction begins one by itself, so the next
+// transaction the driver begins on that connection sends no begin at all:
+// its INSERT is one statement, as a plain transaction's first write is.
+// The wrapper turns autocommit back on before anything else runs outside
+// a transaction: in the same packet as an Exec ("SET
+// autocommit=1;UPDATE …"), in a round trip of its own before a query or
+// a prepare. Transactions begun by anyone else on the pool begin with
+// START TRANSACTION, as usual, at either autocommit: COMMIT and ROLLBACK
+// end them leaving autocommit as it was.
 //
 // MySQL runs a multi-statement in order and stops at the first error, so
 // the marker INSERT's duplicate key (1062) says the transaction is open and
 // it goes on as usual. After any other error it is unknown whether the
-// begin ran, or whether the statement left part of its work (a procedure,
-// a statement string of several): the transaction is void. Its later
-// statements fail without reaching the server, Commit rolls back and
-// returns the error, Rollback rolls back. A transaction that ends before
-// any statement ran sends nothing: there is nothing to commit or undo.
+// prefix ran, or whether the statement left part of its work (a
+// procedure, a statement string of several): the transaction is void.
+// Its later statements fail without reaching the server, Commit rolls
+// back and returns the error, Rollback rolls back, and both turn
+// autocommit back on. A transaction that ends before any statement ran
+// sends nothing: there is nothing to commit or undo. A session whose
+// autocommit is in doubt after a failure (a failed COMMIT, a statement
+// after SET autocommit=1 that failed) is not pooled again.
 
 // foldBegin marks the context of a BeginTx whose begin may wait for the
 // first statement.
@@ -72,78 +84,129 @@ type innerConn interface {
 // foldConn is a connection whose transaction's begin may be pending.
 type foldConn struct {
 	innerConn
-	// pending is the begin that must run before the transaction's next
-	// statement, "" when nothing is.
+	// folded says a transaction the driver began is open; began that
+	// one of its statements was sent, so the server's transaction is
+	// open too.
+	folded, began bool
+	// pending is what must run before the folded transaction's first
+	// statement: "" when nothing must.
 	pending string
 	// void is the error of a first statement that failed in a way that
 	// leaves the transaction's state unknown; nil otherwise.
 	void error
+	// plain says a transaction begun with START TRANSACTION is open.
+	plain bool
+	// manual says the session is at autocommit=0, as a folded
+	// transaction left it.
+	manual bool
+	// lost says the session's autocommit is unknown after a failure: the
+	// connection is dropped rather than pooled.
+	lost bool
 }
 
-const startTx = "START TRANSACTION"
+const (
+	manualOn  = "SET autocommit=0"
+	manualOff = "SET autocommit=1"
+	rcNext    = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+)
 
 // BeginTx implements driver.ConnBeginTx: for a context marked by the
 // driver, a read-write transaction at the session's level or READ
 // COMMITTED begins with its first statement; anything else begins now.
 func (c *foldConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
-	if ctx.Value(foldBegin{}) == nil || opts.ReadOnly {
-		return c.innerConn.BeginTx(ctx, opts)
+	level := sql.IsolationLevel(opts.Isolation)
+	if ctx.Value(foldBegin{}) == nil || opts.ReadOnly || (level != sql.LevelDefault && level != sql.LevelReadCommitted) {
+		tx, err := c.innerConn.BeginTx(ctx, opts)
+		if err != nil {
+			return nil, err
+		}
+		c.plain = true
+		return &plainTx{inner: tx, c: c}, nil
 	}
-	begin := startTx
-	switch sql.IsolationLevel(opts.Isolation) {
-	case sql.LevelDefault:
-	case sql.LevelReadCommitted:
-		begin = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED;" + startTx
-	default:
-		return c.innerConn.BeginTx(ctx, opts)
+	var begin []string
+	if !c.manual {
+		begin = append(begin, manualOn)
 	}
-	c.pending, c.void = begin, nil
+	if level == sql.LevelReadCommitted {
+		begin = append(begin, rcNext)
+	}
+	c.folded, c.began, c.pending, c.void = true, false, strings.Join(begin, ";"), nil
 	return &foldTx{c: c}, nil
 }
 
-// ExecContext implements driver.ExecerContext, sending a pending begin in
-// the same packet as query.
+// ExecContext implements driver.ExecerContext: in a folded transaction,
+// the first statement carries the pending begin in its packet; outside a
+// transaction, a statement on a session at autocommit=0 carries SET
+// autocommit=1.
 func (c *foldConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
 	if c.void != nil {
 		return nil, c.voidErr()
 	}
-	if c.pending == "" {
-		return c.innerConn.ExecContext(ctx, query, args)
+	var prefix string
+	switch {
+	case c.folded && !c.began:
+		prefix = c.pending
+	case !c.folded && !c.plain && c.manual:
+		prefix = manualOff
 	}
-	pending := c.pending
-	c.pending = ""
-	res, err := c.innerConn.ExecContext(ctx, pending+";"+query, args)
+	if prefix == "" {
+		res, err := c.innerConn.ExecContext(ctx, query, args)
+		if c.folded && !errors.Is(err, driver.ErrSkip) {
+			c.began = true
+		}
+		return res, err
+	}
+	res, err := c.innerConn.ExecContext(ctx, prefix+";"+query, args)
 	switch {
 	case errors.Is(err, driver.ErrSkip):
 		// Nothing was sent: database/sql prepares the statement
-		// instead, which flushes the begin first.
-		c.pending = pending
+		// instead, which sends the prefix first.
+	case !c.folded && err != nil:
+		// The error may as well be the prefix's.
+		c.lost = true
+	case !c.folded:
+		c.manual = false
 	case err != nil && errNumber(err) != errDupEntry:
-		c.void = err
+		c.began, c.void = true, err
+	default:
+		c.began, c.pending, c.manual = true, "", true
 	}
 	return res, err
 }
 
 // voidErr is the error of a statement in a void transaction.
-func (c *foldConn) voidErr() error {
-	return fmt.Errorf("mysql: the transaction's first statement failed, so it was void and is rolled back: %w", c.void)
+func (c *foldConn) voidErr() error { return voidError(c.void) }
+
+// voidError is the error of a statement in, or the commit of, a
+// transaction made void by err.
+func voidError(err error) error {
+	return fmt.Errorf("mysql: the transaction's first statement failed, so it was void and is rolled back: %w", err)
 }
 
-// flush sends a pending begin on its own, before a statement that cannot
-// carry it (a query, whose first result would be the begin's, or a
-// prepared statement).
+// flush readies the session for a statement that cannot carry a prefix
+// (a query, whose first result would be the prefix's, or a prepared
+// statement): in a folded transaction it sends the pending begin on its
+// own; outside any transaction it turns autocommit back on.
 func (c *foldConn) flush(ctx context.Context) error {
 	if c.void != nil {
 		return c.voidErr()
 	}
-	if c.pending == "" {
-		return nil
-	}
-	pending := c.pending
-	c.pending = ""
-	if _, err := c.innerConn.ExecContext(ctx, pending, nil); err != nil {
-		c.void = err
-		return err
+	switch {
+	case c.folded && !c.began:
+		if c.pending != "" {
+			if _, err := c.innerConn.ExecContext(ctx, c.pending, nil); err != nil {
+				c.began, c.void = true, err
+				return err
+			}
+			c.pending, c.manual = "", true
+		}
+		c.began = true
+	case !c.folded && !c.plain && c.manual:
+		if _, err := c.innerConn.ExecContext(ctx, manualOff, nil); err != nil {
+			c.lost = true
+			return err
+		}
+		c.manual = false
 	}
 	return nil
 }
@@ -250,10 +313,11 @@ func (s foldStmt) Query(args []driver.Value) (driver.Rows, error) {
 }
 
 // ResetSession implements driver.SessionResetter. database/sql always
-// ends a transaction before it pools the connection; a begin still
-// pending here would be a bug, and the connection is dropped.
+// ends a transaction before it pools the connection; one still open here
+// would be a bug, and a session whose autocommit is unknown cannot be
+// pooled: either connection is dropped.
 func (c *foldConn) ResetSession(ctx context.Context) error {
-	if c.pending != "" || c.void != nil {
+	if c.folded || c.plain || c.lost {
 		return driver.ErrBadConn
 	}
 	return c.innerConn.ResetSession(ctx)
@@ -270,25 +334,30 @@ func (t *foldTx) end(stmt string) error {
 		return errTxDone
 	}
 	t.c = nil
+	began, void := c.began, c.void
+	c.folded, c.began, c.pending, c.void = false, false, "", nil
 	switch {
-	case c.void != nil:
-		// Whatever the failed first statement left open is undone;
-		// a commit says so.
-		err := c.voidErr()
-		c.void, c.pending = nil, ""
-		if _, rerr := c.innerConn.ExecContext(context.Background(), "ROLLBACK", nil); rerr != nil {
-			return rerr
-		}
-		if stmt == "COMMIT" {
+	case void != nil:
+		// Whatever the failed first statement left open is undone, and
+		// autocommit, which it may have turned off, is back on; a
+		// commit says so.
+		if _, err := c.innerConn.ExecContext(context.Background(), "ROLLBACK;"+manualOff, nil); err != nil {
+			c.lost = true
 			return err
 		}
+		c.manual = false
+		if stmt == "COMMIT" {
+			return voidError(void)
+		}
 		return nil
-	case c.pending == "":
-		_, err := c.innerConn.ExecContext(context.Background(), stmt, nil)
-		return err
-	default:
+	case !began:
 		// No statement ran: nothing was begun.
-		c.pending = ""
+		return nil
+	default:
+		if _, err := c.innerConn.ExecContext(context.Background(), stmt, nil); err != nil {
+			c.lost = true
+			return err
+		}
 		return nil
 	}
 }
@@ -298,3 +367,26 @@ func (t *foldTx) Commit() error { return t.end("COMMIT") }
 
 // Rollback implements driver.Tx.
 func (t *foldTx) Rollback() error { return t.end("ROLLBACK") }
+
+// plainTx is a transaction begun with START TRANSACTION, tracked so that
+// autocommit is not turned back on in its middle.
+type plainTx struct {
+	inner driver.Tx
+	c     *foldConn
+}
+
+// Commit implements driver.Tx.
+func (t *plainTx) Commit() error { return t.end(t.inner.Commit()) }
+
+// Rollback implements driver.Tx.
+func (t *plainTx) Rollback() error { return t.end(t.inner.Rollback()) }
+
+// end notes the transaction ended; after an error the session's state is
+// unknown, and it is not pooled again.
+func (t *plainTx) end(err error) error {
+	t.c.plain = false
+	if err != nil {
+		t.c.lost = true
+	}
+	return err
+}

@@ -359,8 +359,8 @@ func (d *Driver) retry(ctx context.Context, f func() error) error {
 
 // Begin opens a read-write transaction at READ COMMITTED (see the package
 // documentation).
-// On a pool from Open, the transaction's START TRANSACTION goes to the
-// server with its first statement.
+// On a pool from Open, the transaction sends no begin of its own: its
+// first statement begins it (see Open).
 func (d *Driver) Begin(ctx context.Context) (*sql.Tx, error) {
 	return d.db.BeginTx(context.WithValue(ctx, foldBegin{}, true), d.txOpts)
 }

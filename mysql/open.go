@@ -14,14 +14,18 @@ import (
 // Config.SessionIsolation to New, and the driver's transactions skip
 // setting it); statements' parameters interpolated client-side, one round
 // trip each instead of a prepare, an execute and a close; and the
-// transactions the driver begins sending START TRANSACTION in one packet
-// with their first statement, so that a message takes the three round
-// trips of a plain transaction (BEGIN and the marker INSERT, the
-// handler's write, COMMIT) rather than four. That last needs the
-// connections' multi-statement capability, which Open turns on: a
-// statement string may then hold several statements, so never build one
-// by pasting untrusted text (parameters stay safe, they are escaped). Other
-// transactions on the pool begin as usual. The
+// transactions the driver begins sending no begin of their own, so that a
+// message takes the three round trips and three statements of a plain
+// transaction (the marker INSERT, the handler's write, COMMIT) rather
+// than four. A connection the driver has run a transaction on stays at
+// autocommit=0, where the INSERT begins the next one by itself; anything
+// else that runs on it outside a transaction first turns autocommit back
+// on (in the same packet as an Exec), so to the pool's other users it
+// behaves as any pool does. That needs the connections' multi-statement
+// capability, which Open turns on: a statement string may then hold
+// several statements, so never build one by pasting untrusted text
+// (parameters stay safe, they are escaped). Other transactions on the
+// pool begin with START TRANSACTION as usual. The
 // isolation variable is named after the server: tx_isolation on MariaDB
 // before 11.1, transaction_isolation elsewhere, which Open asks the server
 // first. cfg is not changed.

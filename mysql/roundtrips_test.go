@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -18,33 +20,66 @@ import (
 
 // countingConn counts the writes of a connection: go-sql-driver writes a
 // command in one call and then waits for its answer, so a write is a round
-// trip.
+// trip. It also keeps the text of the queries the last few writes sent.
 type countingConn struct {
 	net.Conn
-	n *atomic.Int64
+	n    *atomic.Int64
+	sent *sentLog
 }
 
 func (c countingConn) Write(b []byte) (int, error) {
 	c.n.Add(1)
+	// A packet: 3 bytes of length, 1 of sequence, then the command;
+	// COM_QUERY (3) is followed by the query's text.
+	if len(b) > 5 && b[4] == 3 {
+		c.sent.add(string(b[5:]))
+	}
 	return c.Conn.Write(b)
+}
+
+// sentLog is the queries a pool sent, in order.
+type sentLog struct {
+	mu sync.Mutex
+	q  []string
+}
+
+func (l *sentLog) add(q string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.q = append(l.q, q)
+}
+
+// since returns the queries sent after the first n, and the count so far.
+func (l *sentLog) since(n int) ([]string, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.q[min(n, len(l.q)):]...), len(l.q)
 }
 
 // openCounted opens a pool of conns connections through mysql.Open whose
 // writes n counts, and a driver on it.
 func openCounted(t *testing.T, conns int) (*sql.DB, *mysql.Driver, *atomic.Int64) {
+	db, drv, n, _, _ := openRecorded(t, conns)
+	return db, drv, n
+}
+
+// openRecorded is openCounted that also returns the queries the pool
+// sends and the database's DSN, for a pool of one's own.
+func openRecorded(t *testing.T, conns int) (*sql.DB, *mysql.Driver, *atomic.Int64, *sentLog, string) {
 	t.Helper()
 	ctx := context.Background()
-	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
+	dsn := testenv.MySQLDatabase(t)
+	cfg, err := gomysql.ParseDSN(dsn)
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &atomic.Int64{}
+	n, sent := &atomic.Int64{}, &sentLog{}
 	cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
 		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
 		if err != nil {
 			return nil, err
 		}
-		return countingConn{Conn: c, n: n}, nil
+		return countingConn{Conn: c, n: n, sent: sent}, nil
 	}
 	db, err := mysql.Open(ctx, cfg)
 	if err != nil {
@@ -63,7 +98,7 @@ func openCounted(t *testing.T, conns int) (*sql.DB, *mysql.Driver, *atomic.Int64
 	if _, err := db.ExecContext(ctx, `CREATE TABLE balances (account VARBINARY(64) PRIMARY KEY, amount BIGINT NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	return db, drv, n
+	return db, drv, n, sent, dsn
 }
 
 const upsertBalance = `INSERT INTO balances (account, amount) VALUES (?, 1) ON DUPLICATE KEY UPDATE amount = amount + 1`
@@ -217,6 +252,10 @@ func TestFoldedBeginEdges(t *testing.T) {
 		if inTransaction(t, db) {
 			t.Fatal("the connection is still in a transaction after a failed first statement")
 		}
+		var ac int
+		if err := db.QueryRowContext(ctx, `SELECT @@autocommit`).Scan(&ac); err != nil || ac != 1 {
+			t.Fatalf("after a failed first statement the session is at autocommit %d (%v), want 1", ac, err)
+		}
 	}
 
 	// A statement prepared on the connection before, reused in the
@@ -261,9 +300,14 @@ func TestFoldedBeginEdges(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// A query first: the begin goes before it, on its own.
+	// A query first: the begin goes before it, on its own (or, with
+	// autocommit off, the query begins the transaction).
 	tx, err = drv.Begin(ctx)
 	if err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := tx.QueryRowContext(ctx, `SELECT COUNT(*) FROM balances`).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	if !inTransactionTx(t, tx) {
@@ -298,4 +342,147 @@ func inTransactionTx(t *testing.T, tx *sql.Tx) bool {
 		t.Fatal(err)
 	}
 	return in != 0
+}
+
+// TestAutocommitBetweenTransactions checks the session a driver's
+// transaction leaves at autocommit=0: the next such transaction sends its
+// INSERT alone, with no begin, and whatever else runs on the connection
+// outside a transaction (an Exec, a query, a prepared statement, after a
+// plain transaction, a failed handler or a void transaction) commits by
+// itself, as on any pool: another connection sees it at once.
+func TestAutocommitBetweenTransactions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, drv, _, sent, dsn := openRecorded(t, 1)
+	other := testenv.MySQL(t, dsn, 1)
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail := errors.New("handler failed")
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		if _, err := tx.ExecContext(ctx, upsertBalance, m.AggregateID); err != nil {
+			return err
+		}
+		if string(m.Payload) == "fail" {
+			return idem.Permanent(fail)
+		}
+		return nil
+	}}
+	want := map[string]int64{}
+	n := 0
+	message := func() {
+		t.Helper()
+		n++
+		m := &idem.Message{ID: fmt.Sprint("m-", n), AggregateID: "messages"}
+		if out, err := proc.Process(ctx, h, m); out != idem.Applied || err != nil {
+			t.Fatalf("message %s: (%v, %v)", m.ID, out, err)
+		}
+		want["messages"]++
+	}
+	// committed says the pool's write to account is visible to another
+	// connection, and the pool's session is back at autocommit=1.
+	committed := func(what, account string) {
+		t.Helper()
+		want[account]++
+		var got int64
+		if err := other.QueryRowContext(ctx, `SELECT amount FROM balances WHERE account = ?`, account).Scan(&got); err != nil {
+			t.Fatalf("%s: another connection does not see the write: %v", what, err)
+		}
+		if got != want[account] {
+			t.Fatalf("%s: another connection sees %s = %d, want %d", what, account, got, want[account])
+		}
+	}
+
+	message() // the handler's name is interned
+	message() // the session is left at autocommit=0
+	_, from := sent.since(0)
+	message()
+	got, _ := sent.since(from)
+	if len(got) != 3 || !strings.HasPrefix(got[0], "INSERT INTO ") || strings.Contains(got[0], ";") ||
+		strings.Contains(got[0], "START TRANSACTION") || got[2] != "COMMIT" {
+		t.Fatalf("a message on a session at autocommit=0 sent %q, want the marker INSERT alone, the upsert, COMMIT", got)
+	}
+
+	_, from = sent.since(0)
+	if _, err := db.ExecContext(ctx, upsertBalance, "exec"); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := sent.since(from); len(got) != 1 || !strings.HasPrefix(got[0], "SET autocommit=1;INSERT INTO balances") {
+		t.Fatalf("an Exec outside a transaction sent %q, want SET autocommit=1 in the same packet", got)
+	}
+	committed("an Exec after a message", "exec")
+
+	message()
+	var ac int
+	if err := db.QueryRowContext(ctx, `SELECT @@autocommit`).Scan(&ac); err != nil || ac != 1 {
+		t.Fatalf("a query after a message sees autocommit %d (%v), want 1", ac, err)
+	}
+
+	message()
+	st, err := db.PrepareContext(ctx, upsertBalance)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	message()
+	if _, err := st.ExecContext(ctx, "prepared"); err != nil {
+		t.Fatal(err)
+	}
+	committed("a prepared statement after a message", "prepared")
+
+	message()
+	undone, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := undone.ExecContext(ctx, upsertBalance, "rolled-back"); err != nil {
+		t.Fatal(err)
+	}
+	if err := undone.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := plain.ExecContext(ctx, upsertBalance, "plain"); err != nil {
+		t.Fatal(err)
+	}
+	if err := plain.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	committed("a plain transaction after a message", "plain")
+	message()
+	if _, err := db.ExecContext(ctx, upsertBalance, "after-plain"); err != nil {
+		t.Fatal(err)
+	}
+	committed("an Exec after a plain transaction begun at autocommit=0", "after-plain")
+
+	message()
+	if out, err := proc.Process(ctx, h, &idem.Message{ID: "fails", AggregateID: "failed", Payload: []byte("fail")}); out == idem.Applied || !errors.Is(err, fail) {
+		t.Fatalf("failing handler: (%v, %v)", out, err)
+	}
+	if _, err := db.ExecContext(ctx, upsertBalance, "after-failure"); err != nil {
+		t.Fatal(err)
+	}
+	committed("an Exec after a rolled-back message", "after-failure")
+
+	message()
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO no_such_table VALUES (1)`); err == nil {
+		t.Fatal("insert into a missing table succeeded")
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, upsertBalance, "after-void"); err != nil {
+		t.Fatal(err)
+	}
+	committed("an Exec after a void transaction", "after-void")
+	message()
+	checkBalances(t, other, want)
 }
