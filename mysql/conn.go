@@ -29,13 +29,20 @@ import (
 // autocommit=1;UPDATE …"), in a round trip of its own before a query or
 // a prepare. Transactions begun by anyone else on the pool begin with
 // START TRANSACTION, as usual, at either autocommit: COMMIT and ROLLBACK
-// end them leaving autocommit as it was.
+// end them leaving autocommit as it was. (What differs with the session's
+// history is only what follows an implicit commit or a deadlock inside
+// such a transaction: at autocommit=0 the statements after it are in a
+// new transaction that ROLLBACK undoes, at autocommit=1 each commits.)
+// An Exec outside a transaction that fails after the SET ran leaves the
+// session at autocommit=1: any server error but one that interrupted the
+// packet says so.
 //
 // MySQL runs a multi-statement in order and stops at the first error, so
 // the marker INSERT's duplicate key (1062) says the transaction is open and
 // it goes on as usual. After any other error it is unknown whether the
 // prefix ran, or whether the statement left part of its work (a
-// procedure, a statement string of several): the transaction is void.
+// procedure, a statement string of several): the transaction is void,
+// with or without a prefix, so that it ends the same on any session.
 // Its later statements fail without reaching the server, Commit rolls
 // back and returns the error, Rollback rolls back, and both turn
 // autocommit back on. A transaction that ends before any statement ran
@@ -149,9 +156,16 @@ func (c *foldConn) ExecContext(ctx context.Context, query string, args []driver.
 	case !c.folded && !c.plain && c.manual:
 		prefix = manualOff
 	}
+	first := c.folded && !c.began
 	if prefix == "" {
 		res, err := c.innerConn.ExecContext(ctx, query, args)
-		if c.folded && !errors.Is(err, driver.ErrSkip) {
+		switch {
+		case errors.Is(err, driver.ErrSkip) || !c.folded:
+		case first && err != nil && errNumber(err) != errDupEntry:
+			// As after a prefix: a failed first statement voids the
+			// transaction, whatever the session ran before.
+			c.began, c.void = true, err
+		default:
 			c.began = true
 		}
 		return res, err
@@ -161,8 +175,7 @@ func (c *foldConn) ExecContext(ctx context.Context, query string, args []driver.
 	case errors.Is(err, driver.ErrSkip):
 		// Nothing was sent: database/sql prepares the statement
 		// instead, which sends the prefix first.
-	case !c.folded && err != nil:
-		// The error may as well be the prefix's.
+	case !c.folded && err != nil && !prefixRan(err):
 		c.lost = true
 	case !c.folded:
 		c.manual = false
@@ -172,6 +185,18 @@ func (c *foldConn) ExecContext(ctx context.Context, query string, args []driver.
 		c.began, c.pending, c.manual = true, "", true
 	}
 	return res, err
+}
+
+// prefixRan reports whether a multi-statement that failed with err ran
+// its first statement, a SET that cannot fail: the server answered with
+// an error of the statement it stopped at, and not one that interrupted
+// the packet's work, whichever statement it was in.
+func prefixRan(err error) bool {
+	switch errNumber(err) {
+	case 0, errQueryInterrupted, errServerShutdown, errConnectionKilled:
+		return false
+	}
+	return true
 }
 
 // voidErr is the error of a statement in a void transaction.

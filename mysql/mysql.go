@@ -310,6 +310,10 @@ const (
 	errNoSuchTable     = 1146
 	errLockWaitTimeout = 1205
 	errDeadlock        = 1213
+	// The statement, or the connection, was stopped from outside.
+	errServerShutdown   = 1053
+	errQueryInterrupted = 1317
+	errConnectionKilled = 1927
 )
 
 // errNumber returns the server's error number in err, or 0.

@@ -476,13 +476,41 @@ func TestAutocommitBetweenTransactions(t *testing.T) {
 	if _, err := tx.ExecContext(ctx, `INSERT INTO no_such_table VALUES (1)`); err == nil {
 		t.Fatal("insert into a missing table succeeded")
 	}
-	if err := tx.Rollback(); err != nil {
-		t.Fatal(err)
+	// Void as on a fresh session, though no prefix was sent.
+	if _, err := tx.ExecContext(ctx, upsertBalance, "void"); err == nil {
+		_ = tx.Rollback()
+		t.Fatal("a statement after a failed first statement ran")
+	}
+	if err := tx.Commit(); err == nil {
+		t.Fatal("commit after a failed first statement reported success")
 	}
 	if _, err := db.ExecContext(ctx, upsertBalance, "after-void"); err != nil {
 		t.Fatal(err)
 	}
 	committed("an Exec after a void transaction", "after-void")
+
+	// A statement outside a transaction that fails after the SET ran
+	// keeps the connection: the session's autocommit is known.
+	message()
+	var id1, id2 int64
+	if err := db.QueryRowContext(ctx, `SELECT CONNECTION_ID()`).Scan(&id1); err != nil {
+		t.Fatal(err)
+	}
+	message()
+	_, err = db.ExecContext(ctx, `INSERT INTO balances (account, amount) VALUES ('exec', 1)`)
+	var me *gomysql.MySQLError
+	if !errors.As(err, &me) || me.Number != 1062 {
+		t.Fatalf("duplicate insert outside a transaction: %v, want error 1062", err)
+	}
+	if err := db.QueryRowContext(ctx, `SELECT CONNECTION_ID()`).Scan(&id2); err != nil {
+		t.Fatal(err)
+	}
+	if id1 != id2 {
+		t.Fatalf("a duplicate key outside a transaction cost the connection (%d, then %d)", id1, id2)
+	}
+	if err := db.QueryRowContext(ctx, `SELECT @@autocommit`).Scan(&ac); err != nil || ac != 1 {
+		t.Fatalf("after a failed Exec the session is at autocommit %d (%v), want 1", ac, err)
+	}
 	message()
 	checkBalances(t, other, want)
 }
