@@ -10,6 +10,7 @@ package benchtest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -52,6 +53,10 @@ func Run(b *testing.B, t bench.Target, opts *Options) {
 		}
 		w := bench.Workload{Workers: workers, BatchSize: c.BatchSize, Accounts: opts.Accounts}
 		t, err := c.Target(t)
+		if errors.Is(err, bench.ErrUnsupported) {
+			b.Logf("%s: %v", c.Name, err)
+			continue
+		}
 		if err != nil {
 			b.Fatal(err)
 		}
