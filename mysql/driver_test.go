@@ -289,6 +289,13 @@ func TestOpenSetsReadCommitted(t *testing.T) {
 	if err := idemtest.CheckConcurrentDuplicates(context.Background(), s, 16, 300, 50); err != nil {
 		t.Fatal(err)
 	}
+
+	// Open manages autocommit: a DSN that sets it is refused.
+	own := cfg.Clone()
+	own.Params = map[string]string{"autocommit": "0"}
+	if _, err := mysql.Open(context.Background(), own); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("Open with autocommit in the DSN: %v, want ErrInvalidConfig", err)
+	}
 }
 
 // TestDeadlockVictimsRetried: when the transaction holding a marker rolls

@@ -7,6 +7,8 @@ import (
 	"strings"
 
 	gomysql "github.com/go-sql-driver/mysql"
+
+	"github.com/idemhq/idem"
 )
 
 // Open opens a pool on cfg with the settings the driver is fastest with:
@@ -28,8 +30,14 @@ import (
 // pool begin with START TRANSACTION as usual. The
 // isolation variable is named after the server: tx_isolation on MariaDB
 // before 11.1, transaction_isolation elsewhere, which Open asks the server
-// first. cfg is not changed.
+// first. A DSN that sets autocommit is refused with an error wrapping
+// idem.ErrInvalidConfig: Open manages it. cfg is not changed.
 func Open(ctx context.Context, cfg *gomysql.Config) (*sql.DB, error) {
+	for k := range cfg.Params {
+		if strings.EqualFold(k, "autocommit") {
+			return nil, fmt.Errorf("%w: mysql: open: the DSN sets autocommit; a pool from Open manages it (use a pool of your own for sessions at autocommit=0)", idem.ErrInvalidConfig)
+		}
+	}
 	probe, err := gomysql.NewConnector(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("mysql: open: %w", err)
