@@ -107,7 +107,9 @@ type foldConn struct {
 	// transaction left it.
 	manual bool
 	// lost says the session's autocommit is unknown after a failure: the
-	// connection is dropped rather than pooled.
+	// connection is dropped rather than pooled, and runs nothing more
+	// (driver.ErrBadConn: nothing was sent, so database/sql may run the
+	// statement on another connection).
 	lost bool
 }
 
@@ -121,6 +123,9 @@ const (
 // driver, a read-write transaction at the session's level or READ
 // COMMITTED begins with its first statement; anything else begins now.
 func (c *foldConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
+	if c.lost {
+		return nil, driver.ErrBadConn
+	}
 	level := sql.IsolationLevel(opts.Isolation)
 	if ctx.Value(foldBegin{}) == nil || opts.ReadOnly || (level != sql.LevelDefault && level != sql.LevelReadCommitted) {
 		tx, err := c.innerConn.BeginTx(ctx, opts)
@@ -146,6 +151,9 @@ func (c *foldConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.T
 // transaction, a statement on a session at autocommit=0 carries SET
 // autocommit=1.
 func (c *foldConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
+	if c.lost {
+		return nil, driver.ErrBadConn
+	}
 	if c.void != nil {
 		return nil, c.voidErr()
 	}
@@ -213,6 +221,9 @@ func voidError(err error) error {
 // statement): in a folded transaction it sends the pending begin on its
 // own; outside any transaction it turns autocommit back on.
 func (c *foldConn) flush(ctx context.Context) error {
+	if c.lost {
+		return driver.ErrBadConn
+	}
 	if c.void != nil {
 		return c.voidErr()
 	}
