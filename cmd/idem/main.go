@@ -8,8 +8,8 @@
 //
 //	demo      run an account-balance projection over a duplicate-heavy
 //	          stream on SQLite and verify every balance
-//	migrate   create or update idem's tables in a PostgreSQL or SQLite
-//	          database
+//	migrate   create or update idem's tables in a PostgreSQL, MySQL or
+//	          SQLite database
 //	stats     per-handler counts: applied, in flight, failed, dead
 //	          letters, conflicts, oldest marker
 //	dlq       list, show, replay or discard dead letters

@@ -13,7 +13,7 @@ func migrateCommand() *command {
 	return &command{
 		name:     "migrate",
 		synopsis: "--dsn DSN [--schema S] [--prefix P]",
-		summary:  "create or update idem's tables in a PostgreSQL or SQLite database",
+		summary:  "create or update idem's tables in a PostgreSQL, MySQL or SQLite database",
 		help: `Migrate applies idem's embedded schema migrations that the database does not
 have yet. It is safe to run repeatedly and from several instances at once
 (PostgreSQL serialises concurrent runs with an advisory lock).

@@ -219,6 +219,11 @@ func TestRedactDSN(t *testing.T) {
 		"host=db sslpassword=k password=p":           "host=db sslpassword=xxxxx password=xxxxx",
 		"host=db mypassword=x":                       "host=db mypassword=x",
 		"postgres://h:5432/db?application_name=a@b":  "postgres://h:xxxxx@b",
+		"app:s3cr3t@tcp(db:3306)/orders?x=1":         "app:xxxxx@tcp(db:3306)/orders?x=1",
+		"app:p@ss/w=rd@unix(/run/m.sock)/orders":     "app:xxxxx@unix(/run/m.sock)/orders",
+		"app:pw@/orders":                             "app:xxxxx@/orders",
+		"app@tcp(db)/orders":                         "app@tcp(db)/orders",
+		"host=h user=a@b password=c":                 "host=h user=a@b password=xxxxx",
 	} {
 		if got := redactDSN(in); got != want {
 			t.Errorf("redactDSN(%q) = %q, want %q", in, got, want)
@@ -279,7 +284,7 @@ func FuzzRedactDSN(f *testing.F) {
 const fuzzMarker = "zQ"
 
 // dsnShapes is how many DSN shapes fuzzDSN builds.
-const dsnShapes = 17
+const dsnShapes = 18
 
 // fuzzDSN builds a DSN of the given shape carrying pass, for a server that
 // refuses connections (127.0.0.1:1) or a SQLite file that does not exist.
@@ -293,6 +298,8 @@ func fuzzDSN(shape uint8, pass string) string {
 		return schemes[s-7] + "://" + url.UserPassword("app", pass).String() + "@" + host + "/0"
 	case s == 14: // in the query
 		return "postgres://app@" + host + "/db?sslmode=disable&password=" + url.QueryEscape(pass) + "&application_name=x"
+	case s == 17: // go-sql-driver/mysql's own form
+		return "app:" + pass + "@tcp(" + host + ")/db"
 	case s == 15: // key/value, quoted, which idem refuses as unrecognised
 		q := strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(pass)
 		return "host=127.0.0.1 port=1 user=app password='" + q + "' dbname=db"

@@ -143,11 +143,32 @@ func TestMySQLDSNErrorsHidePasswords(t *testing.T) {
 		"mysql://app:s3cr3t@127.0.0.1:3306/app?tls=foo", // an unknown TLS config
 		"mysql://app:s3/cr3t@db/app",                    // a raw '/' in the password
 		"mysql://app:s3cr3t@/app",                       // no host
+		"app:s3cr3t@tcp(127.0.0.1:1)/app",               // the driver's form, nothing listens
+		"app:s3/cr3t@tcp(127.0.0.1:1)/app?tls=foo",      // the same, a '/' in the password, an unknown TLS config
+		"app:s3cr3t@tcp(127.0.0.1:1)/app?x=%zz",         // a parameter that does not decode
+		"app:s3cr3t@tcp(127.0.0.1:1",                    // unterminated address
 	} {
 		code, out, errOut := runCLI(t, "stats", "--dsn", dsn)
 		if code == exitOK || strings.Contains(out+errOut, "s3cr3t") || strings.Contains(out+errOut, "cr3t") {
 			t.Errorf("%s: exit %d, output shows the password:\n%s%s", dsn, code, out, errOut)
 		}
+	}
+}
+
+// TestDriverFormDSNMySQL: the command line takes go-sql-driver/mysql's
+// own DSN form as well as a mysql:// URL.
+func TestDriverFormDSNMySQL(t *testing.T) {
+	dsn := testenv.MySQLDatabase(t)
+	cfg, err := gomysql.ParseDSN(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	native := cfg.FormatDSN()
+	if code, out, errOut := runCLI(t, "migrate", "--dsn", native); code != exitOK || !strings.Contains(out, "applied 2 migrations") {
+		t.Fatalf("migrate --dsn %s: exit %d\n%s%s", native, code, out, errOut)
+	}
+	if code, out, errOut := runCLIEnv(t, map[string]string{dsnEnv: native}, "stats", "--json"); code != exitOK || strings.TrimSpace(out) != "[]" {
+		t.Fatalf("stats: exit %d\n%s%s", code, out, errOut)
 	}
 }
 

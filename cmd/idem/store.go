@@ -43,6 +43,7 @@ const pingTimeout = 15 * time.Second
 const dsnHelp = `DSN forms:
   postgres://user:pass@host:5432/db?sslmode=disable   PostgreSQL (also postgresql://)
   mysql://user:pass@host:3306/db?param=value          MySQL or MariaDB
+  user:pass@tcp(host:3306)/db?param=value             the same, in go-sql-driver/mysql's form
   sqlite:PATH or file:PATH                            SQLite file (migrate creates it if missing)
   PATH ending in .db, .sqlite or .sqlite3             SQLite file
   redis://[:pass@]host:6379/0 (also rediss://)        Redis (redisstore; dlq, migrate, bench, outbox check --consumer)`
@@ -105,7 +106,7 @@ func parseDSN(dsn string) (target, error) {
 		return target{kind: kindPostgres, dsn: dsn}, nil
 	case strings.HasPrefix(lower, "redis://"), strings.HasPrefix(lower, "rediss://"):
 		return target{kind: kindRedis, dsn: dsn}, nil
-	case strings.HasPrefix(lower, "mysql://"):
+	case strings.HasPrefix(lower, "mysql://"), isMySQLDriverDSN(dsn):
 		return target{kind: kindMySQL, dsn: dsn}, nil
 	case strings.HasPrefix(lower, "sqlite:"):
 		// sqlite:///abs/path and sqlite://rel/path are accepted too.
@@ -147,7 +148,7 @@ func sqliteTarget(dsn, path string) (target, error) {
 func redactDSN(dsn string) string {
 	scheme, rest, isURL := strings.Cut(dsn, "://")
 	if !isURL {
-		return redactPasswordSettings(dsn, false)
+		return redactPasswordSettings(redactDriverUserinfo(dsn), false)
 	}
 	if at := strings.LastIndex(rest, "@"); at >= 0 {
 		if user, _, hasPass := strings.Cut(rest[:at], ":"); hasPass {
@@ -155,6 +156,55 @@ func redactDSN(dsn string) string {
 		}
 	}
 	return scheme + "://" + redactPasswordSettings(rest, true)
+}
+
+// redactDriverUserinfo hides the password of go-sql-driver/mysql's own DSN
+// form, user:password@protocol(address)/database?params, where, as the
+// driver reads it, the user information ends at the last '@' before the
+// last '/' (or at the last '@', without a '/'), and a protocol's '(' or
+// the '/' follows it. Anything else is returned as it is.
+func redactDriverUserinfo(dsn string) string {
+	at := driverUserinfoEnd(dsn)
+	if at < 0 {
+		return dsn
+	}
+	user, _, hasPass := strings.Cut(dsn[:at], ":")
+	if !hasPass {
+		return dsn
+	}
+	return user + ":xxxxx" + dsn[at:]
+}
+
+// driverUserinfoEnd returns the index of the '@' that ends the user
+// information of a DSN in go-sql-driver/mysql's form, or -1.
+func driverUserinfoEnd(dsn string) int {
+	end := strings.LastIndex(dsn, "/")
+	if end < 0 {
+		end = len(dsn)
+	}
+	at := strings.LastIndex(dsn[:end], "@")
+	if at < 0 {
+		return -1
+	}
+	after := dsn[at+1:]
+	if strings.HasPrefix(after, "/") {
+		return at
+	}
+	if proto, _, ok := strings.Cut(after, "("); ok && proto != "" && strings.Trim(proto, "abcdefghijklmnopqrstuvwxyz0123456789") == "" {
+		return at
+	}
+	return -1
+}
+
+// isMySQLDriverDSN reports whether dsn is in go-sql-driver/mysql's own
+// form with a network: user[:password]@tcp(host:port)/database or
+// @unix(/path), or the same without the user.
+func isMySQLDriverDSN(dsn string) bool {
+	rest := dsn
+	if at := driverUserinfoEnd(dsn); at >= 0 {
+		rest = dsn[at+1:]
+	}
+	return strings.HasPrefix(rest, "tcp(") || strings.HasPrefix(rest, "unix(")
 }
 
 // passwordKeys are the settings whose values redactPasswordSettings hides:
@@ -306,11 +356,20 @@ func parseRedisDSN(dsn string) (*redis.Options, error) {
 // Statements' parameters are interpolated client-side, one round trip each.
 // Its errors never quote the DSN's passwords.
 func parseMySQLDSN(dsn string) (*gomysql.Config, error) {
-	if err := checkURLDSN(kindMySQL, dsn); err != nil {
-		return nil, err
-	}
 	bad := func(err error, reason string) error {
 		return usageErr(&dsnError{kind: kindMySQL, redacted: redactDSN(dsn), err: err, reason: reason})
+	}
+	if !strings.HasPrefix(strings.ToLower(dsn), "mysql://") {
+		// The driver's own form. Its parse errors name what is wrong,
+		// not the DSN.
+		cfg, err := gomysql.ParseDSN(dsn)
+		if err != nil {
+			return nil, bad(err, "it does not parse as user:password@tcp(host:port)/database?param=value")
+		}
+		return withCLIDefaults(cfg), nil
+	}
+	if err := checkURLDSN(kindMySQL, dsn); err != nil {
+		return nil, err
 	}
 	u, err := url.Parse(dsn)
 	if err != nil {
@@ -333,6 +392,11 @@ func parseMySQLDSN(dsn string) (*gomysql.Config, error) {
 	}
 	cfg.User = u.User.Username()
 	cfg.Passwd, _ = u.User.Password()
+	return withCLIDefaults(cfg), nil
+}
+
+// withCLIDefaults sets what the command line's MySQL connections share.
+func withCLIDefaults(cfg *gomysql.Config) *gomysql.Config {
 	cfg.InterpolateParams = true
 	// go-sql-driver writes a line to stderr of its own for every broken
 	// connection; the command reports a failure itself, once, with what
@@ -346,7 +410,7 @@ func parseMySQLDSN(dsn string) (*gomysql.Config, error) {
 	if _, ok := cfg.Params["innodb_lock_wait_timeout"]; !ok {
 		cfg.Params["innodb_lock_wait_timeout"] = cliLockWaitSeconds
 	}
-	return cfg, nil
+	return cfg
 }
 
 // cliLockWaitSeconds is the MySQL innodb_lock_wait_timeout of the command
