@@ -150,10 +150,19 @@ func openStoreSession(t testing.TB) *idemtest.Store[*sql.Tx] {
 // TestConformance runs the suite with 64 goroutines delivering the same
 // 2,000 IDs, one message per transaction and in overlapping batches, on
 // connections set up by mysql.Open. The other suites run on a plain pool,
-// where the driver sets READ COMMITTED per transaction.
+// where the driver sets READ COMMITTED per transaction, and so does this
+// one, smaller (TestConformancePlainPool).
 func TestConformance(t *testing.T) {
 	t.Parallel()
 	idemtest.Run(t, &idemtest.Harness[*sql.Tx]{Open: openStoreSession, Goroutines: 64, IDs: 2000})
+}
+
+// TestConformancePlainPool runs the same suite, smaller, on a plain pool
+// (sql.Open, REPEATABLE READ sessions, no folded begin), where the driver
+// begins each transaction with START TRANSACTION at READ COMMITTED.
+func TestConformancePlainPool(t *testing.T) {
+	t.Parallel()
+	idemtest.Run(t, &idemtest.Harness[*sql.Tx]{Open: openStore, Goroutines: 16, IDs: 300})
 }
 
 func TestHostilePrefixRefused(t *testing.T) {
