@@ -38,7 +38,7 @@ func openLeaseStore(t testing.TB) driver.LeaseDriver {
 
 func TestLease(t *testing.T) {
 	t.Parallel()
-	idemtest.RunLease(t, &idemtest.LeaseHarness{Open: openLeaseStore, Workers: 8, IDs: 100})
+	idemtest.RunLease(t, &idemtest.LeaseHarness{Open: openLeaseStore, Workers: 16, IDs: 500})
 }
 
 func leaseCrashHarness() *idemtest.LeaseCrashHarness {
