@@ -176,6 +176,16 @@ func TestParseDSN(t *testing.T) {
 		{"/tmp/x.sqlite", kindSQLite, "/tmp/x.sqlite"},
 		{"rel/x.sqlite3", kindSQLite, "rel/x.sqlite3"},
 		{"x.DB", kindSQLite, "x.DB"},
+		{"file:photos@2x(a).db", kindSQLite, "photos@2x(a).db"},
+		{"sqlite:d@/x.db", kindSQLite, "d@/x.db"},
+		{"backups/app@/x.db", kindSQLite, "backups/app@/x.db"},
+		{"mysql://u@db/app", kindMySQL, ""},
+		{"u:pw@tcp(db:3306)/app", kindMySQL, ""},
+		{"u@unix(/run/mysqld/mysqld.sock)/app", kindMySQL, ""},
+		{"u:pw@(db:3306)/app", kindMySQL, ""},
+		{"u:pw@tcp/app", kindMySQL, ""},
+		{"u:pw@/app", kindMySQL, ""},
+		{"tcp(db:3306)/app", kindMySQL, ""},
 	}
 	for _, tc := range tests {
 		got, err := parseDSN(tc.dsn)
@@ -224,6 +234,12 @@ func TestRedactDSN(t *testing.T) {
 		"app:pw@/orders":                             "app:xxxxx@/orders",
 		"app@tcp(db)/orders":                         "app@tcp(db)/orders",
 		"host=h user=a@b password=c":                 "host=h user=a@b password=xxxxx",
+		"app:s3/cr3t@tcp(h)":                         "app:xxxxx@tcp(h)",
+		"app:pw@tcp/orders":                          "app:xxxxx@tcp/orders",
+		"app:pw@(h:3306)/orders":                     "app:xxxxx@(h:3306)/orders",
+		"app:pw@tcp(h)/db?x=a@b/c":                   "app:xxxxx@b/c", // hides more than it must
+		"hostaddr=::1 password=p@/q":                 "hostaddr=::1 password=xxxxx",
+		"app:a password=b@tcp(h)/db":                 "app:xxxxx@tcp(h)/db",
 	} {
 		if got := redactDSN(in); got != want {
 			t.Errorf("redactDSN(%q) = %q, want %q", in, got, want)
@@ -284,7 +300,7 @@ func FuzzRedactDSN(f *testing.F) {
 const fuzzMarker = "zQ"
 
 // dsnShapes is how many DSN shapes fuzzDSN builds.
-const dsnShapes = 18
+const dsnShapes = 20
 
 // fuzzDSN builds a DSN of the given shape carrying pass, for a server that
 // refuses connections (127.0.0.1:1) or a SQLite file that does not exist.
@@ -300,6 +316,10 @@ func fuzzDSN(shape uint8, pass string) string {
 		return "postgres://app@" + host + "/db?sslmode=disable&password=" + url.QueryEscape(pass) + "&application_name=x"
 	case s == 17: // go-sql-driver/mysql's own form
 		return "app:" + pass + "@tcp(" + host + ")/db"
+	case s == 18: // the same without a database
+		return "app:" + pass + "@tcp(" + host + ")"
+	case s == 19: // the same on the default address
+		return "app:" + pass + "@tcp/db"
 	case s == 15: // key/value, quoted, which idem refuses as unrecognised
 		q := strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(pass)
 		return "host=127.0.0.1 port=1 user=app password='" + q + "' dbname=db"

@@ -97,8 +97,9 @@ func resolveDSN(flagValue string, getenv func(string) string) (string, error) {
 		"  --dsn sqlite:idem.db", dsnEnv)
 }
 
-// parseDSN recognises a PostgreSQL URL or a SQLite path. It returns a
-// usage error for anything else.
+// parseDSN recognises a PostgreSQL, Redis or MySQL URL, a MySQL DSN in
+// go-sql-driver/mysql's form, or a SQLite path. It returns a usage error
+// for anything else.
 func parseDSN(dsn string) (target, error) {
 	lower := strings.ToLower(dsn)
 	switch {
@@ -106,13 +107,15 @@ func parseDSN(dsn string) (target, error) {
 		return target{kind: kindPostgres, dsn: dsn}, nil
 	case strings.HasPrefix(lower, "redis://"), strings.HasPrefix(lower, "rediss://"):
 		return target{kind: kindRedis, dsn: dsn}, nil
-	case strings.HasPrefix(lower, "mysql://"), isMySQLDriverDSN(dsn):
+	case strings.HasPrefix(lower, "mysql://"):
 		return target{kind: kindMySQL, dsn: dsn}, nil
 	case strings.HasPrefix(lower, "sqlite:"):
 		// sqlite:///abs/path and sqlite://rel/path are accepted too.
 		return sqliteTarget(dsn, strings.TrimPrefix(dsn[len("sqlite:"):], "//"))
 	case strings.HasPrefix(lower, "file:"):
 		return sqliteTarget(dsn, dsn[len("file:"):])
+	case isMySQLDriverDSN(dsn):
+		return target{kind: kindMySQL, dsn: dsn}, nil
 	case strings.HasSuffix(lower, ".db"), strings.HasSuffix(lower, ".sqlite"), strings.HasSuffix(lower, ".sqlite3"):
 		return sqliteTarget(dsn, dsn)
 	}
@@ -124,7 +127,7 @@ func sqliteTarget(dsn, path string) (target, error) {
 	if path == "" {
 		return target{}, usagef("DSN %q names no SQLite file\n%s", redactDSN(dsn), dsnHelp)
 	}
-	if r := redactDSN(dsn); r != dsn {
+	if r := redactURLOrSettings(dsn); r != dsn {
 		// The driver's errors would print the path, password and all.
 		return target{}, usagef("DSN %q: a SQLite file takes no user name or password", r)
 	}
@@ -146,9 +149,18 @@ func sqliteTarget(dsn, path string) (target, error) {
 // ends it: a quoted value at its closing quote, an unquoted one at the first
 // unescaped space.
 func redactDSN(dsn string) string {
+	if !strings.Contains(dsn, "://") {
+		dsn = redactDriverUserinfo(dsn)
+	}
+	return redactURLOrSettings(dsn)
+}
+
+// redactURLOrSettings is redactDSN without go-sql-driver/mysql's form: a
+// URL's password, or the password settings of anything else.
+func redactURLOrSettings(dsn string) string {
 	scheme, rest, isURL := strings.Cut(dsn, "://")
 	if !isURL {
-		return redactPasswordSettings(redactDriverUserinfo(dsn), false)
+		return redactPasswordSettings(dsn, false)
 	}
 	if at := strings.LastIndex(rest, "@"); at >= 0 {
 		if user, _, hasPass := strings.Cut(rest[:at], ":"); hasPass {
@@ -159,52 +171,57 @@ func redactDSN(dsn string) string {
 }
 
 // redactDriverUserinfo hides the password of go-sql-driver/mysql's own DSN
-// form, user:password@protocol(address)/database?params, where, as the
-// driver reads it, the user information ends at the last '@' before the
-// last '/' (or at the last '@', without a '/'), and a protocol's '(' or
-// the '/' follows it. Anything else is returned as it is.
+// form, user:password@protocol(address)/database?params (the protocol and
+// the address may each be left out). The user information ends at the
+// last '@' that a protocol's '(' or '/', or a '(' or '/' alone, follows:
+// as the driver reads it, or later, which hides more. A "user" holding a
+// space or an '=' is a key/value DSN's, not this form's, and is left to
+// redactPasswordSettings.
 func redactDriverUserinfo(dsn string) string {
 	at := driverUserinfoEnd(dsn)
 	if at < 0 {
 		return dsn
 	}
 	user, _, hasPass := strings.Cut(dsn[:at], ":")
-	if !hasPass {
+	if !hasPass || strings.ContainsAny(user, " \t=") {
 		return dsn
 	}
 	return user + ":xxxxx" + dsn[at:]
 }
 
 // driverUserinfoEnd returns the index of the '@' that ends the user
-// information of a DSN in go-sql-driver/mysql's form, or -1.
+// information of a DSN in go-sql-driver/mysql's form (see
+// redactDriverUserinfo), or -1.
 func driverUserinfoEnd(dsn string) int {
-	end := strings.LastIndex(dsn, "/")
-	if end < 0 {
-		end = len(dsn)
-	}
-	at := strings.LastIndex(dsn[:end], "@")
-	if at < 0 {
-		return -1
-	}
-	after := dsn[at+1:]
-	if strings.HasPrefix(after, "/") {
-		return at
-	}
-	if proto, _, ok := strings.Cut(after, "("); ok && proto != "" && strings.Trim(proto, "abcdefghijklmnopqrstuvwxyz0123456789") == "" {
-		return at
+	for at := strings.LastIndex(dsn, "@"); at >= 0; at = strings.LastIndex(dsn[:at], "@") {
+		after := dsn[at+1:]
+		proto := len(after) - len(strings.TrimLeft(after, "abcdefghijklmnopqrstuvwxyz0123456789"))
+		if proto < len(after) && (after[proto] == '(' || after[proto] == '/') {
+			return at
+		}
 	}
 	return -1
 }
 
 // isMySQLDriverDSN reports whether dsn is in go-sql-driver/mysql's own
-// form with a network: user[:password]@tcp(host:port)/database or
-// @unix(/path), or the same without the user.
+// form: user[:password]@tcp(host:port)/database, @unix(/path)/database,
+// @(host:port)/database, @tcp/database or @/database (the last two on the
+// default address), or tcp(…)/database or unix(…)/database without the
+// user. A path ending as a SQLite file's does is not taken for "@/".
 func isMySQLDriverDSN(dsn string) bool {
-	rest := dsn
-	if at := driverUserinfoEnd(dsn); at >= 0 {
-		rest = dsn[at+1:]
+	at := driverUserinfoEnd(dsn)
+	if at < 0 {
+		return strings.HasPrefix(dsn, "tcp(") || strings.HasPrefix(dsn, "unix(")
 	}
-	return strings.HasPrefix(rest, "tcp(") || strings.HasPrefix(rest, "unix(")
+	rest := dsn[at+1:]
+	for _, p := range []string{"tcp(", "unix(", "(", "tcp/"} {
+		if strings.HasPrefix(rest, p) {
+			return true
+		}
+	}
+	lower := strings.ToLower(dsn)
+	return strings.HasPrefix(rest, "/") && !strings.HasSuffix(lower, ".db") &&
+		!strings.HasSuffix(lower, ".sqlite") && !strings.HasSuffix(lower, ".sqlite3")
 }
 
 // passwordKeys are the settings whose values redactPasswordSettings hides:
@@ -350,7 +367,8 @@ func parseRedisDSN(dsn string) (*redis.Options, error) {
 }
 
 // parseMySQLDSN turns a mysql://user:password@host:port/database?param=value
-// URL into go-sql-driver/mysql's configuration: the user name and password
+// URL, or a DSN in go-sql-driver/mysql's own form, into the driver's
+// configuration. Of a URL: the user name and password
 // percent-decoded, the port 3306 when none is given, the parameters those of
 // the driver's own DSN (tls, timeout, charset, or a session variable).
 // Statements' parameters are interpolated client-side, one round trip each.
