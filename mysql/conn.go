@@ -47,8 +47,9 @@ import (
 // back and returns the error, Rollback rolls back, and both turn
 // autocommit back on. A transaction that ends before any statement ran
 // sends nothing: there is nothing to commit or undo. A session whose
-// autocommit is in doubt after a failure (a failed COMMIT, a statement
-// after SET autocommit=1 that failed) is not pooled again.
+// autocommit is in doubt after a failure (a failed COMMIT, an Exec after
+// SET autocommit=1 whose packet was interrupted or lost) runs nothing
+// more and is not pooled again.
 
 // foldBegin marks the context of a BeginTx whose begin may wait for the
 // first statement.

@@ -17,9 +17,10 @@ import (
 // setting it); statements' parameters interpolated client-side, one round
 // trip each instead of a prepare, an execute and a close; and the
 // transactions the driver begins sending no begin of their own, so that a
-// message takes the three round trips and three statements of a plain
-// transaction (the marker INSERT, the handler's write, COMMIT) rather
-// than four. A connection the driver has run a transaction on stays at
+// message takes the three round trips and (from a connection's second
+// message on; the first also carries SET autocommit=0) three statements
+// of a plain transaction (the marker INSERT, the handler's write, COMMIT)
+// rather than four. A connection the driver has run a transaction on stays at
 // autocommit=0, where the INSERT begins the next one by itself; anything
 // else that runs on it outside a transaction first turns autocommit back
 // on (in the same packet as an Exec), so to the pool's other users it

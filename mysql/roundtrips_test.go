@@ -106,8 +106,9 @@ const upsertBalance = `INSERT INTO balances (account, amount) VALUES (?, 1) ON D
 // TestRoundTripsPerMessage counts the round trips of one message through
 // Process, its handler one upsert, against the same transaction without
 // idem (BEGIN, the upsert, COMMIT) on the same pool: idem must not add
-// one. On a pool from Open the transaction's START TRANSACTION travels
-// with the marker's INSERT.
+// one. On a pool from Open the transaction sends no begin: the first
+// one on a connection sends SET autocommit=0 with the marker's INSERT,
+// and the INSERT begins the next ones alone.
 func TestRoundTripsPerMessage(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -203,8 +204,8 @@ func inTransaction(t *testing.T, db *sql.DB) bool {
 	return in != 0
 }
 
-// TestFoldedBeginEdges drives the transactions whose START TRANSACTION
-// waits for their first statement through the ways they can end: with no
+// TestFoldedBeginEdges drives the transactions whose begin waits for
+// their first statement through the ways they can end: with no
 // statement, after a first statement that failed, with a query first.
 // Each must leave the connection outside any transaction, commit exactly
 // what ran after a failure, and send nothing for an empty transaction.
@@ -453,7 +454,6 @@ func TestAutocommitBetweenTransactions(t *testing.T) {
 		t.Fatal(err)
 	}
 	committed("a plain transaction after a message", "plain")
-	message()
 	if _, err := db.ExecContext(ctx, upsertBalance, "after-plain"); err != nil {
 		t.Fatal(err)
 	}
