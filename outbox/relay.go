@@ -109,6 +109,13 @@ type Relay struct {
 	// first rather than after PollInterval, since no commit would wake it
 	// for those keys.
 	retries []time.Time
+	// limit is how many rows a cycle claims: BatchSize, or fewer after a
+	// cycle that claimed so many that no key's turn came within half the
+	// claim (see adaptLimit).
+	limit atomic.Int64
+	// full says the last cycle claimed as many rows as it asked for:
+	// more may be waiting.
+	full atomic.Bool
 }
 
 // HookCycle is told about a relay's cycles (RelayConfig.Hooks): each one
@@ -168,6 +175,7 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
 	}
+	r.limit.Store(int64(c.BatchSize))
 	if c.Concurrency == 0 {
 		c.Concurrency = 8
 	}
@@ -217,7 +225,8 @@ func (r *Relay) fault(point string) {
 	}
 }
 
-// RunOnce runs one cycle: claim up to BatchSize rows, publish each
+// RunOnce runs one cycle: claim up to BatchSize rows (fewer for a while
+// after a claim too large to publish in half ClaimTTL), publish each
 // ordering key's rows in order (keys concurrently), mark what the broker
 // acknowledged as published, record the failures, release the claims. The
 // error joins the publish and store failures; rows not published stay
@@ -252,10 +261,13 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	r.holdMu.Lock()
 	r.retries = slices.DeleteFunc(r.retries, func(at time.Time) bool { return !start.Before(at) }) // claimable now
 	r.holdMu.Unlock()
-	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, r.cfg.BatchSize, r.cfg.ClaimTTL)
+	limit := int(r.limit.Load())
+	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, limit, r.cfg.ClaimTTL)
 	if err != nil {
 		return res, true, 0, fmt.Errorf("outbox: claim: %w", err)
 	}
+	claimTook := time.Since(start)
+	r.full.Store(len(rows) > 0 && len(rows) >= limit)
 	res.Claimed = len(rows)
 	if len(rows) == 0 {
 		return res, false, 0, nil
@@ -298,6 +310,7 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	wg.Wait()
 	cancel()
 	r.fault(FaultAfterPublish)
+	r.adaptLimit(limit, len(rows), len(published), late, claimTook)
 	// The marks must land even if ctx just ended: the broker has the rows.
 	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), markBudget(len(published)))
 	defer scancel()
@@ -321,6 +334,26 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
 	}
 	return res, storeFailed || noHold.Load(), late, errors.Join(errs...)
+}
+
+// adaptLimit sets the next cycle's claim from this one's, which claimed
+// n rows of limit in took and published p of them, leaving late keys for
+// later because their turn came after half the claim. A claim so large
+// that reading it took half the claim (a slow store, a BatchSize of tens
+// of thousands) would publish nothing every cycle, for ever: the next
+// claims are halved until keys get their turn, and doubled back towards
+// BatchSize after a full cycle on time whose claim took under an eighth
+// of ClaimTTL, so that the doubled one stays well inside half.
+func (r *Relay) adaptLimit(limit, n, p, late int, took time.Duration) {
+	switch {
+	case late > 0 && p == 0:
+		next := max(1, n/2)
+		r.limit.Store(int64(next))
+		r.logs.Warn(r.cfg.Logger, "outbox-claim-halved", "outbox: no key's turn came within half the claim; claiming fewer rows a cycle",
+			slog.String("owner", r.cfg.Owner), slog.Int("claimed", n), slog.Int("next_claim", next), slog.Duration("claim_ttl", r.cfg.ClaimTTL))
+	case late == 0 && n >= limit && limit < r.cfg.BatchSize && took < r.cfg.ClaimTTL/8:
+		r.limit.Store(int64(min(r.cfg.BatchSize, 2*limit)))
+	}
 }
 
 // markBudget is how long marking n published rows may take once the
@@ -491,7 +524,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			// published nothing, which would claim those keys again in a
 			// loop; they are still taken up within Backoff.Base, not left
 			// for a PollInterval that notifications may make long.
-			if (res.Claimed >= r.cfg.BatchSize || late > 0) && res.Published > 0 {
+			if (r.full.Load() || late > 0) && res.Published > 0 {
 				continue
 			}
 			wait = r.untilRetry(r.cfg.PollInterval)
@@ -499,7 +532,7 @@ func (r *Relay) Run(ctx context.Context) error {
 				wait = min(wait, r.cfg.Backoff.Base)
 			}
 			err = nil
-		case res.Claimed >= r.cfg.BatchSize:
+		case r.full.Load():
 			failures = 0
 			continue // more may be waiting
 		default:

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -134,6 +135,71 @@ func TestSQLiteClaimsMoreKeysThanBoundVariables(t *testing.T) {
 	res, err := r.RunOnce(ctx)
 	if err != nil || res.Published != n {
 		t.Fatalf("cycle with BatchSize 40,000 over %d keys: %+v, %v; want all published", n, res, err)
+	}
+}
+
+// slowClaim is a relay store whose claims take perRow a row more, as on a
+// slow disk; it records the size of each.
+type slowClaim struct {
+	driver.OutboxRelayStore
+	perRow time.Duration
+	mu     sync.Mutex
+	sizes  []int
+}
+
+func (s *slowClaim) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
+	rows, err := s.OutboxRelayStore.OutboxClaim(ctx, owner, limit, ttl)
+	time.Sleep(time.Duration(len(rows)) * s.perRow)
+	s.mu.Lock()
+	s.sizes = append(s.sizes, len(rows))
+	s.mu.Unlock()
+	return rows, err
+}
+
+// TestClaimTooLargeIsHalved: a claim so large that reading it takes more
+// than half ClaimTTL leaves every key late, every cycle; the relay halves
+// its claim until keys get their turn, and publishes every row, once.
+// (Before, it claimed the same rows again and again and published none.)
+func TestClaimTooLargeIsHalved(t *testing.T) {
+	p := sqliteProducer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const n = 200
+	msgs := make([]*idem.Message, n)
+	for i := range msgs { // each message its own key
+		msgs[i] = &idem.Message{ID: fmt.Sprintf("m-%03d", i), Stream: "s", Payload: []byte("1")}
+	}
+	if err := p.add(ctx, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	store := &slowClaim{OutboxRelayStore: p.drv.(driver.OutboxRelayStore), perRow: 2 * time.Millisecond}
+	pub := &acceptPublisher{}
+	// 200 rows take 400 ms to claim, past half of 500 ms; 100 rows 200 ms.
+	r, err := outbox.NewRelay(store, pub, &outbox.RelayConfig{Owner: "r", BatchSize: n, ClaimTTL: 500 * time.Millisecond, PollInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	rctx, stop := context.WithCancel(ctx)
+	go func() { done <- r.Run(rctx) }()
+	for len(pub.published()) < n && ctx.Err() == nil {
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop()
+	<-done
+	got := pub.published()
+	seen := map[string]bool{}
+	for _, id := range got {
+		seen[id] = true
+	}
+	store.mu.Lock()
+	sizes := slices.Clone(store.sizes)
+	store.mu.Unlock()
+	if len(seen) != n {
+		t.Fatalf("published %d distinct rows of %d (claims of %v)", len(seen), n, sizes)
+	}
+	if len(sizes) < 2 || sizes[0] != n || slices.Min(sizes[1:]) > n/2 {
+		t.Fatalf("claims of %v: want %d first, then at most %d", sizes, n, n/2)
 	}
 }
 
