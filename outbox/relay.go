@@ -299,16 +299,21 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 			for _, row := range g[:n] {
 				published = append(published, row.ID)
 			}
-			if err != nil {
+			switch {
+			case errors.Is(err, errLate):
+				// Counted, not listed: a claim of thousands of keys
+				// would otherwise log each.
+				late++
+			case err != nil:
 				errs = append(errs, err)
-				if errors.Is(err, errLate) {
-					late++
-				}
 			}
 		}(g)
 	}
 	wg.Wait()
 	cancel()
+	if late > 0 {
+		errs = append(errs, fmt.Errorf("outbox: %d of %d keys: %w", late, len(groups), errLate))
+	}
 	r.fault(FaultAfterPublish)
 	r.adaptLimit(limit, len(rows), len(published), late, claimTook)
 	// The marks must land even if ctx just ended: the broker has the rows.
@@ -364,9 +369,9 @@ func markBudget(n int) time.Duration {
 	return 10*time.Second + time.Duration(n)*time.Millisecond
 }
 
-// errLate is a key left for the next cycle: its turn came after half the
+// errLate is keys left for the next cycle: their turn came after half the
 // claim.
-var errLate = errors.New("claim half gone before its turn; left for the next cycle")
+var errLate = errors.New("claim half gone before their turn; left for the next cycle")
 
 // publishGroup publishes one ordering key's rows, in order, and returns
 // how many of them (a prefix) the broker acknowledged. It sets noHold when

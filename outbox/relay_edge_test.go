@@ -1,9 +1,11 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"path/filepath"
 	"slices"
@@ -175,7 +177,9 @@ func TestClaimTooLargeIsHalved(t *testing.T) {
 	store := &slowClaim{OutboxRelayStore: p.drv.(driver.OutboxRelayStore), perRow: 2 * time.Millisecond}
 	pub := &acceptPublisher{}
 	// 200 rows take 400 ms to claim, past half of 500 ms; 100 rows 200 ms.
-	r, err := outbox.NewRelay(store, pub, &outbox.RelayConfig{Owner: "r", BatchSize: n, ClaimTTL: 500 * time.Millisecond, PollInterval: time.Hour})
+	logs := &lockedBuffer{}
+	r, err := outbox.NewRelay(store, pub, &outbox.RelayConfig{Owner: "r", BatchSize: n, ClaimTTL: 500 * time.Millisecond, PollInterval: time.Hour,
+		Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,6 +205,34 @@ func TestClaimTooLargeIsHalved(t *testing.T) {
 	if len(sizes) < 2 || sizes[0] != n || slices.Min(sizes[1:]) > n/2 {
 		t.Fatalf("claims of %v: want %d first, then at most %d", sizes, n, n/2)
 	}
+	// The late keys are counted in one short line, not listed.
+	out := logs.String()
+	if !strings.Contains(out, "claiming fewer rows a cycle") || !strings.Contains(out, "200 of 200 keys") {
+		t.Fatalf("logs do not tell of the halved claim and the late keys:\n%s", out)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if len(line) > 600 {
+			t.Fatalf("a log line of %d bytes: %.300s…", len(line), line)
+		}
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // TestKeyLeftLateIsTakenUpSoon: a key whose turn comes after half the
