@@ -1,7 +1,6 @@
 package outbox_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -177,7 +176,7 @@ func TestClaimTooLargeIsHalved(t *testing.T) {
 	store := &slowClaim{OutboxRelayStore: p.drv.(driver.OutboxRelayStore), perRow: 2 * time.Millisecond}
 	pub := &acceptPublisher{}
 	// 200 rows take 400 ms to claim, past half of 500 ms; 100 rows 200 ms.
-	logs := &lockedBuffer{}
+	logs := &testenv.Buffer{}
 	r, err := outbox.NewRelay(store, pub, &outbox.RelayConfig{Owner: "r", BatchSize: n, ClaimTTL: 500 * time.Millisecond, PollInterval: time.Hour,
 		Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	if err != nil {
@@ -215,24 +214,6 @@ func TestClaimTooLargeIsHalved(t *testing.T) {
 			t.Fatalf("a log line of %d bytes: %.300s…", len(line), line)
 		}
 	}
-}
-
-// lockedBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // TestKeyLeftLateIsTakenUpSoon: a key whose turn comes after half the
