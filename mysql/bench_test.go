@@ -4,12 +4,9 @@ import (
 	"context"
 	"testing"
 
-	gomysql "github.com/go-sql-driver/mysql"
-
 	"github.com/idemhq/idem/internal/bench"
 	"github.com/idemhq/idem/internal/bench/benchtest"
 	"github.com/idemhq/idem/internal/testenv"
-	"github.com/idemhq/idem/mysql"
 )
 
 // BenchmarkMySQL measures idem's throughput against the same transactions
@@ -18,26 +15,9 @@ import (
 //
 //	go test ./mysql -run '^$' -bench . -benchtime 1s
 func BenchmarkMySQL(b *testing.B) {
-	ctx := context.Background()
-	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(b))
+	t, err := bench.OpenMySQL(context.Background(), openFolded(b, testenv.MySQLDatabase(b), 8))
 	if err != nil {
 		b.Fatal(err)
 	}
-	db, err := mysql.Open(ctx, cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	db.SetMaxOpenConns(8)
-	db.SetMaxIdleConns(8)
-	b.Cleanup(func() { db.Close() })
-	t, err := bench.OpenMySQL(ctx, db)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		if err := t.Close(ctx); err != nil {
-			b.Error(err)
-		}
-	})
 	benchtest.Run(b, t, nil)
 }

@@ -23,11 +23,6 @@ func BenchmarkPostgres(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.Cleanup(func() {
-		if err := t.Close(ctx); err != nil {
-			b.Error(err)
-		}
-	})
 	benchtest.Run(b, t, nil)
 }
 

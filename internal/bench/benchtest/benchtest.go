@@ -33,8 +33,17 @@ type Options struct {
 	RoundDuration time.Duration
 }
 
-// Run runs every case against t as sub-benchmarks of b.
+// Run runs every case against t as sub-benchmarks of b. A target with a
+// Close(context.Context) error method (the database targets') is closed
+// when b ends.
 func Run(b *testing.B, t bench.Target, opts *Options) {
+	if c, ok := t.(interface{ Close(context.Context) error }); ok {
+		b.Cleanup(func() {
+			if err := c.Close(context.Background()); err != nil {
+				b.Error(err)
+			}
+		})
+	}
 	if opts == nil {
 		opts = &Options{}
 	}
