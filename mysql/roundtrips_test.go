@@ -395,6 +395,28 @@ func TestAutocommitBetweenTransactions(t *testing.T) {
 		}
 	}
 
+	// exec runs the upsert of account on the pool, outside a transaction.
+	exec := func(account string) {
+		t.Helper()
+		if _, err := db.ExecContext(ctx, upsertBalance, account); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// inPlainTx runs it in a transaction begun with db.BeginTx, ended by end.
+	inPlainTx := func(account string, end func(*sql.Tx) error) {
+		t.Helper()
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.ExecContext(ctx, upsertBalance, account); err != nil {
+			t.Fatal(err)
+		}
+		if err := end(tx); err != nil {
+			t.Fatal(err)
+		}
+	}
+
 	message() // the handler's name is interned
 	message() // the session is left at autocommit=0
 	_, from := sent.since(0)
@@ -406,9 +428,7 @@ func TestAutocommitBetweenTransactions(t *testing.T) {
 	}
 
 	_, from = sent.since(0)
-	if _, err := db.ExecContext(ctx, upsertBalance, "exec"); err != nil {
-		t.Fatal(err)
-	}
+	exec("exec")
 	if got, _ := sent.since(from); len(got) != 1 || !strings.HasPrefix(got[0], "SET autocommit=1;INSERT INTO balances") {
 		t.Fatalf("an Exec outside a transaction sent %q, want SET autocommit=1 in the same packet", got)
 	}
@@ -433,39 +453,17 @@ func TestAutocommitBetweenTransactions(t *testing.T) {
 	committed("a prepared statement after a message", "prepared")
 
 	message()
-	undone, err := db.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := undone.ExecContext(ctx, upsertBalance, "rolled-back"); err != nil {
-		t.Fatal(err)
-	}
-	if err := undone.Rollback(); err != nil {
-		t.Fatal(err)
-	}
-	plain, err := db.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := plain.ExecContext(ctx, upsertBalance, "plain"); err != nil {
-		t.Fatal(err)
-	}
-	if err := plain.Commit(); err != nil {
-		t.Fatal(err)
-	}
+	inPlainTx("rolled-back", (*sql.Tx).Rollback)
+	inPlainTx("plain", (*sql.Tx).Commit)
 	committed("a plain transaction after a message", "plain")
-	if _, err := db.ExecContext(ctx, upsertBalance, "after-plain"); err != nil {
-		t.Fatal(err)
-	}
+	exec("after-plain")
 	committed("an Exec after a plain transaction begun at autocommit=0", "after-plain")
 
 	message()
 	if out, err := proc.Process(ctx, h, &idem.Message{ID: "fails", AggregateID: "failed", Payload: []byte("fail")}); out == idem.Applied || !errors.Is(err, fail) {
 		t.Fatalf("failing handler: (%v, %v)", out, err)
 	}
-	if _, err := db.ExecContext(ctx, upsertBalance, "after-failure"); err != nil {
-		t.Fatal(err)
-	}
+	exec("after-failure")
 	committed("an Exec after a rolled-back message", "after-failure")
 
 	message()
@@ -484,9 +482,7 @@ func TestAutocommitBetweenTransactions(t *testing.T) {
 	if err := tx.Commit(); err == nil {
 		t.Fatal("commit after a failed first statement reported success")
 	}
-	if _, err := db.ExecContext(ctx, upsertBalance, "after-void"); err != nil {
-		t.Fatal(err)
-	}
+	exec("after-void")
 	committed("an Exec after a void transaction", "after-void")
 
 	// A statement outside a transaction that fails after the SET ran
