@@ -111,8 +111,8 @@ type Relay struct {
 	retries []time.Time
 	// limit is how many rows a cycle claims: BatchSize, or fewer after a
 	// cycle that claimed so many that no key's turn came within half the
-	// claim (see adaptLimit).
-	limit atomic.Int64
+	// claim (see adaptLimit). Guarded by mu.
+	limit int
 	// full says the last cycle claimed as many rows as it asked for:
 	// more may be waiting.
 	full atomic.Bool
@@ -175,7 +175,7 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
 	}
-	r.limit.Store(int64(c.BatchSize))
+	r.limit = c.BatchSize
 	if c.Concurrency == 0 {
 		c.Concurrency = 8
 	}
@@ -261,7 +261,7 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	r.holdMu.Lock()
 	r.retries = slices.DeleteFunc(r.retries, func(at time.Time) bool { return !start.Before(at) }) // claimable now
 	r.holdMu.Unlock()
-	limit := int(r.limit.Load())
+	limit := r.limit
 	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, limit, r.cfg.ClaimTTL)
 	if err != nil {
 		return res, true, 0, fmt.Errorf("outbox: claim: %w", err)
@@ -353,11 +353,11 @@ func (r *Relay) adaptLimit(limit, n, p, late int, took time.Duration) {
 	switch {
 	case late > 0 && p == 0:
 		next := max(1, n/2)
-		r.limit.Store(int64(next))
+		r.limit = next
 		r.logs.Warn(r.cfg.Logger, "outbox-claim-halved", "outbox: no key's turn came within half the claim; claiming fewer rows a cycle",
 			slog.String("owner", r.cfg.Owner), slog.Int("claimed", n), slog.Int("next_claim", next), slog.Duration("claim_ttl", r.cfg.ClaimTTL))
 	case late == 0 && n >= limit && limit < r.cfg.BatchSize && took < r.cfg.ClaimTTL/8:
-		r.limit.Store(int64(min(r.cfg.BatchSize, 2*limit)))
+		r.limit = min(r.cfg.BatchSize, 2*limit)
 	}
 }
 
