@@ -228,12 +228,39 @@ func TestTraceContextReachesProcessingSpan(t *testing.T) {
 // publishQueue publishes head and then n messages prefix-0 … prefix-(n-1),
 // all of aggregate "a", and returns them in order.
 func (b *broker) publishQueue(t testing.TB, head, prefix string, n int) []*idem.Message {
+	msgs := queue(head, prefix, n)
+	b.Publish(t, msgs, 0)
+	return msgs
+}
+
+// queue returns head and then n messages prefix-0 … prefix-(n-1), all of
+// aggregate "a".
+func queue(head, prefix string, n int) []*idem.Message {
 	msgs := []*idem.Message{{ID: head, AggregateID: "a"}}
 	for i := range n {
 		msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("%s-%d", prefix, i), AggregateID: "a"})
 	}
-	b.Publish(t, msgs, 0)
 	return msgs
+}
+
+// publishBehind publishes msgs while the consumer on nc is held in a
+// handler, and returns once they have all reached nc. JetStream counts a
+// message as pending ack before its send loop hands it to the connection,
+// and a subscription that ends in between never receives it (it is
+// redelivered after AckWait, or dropped on its last delivery): a test of
+// what a stopping consumer does with the messages it holds waits here
+// rather than for the server's ack-pending count. While the consumer is
+// held, its connection receives nothing else but the messages (its
+// durable watch and pull heartbeats come seconds later).
+func (b *broker) publishBehind(t *testing.T, nc *nats.Conn, msgs []*idem.Message) {
+	t.Helper()
+	before := nc.Stats().InMsgs
+	b.Publish(t, msgs, 0)
+	for deadline := time.Now().Add(10 * time.Second); nc.Stats().InMsgs < before+uint64(len(msgs)); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d messages reached the consumer's connection after 10 s", nc.Stats().InMsgs-before, len(msgs))
+		}
+	}
 }
 
 // runFailing runs one consumer with the given MaxDeliver and
@@ -528,10 +555,15 @@ func TestStopNaksUnstartedMessages(t *testing.T) {
 		b := newBroker(t, url)
 		// One aggregate, so one lane: "first" runs, the rest wait behind
 		// it in the lane and the prefetch buffer.
-		msgs := b.publishQueue(t, "first", "later", 4)
+		msgs := queue("first", "later", 4)
+		b.Publish(t, msgs[:1], 0)
+		var firstConn *nats.Conn
 		run := func(h idem.DeliveryHandler) (cancel func(), done chan struct{}) {
 			nc, js := b.connect(t)
 			t.Cleanup(nc.Close)
+			if firstConn == nil {
+				firstConn = nc
+			}
 			c, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, AckWait: ackWait, Concurrency: concurrency, Logger: testenv.Logger(t)})
 			if err != nil {
 				t.Fatal(err)
@@ -552,6 +584,7 @@ func TestStopNaksUnstartedMessages(t *testing.T) {
 			return idem.Verdict{Ack: true}
 		}))
 		<-started
+		b.publishBehind(t, firstConn, msgs[1:])
 		b.waitAckPending(t, len(msgs)) // all pulled: the rest wait behind first
 		cancel1()
 		close(release) // "first" finishes and is acked; the rest are not started
@@ -589,7 +622,8 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 	t.Parallel()
 	onBothServers(t, func(t *testing.T, url string, _ bool, concurrency int) {
 		b := newBroker(t, url)
-		msgs := b.publishQueue(t, "first", "later", 6)
+		msgs := queue("first", "later", 6)
+		b.Publish(t, msgs[:1], 0)
 		nc, js := b.connect(t)
 		t.Cleanup(nc.Close)
 		started, release := make(chan struct{}), make(chan struct{})
@@ -624,6 +658,7 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 		done := make(chan struct{})
 		go func() { defer close(done); _ = c.Run(ctx) }()
 		<-started
+		b.publishBehind(t, nc, msgs[1:])
 		b.waitAckPending(t, len(msgs))
 		cancel()
 		close(release)
