@@ -86,24 +86,31 @@ WHERE handler = ? AND aggregate_id IN (SELECT value FROM json_each(?))`, p.Handl
 	return out, nil
 }
 
-// SequenceSetMany implements driver.SequenceBatchStore with one upsert, the
-// pairs passed as JSON.
+// SequenceSetMany implements driver.SequenceBatchStore with one prepared
+// upsert per aggregate. A single statement over all of them (JSON rows, or
+// a multi-row VALUES) writes the same rows but, as a multi-row write that
+// may abort, first copies every page it changes to a statement journal,
+// which spills to a temporary file past 64 KiB: a third slower for 100
+// aggregates. As in MarkerInsertMany, the caller's context is checked
+// between the statements rather than armed on each.
 func (d *Driver) SequenceSetMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceSetManyParams) error {
 	if len(p.AggregateIDs) != len(p.Seqs) {
 		return fmt.Errorf("sqlite: %d aggregate IDs for %d sequences", len(p.AggregateIDs), len(p.Seqs))
 	}
-	pairs := make([][2]any, len(p.AggregateIDs))
+	if d.setSeq == nil {
+		return errNotMigrated
+	}
+	st := tx.StmtContext(ctx, d.setSeq)
+	rowCtx := context.WithoutCancel(ctx)
 	for i, a := range p.AggregateIDs {
-		pairs[i] = [2]any{a, p.Seqs[i]}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if _, err := st.ExecContext(rowCtx, p.Handler, a, p.Seqs[i]); err != nil {
+			return err
+		}
 	}
-	enc, err := json.Marshal(pairs)
-	if err != nil {
-		return err
-	}
-	_, err = tx.ExecContext(ctx, `INSERT INTO `+d.tables.sequences+` (handler, aggregate_id, last_seq)
-SELECT ?, value ->> 0, value ->> 1 FROM json_each(?) WHERE true
-ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`, p.Handler, string(enc))
-	return err
+	return nil
 }
 
 // GapSighting implements driver.SequenceGuard on this host's clock.

@@ -61,6 +61,7 @@ type Driver struct {
 	selectHash    *sql.Stmt
 	advanceSeq    *sql.Stmt // the ordering guard's conditional upsert
 	selectSeq     *sql.Stmt
+	setSeq        *sql.Stmt // one sequence of an ordered batch
 
 	maintenance sync.Mutex // one pruner at a time in this process
 }
@@ -248,8 +249,10 @@ ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq
 WHERE s.last_seq = excluded.last_seq - 1 OR (?4 AND s.last_seq < excluded.last_seq)
 RETURNING last_seq`,
 		`SELECT last_seq FROM ` + d.tables.sequences + ` WHERE handler = ? AND aggregate_id = ?`,
+		`INSERT INTO ` + d.tables.sequences + ` (handler, aggregate_id, last_seq) VALUES (?, ?, ?)
+ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`,
 	}
-	const firstChunk = 4 // queries[firstChunk] inserts 2 rows
+	const firstChunk = 5 // queries[firstChunk] inserts 2 rows
 	for n := 2; n <= markerChunk; n++ {
 		values := strings.Repeat("(?, ?, ?, ?), ", n)
 		queries = append(queries, `INSERT INTO `+d.tables.processed+cols+values[:len(values)-2])
@@ -267,7 +270,7 @@ RETURNING last_seq`,
 	}
 	// Index the chunk statements by their row count.
 	d.insertMarkers = append([]*sql.Stmt{nil, nil}, stmts[firstChunk:]...)
-	d.selectHash, d.advanceSeq, d.selectSeq = stmts[1], stmts[2], stmts[3]
+	d.selectHash, d.advanceSeq, d.selectSeq, d.setSeq = stmts[1], stmts[2], stmts[3], stmts[4]
 	d.insertMarker = stmts[0] // set last: it marks the set as ready
 	return nil
 }
