@@ -177,6 +177,8 @@ func (d *Driver) DB() *sql.DB { return d.db }
 func (d *Driver) Migrate(ctx context.Context) error {
 	ms, err := migrations.Load(migrationFS, "migrations", strings.NewReplacer(
 		"{{processed}}", d.tables.processed,
+		"{{processed_name}}", d.prefix+"processed",
+		"{{schema_bump}}", sqlident.Quote(d.prefix+"schema_bump"),
 		"{{sequences}}", d.tables.sequences,
 		"{{gaps}}", d.tables.gaps,
 		"{{versions}}", d.tables.versions,
