@@ -2,10 +2,7 @@ package sqlite_test
 
 import (
 	"context"
-	"os"
 	"path/filepath"
-	"regexp"
-	"strconv"
 	"testing"
 	"time"
 
@@ -22,36 +19,8 @@ import (
 // can claim a dead letter.
 func TestDeadLettersMigrateForward(t *testing.T) {
 	ctx := context.Background()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "old.db"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	files, err := filepath.Glob("migrations/*.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := db.ExecContext(ctx, `CREATE TABLE "idem_migrations" (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	placeholder := regexp.MustCompile(`\{\{([a-z_]+)\}\}`)
-	for _, f := range files {
-		name := filepath.Base(f)
-		v, _ := strconv.Atoi(name[:3])
-		if v > 7 {
-			continue
-		}
-		b, err := os.ReadFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := db.ExecContext(ctx, placeholder.ReplaceAllString(string(b), `"idem_$1"`)); err != nil {
-			t.Fatalf("%s: %v", name, err)
-		}
-		if _, err := db.ExecContext(ctx, `INSERT INTO "idem_migrations" VALUES (?, ?, 0)`, v, name); err != nil {
-			t.Fatal(err)
-		}
-	}
+	db := openFile(t, filepath.Join(t.TempDir(), "old.db"))
+	migrateTo(t, db, 7)
 	now := time.Now().UnixMicro()
 	for _, r := range []struct {
 		id        int
