@@ -177,8 +177,6 @@ func (d *Driver) DB() *sql.DB { return d.db }
 func (d *Driver) Migrate(ctx context.Context) error {
 	ms, err := migrations.Load(migrationFS, "migrations", strings.NewReplacer(
 		"{{processed}}", d.tables.processed,
-		"{{processed_name}}", d.prefix+"processed",
-		"{{schema_bump}}", sqlident.Quote(d.prefix+"schema_bump"),
 		"{{sequences}}", d.tables.sequences,
 		"{{gaps}}", d.tables.gaps,
 		"{{versions}}", d.tables.versions,
@@ -227,7 +225,12 @@ func (d *Driver) apply(ctx context.Context, m migrations.Migration) error {
 	if n > 0 {
 		return nil
 	}
-	if _, err := tx.ExecContext(ctx, m.SQL); err != nil {
+	if step, ok := goSteps[m.Version]; ok {
+		err = step(d, ctx, tx)
+	} else {
+		_, err = tx.ExecContext(ctx, m.SQL)
+	}
+	if err != nil {
 		return err
 	}
 	if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.migrations+` (version, name, applied_at) VALUES (?, ?, ?)`,

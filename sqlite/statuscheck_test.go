@@ -156,3 +156,40 @@ func ephemeral(t *testing.T, db *sql.DB, insert string) bool {
 	}
 	return found
 }
+
+// TestStatusCheckUnderDefensiveMode: a pool in SQLite's defensive mode
+// forbids editing the schema text. Migration 010 then keeps the IN list
+// (the same constraint, checked more slowly) rather than failing the
+// upgrade, leaves writable_schema off, and the driver works.
+func TestStatusCheckUnderDefensiveMode(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, err := sql.Open("sqlite", "file:"+filepath.Join(t.TempDir(), "defensive.db")+"?_defensive=1&_txlock=immediate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(1)
+	t.Cleanup(func() { db.Close() })
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatalf("Migrate in defensive mode: %v", err)
+	}
+	if def := tableSQL(t, db); !strings.Contains(def, `CHECK (status IN ('running', 'done', 'failed'))`) {
+		t.Fatalf("defensive mode should keep the definition: %s", def)
+	}
+	var on int
+	if err := db.QueryRowContext(ctx, `PRAGMA writable_schema`).Scan(&on); err != nil || on != 0 {
+		t.Fatalf("writable_schema after Migrate: %d, %v; want 0", on, err)
+	}
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer drv.Rollback(ctx, tx)
+	if res, err := drv.MarkerInsert(ctx, tx, &driver.MarkerInsertParams{Handler: "h", MessageID: "m", PayloadHash: []byte{1}}); err != nil || !res.Inserted {
+		t.Fatalf("MarkerInsert: %+v, %v", res, err)
+	}
+}
