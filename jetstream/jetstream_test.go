@@ -250,8 +250,9 @@ func queue(head, prefix string, n int) []*idem.Message {
 // redelivered after AckWait, or dropped on its last delivery): a test of
 // what a stopping consumer does with the messages it holds waits here
 // rather than for the server's ack-pending count. While the consumer is
-// held, its connection receives nothing else but the messages (its
-// durable watch and pull heartbeats come seconds later).
+// held, its connection receives nothing else but the messages: its pull
+// heartbeats come every 15 s, and the tests set its durable watch to an
+// hour (jetstream.SetWatchEvery).
 func (b *broker) publishBehind(t *testing.T, nc *nats.Conn, msgs []*idem.Message) {
 	t.Helper()
 	before := nc.Stats().InMsgs
@@ -568,6 +569,7 @@ func TestStopNaksUnstartedMessages(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			jetstream.SetWatchEvery(c, time.Hour)
 			ctx, cancel := context.WithCancel(context.Background())
 			done = make(chan struct{})
 			go func() { defer close(done); _ = c.Run(ctx) }()
@@ -654,6 +656,7 @@ func TestStopDecidesLastDeliveries(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		jetstream.SetWatchEvery(c, time.Hour)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() { defer close(done); _ = c.Run(ctx) }()
