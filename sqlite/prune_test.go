@@ -3,10 +3,14 @@ package sqlite_test
 import (
 	"context"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/idemtest"
 )
 
 // TestPruneByRange walks a table that mixes old markers with young ones,
@@ -87,5 +91,85 @@ func TestPruneByRange(t *testing.T) {
 	}
 	if deleted != gone || batches < 100/7 {
 		t.Fatalf("deleted %d in %d batches, want %d in at least %d", deleted, batches, gone, 100/7)
+	}
+}
+
+// TestPruneWhileProcessing prunes 20,000 old markers in batches of 2,000
+// while a processor applies new messages: every old marker goes, every
+// new message is applied once with its marker kept, and no message waits
+// much longer than the slowest batch (SQLite has one writer: a batch holds
+// it, a message waits for it).
+func TestPruneWhileProcessing(t *testing.T) {
+	t.Parallel()
+	const old = 20_000
+	ctx := context.Background()
+	db, drv := openMigrated(t, nil)
+	s := storeOn(t, db, drv)
+	if _, err := db.ExecContext(ctx, `INSERT INTO "idem_processed" (handler, message_id, payload_hash, processed_at)
+WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c WHERE i < ?)
+SELECT 'balances', printf('old-%07d', i), x'00', ? FROM c`, old, time.Now().Add(-30*24*time.Hour).UnixMicro()); err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(s.Driver, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls sync.Map
+	h := idemtest.CreditHandler(s, "balances", &calls)
+	pr, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{BatchSize: 2000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		stop      atomic.Bool
+		processed []idemtest.Event
+		maxWait   time.Duration
+		procErr   error
+		wg        sync.WaitGroup
+	)
+	wg.Go(func() {
+		for i := 0; !stop.Load(); i++ {
+			e := idemtest.Event{ID: fmt.Sprintf("new-%06d", i), Account: fmt.Sprintf("acct-%02d", i%10), Amount: int64(i%7 + 1)}
+			t0 := time.Now()
+			out, err := p.Process(ctx, h, e.Message())
+			maxWait = max(maxWait, time.Since(t0))
+			if err != nil || out != idem.Applied {
+				procErr = fmt.Errorf("%s: %v, %v", e.ID, out, err)
+				return
+			}
+			processed = append(processed, e)
+		}
+	})
+	st, err := pr.Prune(ctx)
+	stop.Store(true)
+	wg.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if procErr != nil {
+		t.Fatal(procErr)
+	}
+	t.Logf("pruned %d markers in %d batches, %s (slowest batch %s); %d messages processed meanwhile, longest wait %s",
+		st.Deleted, st.Batches, st.Duration, st.LongestBatch, len(processed), maxWait)
+	if st.Deleted != old {
+		t.Fatalf("deleted %d markers, want %d", st.Deleted, old)
+	}
+	if len(processed) == 0 {
+		t.Fatal("the processor applied nothing while pruning ran")
+	}
+	if n, err := s.Markers(ctx, "balances"); err != nil || n != len(processed) {
+		t.Fatalf("%d markers left (%v), want the %d new ones", n, err, len(processed))
+	}
+	balances, err := s.Balances(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for acct, v := range idemtest.Expected(processed) {
+		if balances[acct] != v {
+			t.Fatalf("%s = %d, want %d", acct, balances[acct], v)
+		}
+	}
+	if slack := time.Second; maxWait > st.LongestBatch+slack {
+		t.Fatalf("a message waited %s, longer than the slowest batch (%s) plus %s", maxWait, st.LongestBatch, slack)
 	}
 }
