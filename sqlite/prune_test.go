@@ -95,10 +95,11 @@ func TestPruneByRange(t *testing.T) {
 }
 
 // TestPruneWhileProcessing prunes 20,000 old markers in batches of 2,000
-// while a processor applies new messages: every old marker goes, every
-// new message is applied once with its marker kept, and no message waits
-// much longer than the slowest batch (SQLite has one writer: a batch holds
-// it, a message waits for it).
+// while a processor applies new messages whose keys fall among the old
+// ones: every old marker goes, every new message is applied once with its
+// marker kept (young markers inside a batch's range stay), and no message
+// waits much longer than the slowest batch (SQLite has one writer: a batch
+// holds it, a message waits for it).
 func TestPruneWhileProcessing(t *testing.T) {
 	t.Parallel()
 	const old = 20_000
@@ -129,7 +130,8 @@ SELECT 'balances', printf('old-%07d', i), x'00', ? FROM c`, old, time.Now().Add(
 	)
 	wg.Go(func() {
 		for i := 0; !stop.Load(); i++ {
-			e := idemtest.Event{ID: fmt.Sprintf("new-%06d", i), Account: fmt.Sprintf("acct-%02d", i%10), Amount: int64(i%7 + 1)}
+			// Keys among the old ones, ahead of the pruner and behind it.
+			e := idemtest.Event{ID: fmt.Sprintf("old-%07d-new-%d", 1+i*7919%old, i), Account: fmt.Sprintf("acct-%02d", i%10), Amount: int64(i%7 + 1)}
 			t0 := time.Now()
 			out, err := p.Process(ctx, h, e.Message())
 			maxWait = max(maxWait, time.Since(t0))

@@ -20,19 +20,16 @@ const (
 
 // rewriteStatusCheck is migration 010 (see its file): it replaces the
 // marker table's status CHECK text in sqlite_schema and bumps the schema
-// version, so that every connection rereads the definition. writable_schema
-// is a setting of the connection, not of the transaction: it is reset on
-// the way out whatever happened, which also rereads the schema on this
-// connection.
-func (d *Driver) rewriteStatusCheck(ctx context.Context, tx *sql.Tx) (err error) {
+// version, so that every connection rereads the definition. It turns
+// writable_schema on; apply turns it off again on the connection (which
+// also rereads the schema there) once the transaction is over.
+func (d *Driver) rewriteStatusCheck(ctx context.Context, tx *sql.Tx) error {
 	if _, err := tx.ExecContext(ctx, `PRAGMA writable_schema = ON`); err != nil {
 		return err
 	}
-	defer func() {
-		if _, rerr := tx.ExecContext(context.WithoutCancel(ctx), `PRAGMA writable_schema = RESET`); rerr != nil && err == nil {
-			err = rerr
-		}
-	}()
+	if d.schemaWritable != nil {
+		d.schemaWritable()
+	}
 	var on int
 	if err := tx.QueryRowContext(ctx, `PRAGMA writable_schema`).Scan(&on); err != nil {
 		return err

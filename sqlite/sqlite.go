@@ -24,6 +24,7 @@ package sqlite
 import (
 	"context"
 	"database/sql"
+	sqldriver "database/sql/driver"
 	"embed"
 	"errors"
 	"fmt"
@@ -64,6 +65,8 @@ type Driver struct {
 	setSeq        *sql.Stmt // one sequence of an ordered batch
 
 	maintenance sync.Mutex // one pruner at a time in this process
+
+	schemaWritable func() // tests: called once migration 010 turned writable_schema on
 }
 
 type tables struct {
@@ -213,7 +216,33 @@ func (d *Driver) Migrate(ctx context.Context) error {
 }
 
 func (d *Driver) apply(ctx context.Context, m migrations.Migration) error {
-	tx, err := d.db.BeginTx(ctx, nil)
+	step, isStep := goSteps[m.Version]
+	if !isStep {
+		return d.applyOn(ctx, d.db, m, nil)
+	}
+	// A step may turn writable_schema on, a setting of the connection,
+	// not of the transaction: it is turned off on the connection once
+	// the transaction is over, whatever became of it (database/sql rolls
+	// back by itself when ctx ends), or the connection is discarded.
+	conn, err := d.db.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	defer func() {
+		if _, err := conn.ExecContext(context.WithoutCancel(ctx), `PRAGMA writable_schema = RESET`); err != nil {
+			_ = conn.Raw(func(any) error { return sqldriver.ErrBadConn })
+		}
+	}()
+	return d.applyOn(ctx, conn, m, step)
+}
+
+// applyOn applies m in a transaction of its own on db: its SQL, or step
+// when it has one.
+func (d *Driver) applyOn(ctx context.Context, db interface {
+	BeginTx(context.Context, *sql.TxOptions) (*sql.Tx, error)
+}, m migrations.Migration, step func(*Driver, context.Context, *sql.Tx) error) error {
+	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
@@ -225,7 +254,7 @@ func (d *Driver) apply(ctx context.Context, m migrations.Migration) error {
 	if n > 0 {
 		return nil
 	}
-	if step, ok := goSteps[m.Version]; ok {
+	if step != nil {
 		err = step(d, ctx, tx)
 	} else {
 		_, err = tx.ExecContext(ctx, m.SQL)

@@ -3,12 +3,14 @@ package sqlite_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/sqlite"
@@ -191,5 +193,46 @@ func TestStatusCheckUnderDefensiveMode(t *testing.T) {
 	defer drv.Rollback(ctx, tx)
 	if res, err := drv.MarkerInsert(ctx, tx, &driver.MarkerInsertParams{Handler: "h", MessageID: "m", PayloadHash: []byte{1}}); err != nil || !res.Inserted {
 		t.Fatalf("MarkerInsert: %+v, %v", res, err)
+	}
+}
+
+// TestStatusCheckCancelledLeavesSchemaLocked: Migrate cancelled once
+// migration 010 has turned writable_schema on (database/sql then rolls the
+// transaction back by itself) returns the cancellation, leaves the schema
+// as it was, and leaves no pooled connection able to write sqlite_schema;
+// the next Migrate applies 010.
+func TestStatusCheckCancelledLeavesSchemaLocked(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "cancel.db")
+	db := openFile(t, path)
+	migrateTo(t, db, 9)
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	sqlite.SetSchemaWritableHook(drv, func() {
+		cancel()
+		time.Sleep(50 * time.Millisecond) // database/sql's rollback on ctx's end
+	})
+	if err := drv.Migrate(ctx); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Migrate cancelled in migration 010: %v, want context.Canceled", err)
+	}
+	var on int
+	if err := db.QueryRow(`PRAGMA writable_schema`).Scan(&on); err != nil || on != 0 {
+		t.Fatalf("writable_schema after the cancelled Migrate: %d, %v; want 0", on, err)
+	}
+	if _, err := db.Exec(`UPDATE sqlite_schema SET sql = sql WHERE name = 'idem_processed'`); err == nil {
+		t.Fatal("sqlite_schema is writable on the pool after the cancelled Migrate")
+	}
+	if def := tableSQL(t, db); !strings.Contains(def, `status IN (`) {
+		t.Fatalf("the cancelled migration changed the definition: %s", def)
+	}
+	sqlite.SetSchemaWritableHook(drv, nil)
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if def := tableSQL(t, db); !strings.Contains(def, `status = 'running' OR`) {
+		t.Fatalf("after a second Migrate: %s", def)
 	}
 }
