@@ -3,12 +3,9 @@ package sqlite_test
 import (
 	"context"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 )
@@ -111,67 +108,6 @@ WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c WHERE i < ?)
 SELECT 'balances', printf('old-%07d', i), x'00', ? FROM c`, old, time.Now().Add(-30*24*time.Hour).UnixMicro()); err != nil {
 		t.Fatal(err)
 	}
-	p, err := idem.NewProcessor(s.Driver, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var calls sync.Map
-	h := idemtest.CreditHandler(s, "balances", &calls)
-	pr, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{BatchSize: 2000})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		stop      atomic.Bool
-		processed []idemtest.Event
-		maxWait   time.Duration
-		procErr   error
-		wg        sync.WaitGroup
-	)
-	wg.Go(func() {
-		for i := 0; !stop.Load(); i++ {
-			// Keys among the old ones, ahead of the pruner and behind it.
-			e := idemtest.Event{ID: fmt.Sprintf("old-%07d-new-%d", 1+i*7919%old, i), Account: fmt.Sprintf("acct-%02d", i%10), Amount: int64(i%7 + 1)}
-			t0 := time.Now()
-			out, err := p.Process(ctx, h, e.Message())
-			maxWait = max(maxWait, time.Since(t0))
-			if err != nil || out != idem.Applied {
-				procErr = fmt.Errorf("%s: %v, %v", e.ID, out, err)
-				return
-			}
-			processed = append(processed, e)
-		}
-	})
-	st, err := pr.Prune(ctx)
-	stop.Store(true)
-	wg.Wait()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if procErr != nil {
-		t.Fatal(procErr)
-	}
-	t.Logf("pruned %d markers in %d batches, %s (slowest batch %s); %d messages processed meanwhile, longest wait %s",
-		st.Deleted, st.Batches, st.Duration, st.LongestBatch, len(processed), maxWait)
-	if st.Deleted != old {
-		t.Fatalf("deleted %d markers, want %d", st.Deleted, old)
-	}
-	if len(processed) == 0 {
-		t.Fatal("the processor applied nothing while pruning ran")
-	}
-	if n, err := s.Markers(ctx, "balances"); err != nil || n != len(processed) {
-		t.Fatalf("%d markers left (%v), want the %d new ones", n, err, len(processed))
-	}
-	balances, err := s.Balances(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for acct, v := range idemtest.Expected(processed) {
-		if balances[acct] != v {
-			t.Fatalf("%s = %d, want %d", acct, balances[acct], v)
-		}
-	}
-	if slack := time.Second; maxWait > st.LongestBatch+slack {
-		t.Fatalf("a message waited %s, longer than the slowest batch (%s) plus %s", maxWait, st.LongestBatch, slack)
-	}
+	// Keys among the old ones, ahead of the pruner and behind it.
+	idemtest.CheckPruneWhileProcessing(t, s, old, 2000, func(i int) string { return fmt.Sprintf("old-%07d-new-%d", 1+i*7919%old, i) })
 }
