@@ -6,9 +6,13 @@ import (
 	"fmt"
 )
 
-// goSteps are the migrations that run Go in place of their file's SQL.
-var goSteps = map[int]func(d *Driver, ctx context.Context, tx *sql.Tx) error{
-	10: (*Driver).rewriteStatusCheck,
+// step returns the Go that runs in place of migration version's SQL, or
+// nil when its file's SQL runs.
+func (d *Driver) step(version int) func(context.Context, *sql.Tx) error {
+	if version == 10 {
+		return d.rewriteStatusCheck
+	}
+	return nil
 }
 
 // The lease status CHECK as migration 002 wrote it, and as migration 010

@@ -216,33 +216,25 @@ func (d *Driver) Migrate(ctx context.Context) error {
 }
 
 func (d *Driver) apply(ctx context.Context, m migrations.Migration) error {
-	step, isStep := goSteps[m.Version]
-	if !isStep {
-		return d.applyOn(ctx, d.db, m, nil)
-	}
-	// A step may turn writable_schema on, a setting of the connection,
-	// not of the transaction: it is turned off on the connection once
-	// the transaction is over, whatever became of it (database/sql rolls
-	// back by itself when ctx ends), or the connection is discarded.
 	conn, err := d.db.Conn(ctx)
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	defer func() {
-		if _, err := conn.ExecContext(context.WithoutCancel(ctx), `PRAGMA writable_schema = RESET`); err != nil {
-			_ = conn.Raw(func(any) error { return sqldriver.ErrBadConn })
-		}
-	}()
-	return d.applyOn(ctx, conn, m, step)
-}
-
-// applyOn applies m in a transaction of its own on db: its SQL, or step
-// when it has one.
-func (d *Driver) applyOn(ctx context.Context, db interface {
-	BeginTx(context.Context, *sql.TxOptions) (*sql.Tx, error)
-}, m migrations.Migration, step func(*Driver, context.Context, *sql.Tx) error) error {
-	tx, err := db.BeginTx(ctx, nil)
+	step := d.step(m.Version)
+	if step != nil {
+		// A step may turn writable_schema on, a setting of the
+		// connection, not of the transaction: it is turned off on the
+		// connection once the transaction is over, whatever became of it
+		// (database/sql rolls back by itself when ctx ends), or the
+		// connection is discarded.
+		defer func() {
+			if _, err := conn.ExecContext(context.WithoutCancel(ctx), `PRAGMA writable_schema = RESET`); err != nil {
+				_ = conn.Raw(func(any) error { return sqldriver.ErrBadConn })
+			}
+		}()
+	}
+	tx, err := conn.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
@@ -255,7 +247,7 @@ func (d *Driver) applyOn(ctx context.Context, db interface {
 		return nil
 	}
 	if step != nil {
-		err = step(d, ctx, tx)
+		err = step(ctx, tx)
 	} else {
 		_, err = tx.ExecContext(ctx, m.SQL)
 	}
