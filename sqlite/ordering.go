@@ -37,8 +37,7 @@ func (d *Driver) SequenceAdvance(ctx context.Context, tx *sql.Tx, p *driver.Sequ
 		return driver.SequenceAdvanceResult{}, err
 	}
 	if p.Seq == last+1 || (p.AllowGap && p.Seq > last) {
-		if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.tables.sequences+` (handler, aggregate_id, last_seq) VALUES (?1, ?2, ?3)
-ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = ?3`, p.Handler, p.AggregateID, p.Seq); err != nil {
+		if _, err := tx.StmtContext(ctx, d.setSeq).ExecContext(ctx, p.Handler, p.AggregateID, p.Seq); err != nil {
 			return driver.SequenceAdvanceResult{}, err
 		}
 		return driver.SequenceAdvanceResult{Advanced: true}, nil
