@@ -116,7 +116,7 @@ func parseDSN(dsn string) (target, error) {
 		return sqliteTarget(dsn, dsn[len("file:"):])
 	case isMySQLDriverDSN(dsn):
 		return target{kind: kindMySQL, dsn: dsn}, nil
-	case strings.HasSuffix(lower, ".db"), strings.HasSuffix(lower, ".sqlite"), strings.HasSuffix(lower, ".sqlite3"):
+	case isSQLitePath(dsn):
 		return sqliteTarget(dsn, dsn)
 	}
 	return target{}, usagef("unrecognised DSN %q\n%s", redactDSN(dsn), dsnHelp)
@@ -219,9 +219,13 @@ func isMySQLDriverDSN(dsn string) bool {
 			return true
 		}
 	}
+	return strings.HasPrefix(rest, "/") && !isSQLitePath(dsn)
+}
+
+// isSQLitePath reports whether dsn ends as a SQLite file's name does.
+func isSQLitePath(dsn string) bool {
 	lower := strings.ToLower(dsn)
-	return strings.HasPrefix(rest, "/") && !strings.HasSuffix(lower, ".db") &&
-		!strings.HasSuffix(lower, ".sqlite") && !strings.HasSuffix(lower, ".sqlite3")
+	return strings.HasSuffix(lower, ".db") || strings.HasSuffix(lower, ".sqlite") || strings.HasSuffix(lower, ".sqlite3")
 }
 
 // passwordKeys are the settings whose values redactPasswordSettings hides:
