@@ -267,7 +267,7 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		return res, true, 0, fmt.Errorf("outbox: claim: %w", err)
 	}
 	claimTook := time.Since(start)
-	r.full.Store(len(rows) > 0 && len(rows) >= limit)
+	r.full.Store(len(rows) >= limit) // limit is at least 1
 	res.Claimed = len(rows)
 	if len(rows) == 0 {
 		return res, false, 0, nil
