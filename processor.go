@@ -703,20 +703,26 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 	}
 
 	// First occurrence of each ID goes to the store; later occurrences are
-	// decided against it after the insert.
+	// decided against it after the insert. Sorted IDs make concurrent
+	// overlapping batches lock in one order instead of deadlocking, and
+	// put an ID's copies next to each other, first delivered first.
 	hashes := make([][]byte, len(msgs))
-	first := make(map[string]int, len(msgs))
-	uniq := make([]int, 0, len(msgs))
+	byID := make([]int, len(msgs))
 	for i, m := range msgs {
 		hashes[i] = m.PayloadHash()
-		if _, seen := first[m.ID]; !seen {
-			first[m.ID] = i
-			uniq = append(uniq, i)
-		}
+		byID[i] = i
 	}
-	// Sorted IDs make concurrent overlapping batches lock in one order
-	// instead of deadlocking.
-	slices.SortFunc(uniq, func(a, b int) int { return strings.Compare(msgs[a].ID, msgs[b].ID) })
+	slices.SortStableFunc(byID, func(a, b int) int { return strings.Compare(msgs[a].ID, msgs[b].ID) })
+	first := make([]int, len(msgs)) // index of the first copy of msgs[i].ID
+	uniq := make([]int, 0, len(msgs))
+	for k, i := range byID {
+		if k > 0 && msgs[i].ID == msgs[byID[k-1]].ID {
+			first[i] = first[byID[k-1]]
+			continue
+		}
+		first[i] = i
+		uniq = append(uniq, i)
+	}
 	params := &driver.MarkerInsertManyParams{
 		Handler:       h.Name,
 		MessageIDs:    make([]string, len(uniq)),
@@ -772,14 +778,23 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 			setErr(i, err)
 		}
 	}
-	stored := make(map[string][]byte, len(uniq)) // hash the store holds after this batch
+	// The hash the store holds after this batch, by first copy; kept
+	// only when an ID comes more than once.
+	var stored [][]byte
+	if len(uniq) < len(msgs) {
+		stored = make([][]byte, len(msgs))
+	}
 	for k, i := range uniq {
 		if res[k].Inserted {
 			outs[i] = Applied
-			stored[msgs[i].ID] = hashes[i]
+			if stored != nil {
+				stored[i] = hashes[i]
+			}
 			continue
 		}
-		stored[msgs[i].ID] = res[k].ExistingHash
+		if stored != nil {
+			stored[i] = res[k].ExistingHash
+		}
 		decide(i, res[k].ExistingHash)
 	}
 	var refused map[int]Outcome // first occurrences the ordering guard refused
@@ -811,7 +826,7 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 	}
 	fresh := make([]int, 0, len(uniq))
 	for i, m := range msgs {
-		if f := first[m.ID]; f != i {
+		if f := first[i]; f != i {
 			if _, ok := refused[f]; ok {
 				if !samePayload(hashes[i], hashes[f]) {
 					// The same ID with another payload, whose first copy
@@ -830,7 +845,7 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 				}
 				continue
 			}
-			decide(i, stored[m.ID])
+			decide(i, stored[f])
 			continue
 		}
 		if outs[i] == Applied {
