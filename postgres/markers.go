@@ -421,9 +421,9 @@ func (d *Driver) newMarkerBatch(ctx context.Context, q querier, p *driver.Marker
 // insertArgs are the arguments of insertMany and insertManyNew.
 func (b *markerBatch) insertArgs() []any {
 	if b.sql.legacy {
-		return []any{b.hid, b.keys, b.hashes, b.handler, b.ids}
+		return []any{b.hid, byteaArray(b.keys), byteaArray(b.hashes), b.handler, b.ids}
 	}
-	return []any{b.hid, b.keys, b.hashes}
+	return []any{b.hid, byteaArray(b.keys), byteaArray(b.hashes)}
 }
 
 // hashArgs are the arguments of selectHashes for the IDs at idx.
@@ -434,9 +434,9 @@ func (b *markerBatch) hashArgs(idx []int) []any {
 		keys[j], ids[j] = b.keys[i], b.ids[i]
 	}
 	if b.sql.legacy {
-		return []any{b.hid, keys, b.handler, ids}
+		return []any{b.hid, byteaArray(keys), b.handler, ids}
 	}
-	return []any{b.hid, keys}
+	return []any{b.hid, byteaArray(keys)}
 }
 
 // MarkerMessageID returns the message ID a message_key of the markers

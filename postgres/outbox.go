@@ -64,7 +64,7 @@ func (d *Driver) OutboxAdd(ctx context.Context, tx Tx, rows []driver.OutboxRow) 
 SELECT r.dest, r.id, r.key, r.agg, r.seq, r.type, r.headers, r.payload, r.hash
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::bytea[], $8::bytea[], $9::bytea[])
   WITH ORDINALITY AS r(dest, id, key, agg, seq, type, headers, payload, hash, n)
-ORDER BY r.n`, dest, ids, keys, aggs, seqs, types, headers, payloads, hashes); err != nil {
+ORDER BY r.n`, dest, ids, keys, aggs, seqs, types, byteaArray(headers), byteaArray(payloads), byteaArray(hashes)); err != nil {
 		return fmt.Errorf("postgres: add outbox rows: %w", err)
 	}
 	return nil

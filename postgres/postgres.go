@@ -710,7 +710,7 @@ func (d *Driver) MarkerDelete(ctx context.Context, tx Tx, p *driver.MarkerDelete
 	for i, id := range p.MessageIDs {
 		keys[i] = messageKey(id)
 	}
-	_, err = tx.Exec(ctx, d.deleteMarkers, hid, keys)
+	_, err = tx.Exec(ctx, d.deleteMarkers, hid, byteaArray(keys))
 	return err
 }
 
@@ -846,7 +846,7 @@ func (d *Driver) InsertImportedMarkers(ctx context.Context, handler string, ids 
 	}
 	tag, err := d.pool.Exec(ctx, `INSERT INTO `+d.t.markers+` (handler_id, message_key, payload_hash)
 SELECT $1, k, ''::bytea FROM unnest($2::bytea[]) AS u(k)
-ON CONFLICT DO NOTHING`, hid, keys)
+ON CONFLICT DO NOTHING`, hid, byteaArray(keys))
 	if err != nil {
 		return 0, err
 	}
