@@ -492,6 +492,10 @@ func (p *Processor[TTx]) ProcessBatchTx(ctx context.Context, tx TTx, h *Handler[
 type batchGuard struct {
 	keys    []string
 	guarded []bool
+	// inOrder is set by guardBatch when its candidates of each aggregate
+	// come in sequence order in the batch already, as a broker delivers
+	// them: inSeqOrder has nothing to move then.
+	inOrder bool
 }
 
 // newBatchGuard validates h's ordering setup for msgs. It returns nil when
@@ -535,6 +539,13 @@ func (p *Processor[TTx]) guardBatch(ctx context.Context, tx TTx, h *Handler[TTx]
 		// as one at a time (cand may come in another order).
 		return cmp.Compare(a, b)
 	})
+	g.inOrder = true
+	for k := 1; k < len(order); k++ {
+		if g.keys[order[k]] == g.keys[order[k-1]] && order[k] < order[k-1] {
+			g.inOrder = false
+			break
+		}
+	}
 	res, err := p.advanceBatch(ctx, tx, h, msgs, g, order)
 	if err != nil {
 		return nil, nil, err
@@ -658,6 +669,9 @@ func (p *Processor[TTx]) advanceBatch(ctx context.Context, tx TTx, h *Handler[TT
 // guarded messages of each aggregate come in sequence order, each taking
 // one of the places its aggregate's messages had.
 func (g *batchGuard) inSeqOrder(idx []int, msgs []*Message) {
+	if g.inOrder {
+		return
+	}
 	places := make(map[string][]int)
 	for at, i := range idx {
 		if g.guarded[i] {
