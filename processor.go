@@ -494,7 +494,9 @@ type batchGuard struct {
 	guarded []bool
 	// inOrder is set by guardBatch when its candidates of each aggregate
 	// come in sequence order in the batch already, as a broker delivers
-	// them: inSeqOrder has nothing to move then.
+	// them: inSeqOrder has nothing to move then, as long as the guarded
+	// indexes it is given are among those candidates (any subset of an
+	// ordered run is ordered).
 	inOrder bool
 }
 

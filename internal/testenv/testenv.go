@@ -50,12 +50,22 @@ func Unavailable(t testing.TB, service, where string, err error) {
 // connections, closed when t ends.
 func PostgresPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 	t.Helper()
+	return PostgresPoolWith(t, maxConns, nil)
+}
+
+// PostgresPoolWith is PostgresPool with the pool's configuration passed
+// to configure (when not nil) before it connects.
+func PostgresPoolWith(t testing.TB, maxConns int32, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
 	cfg, err := pgxpool.ParseConfig(PostgresDSN())
 	if err != nil {
 		t.Fatalf("IDEM_POSTGRES_DSN: %v", err)
 	}
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns
+	}
+	if configure != nil {
+		configure(cfg)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
