@@ -22,6 +22,11 @@
 // transaction of your own (ProcessTx) the level is yours, with that
 // consequence.
 //
+// Any pgx exec mode works, the default and the two that send parameters
+// as text without describing the statement first (QueryExecModeExec, and
+// QueryExecModeSimpleProtocol, which pools behind PgBouncer in
+// transaction mode use); the conformance suite runs in both.
+//
 // Atomic markers live in <prefix>markers, keyed by an interned handler id
 // and the message ID packed losslessly (docs/performance.md). A handler
 // name's first use ever adds it to <prefix>handlers on a pooled
