@@ -16,7 +16,8 @@ import (
 )
 
 // TestQueryExecModes runs the conformance suite, an import and the outbox
-// (and, on the simple protocol, the ordering guard) on pools in the exec
+// (and, on the simple protocol, the ordering guard and retention, whose
+// batches pass a tid) on pools in the exec
 // modes where pgx sends parameters as text of no known type:
 // QueryExecModeExec, and the simple protocol that pools behind PgBouncer
 // in transaction mode often use. The driver's arrays must encode there as
@@ -36,6 +37,7 @@ func TestQueryExecModes(t *testing.T) {
 			if mode == pgx.QueryExecModeSimpleProtocol {
 				// The slowest suite, once: no parameter carries a type here.
 				t.Run("Ordering", func(t *testing.T) { idemtest.RunOrdering(t, h) })
+				t.Run("Retention", func(t *testing.T) { idemtest.RunRetention(t, h) })
 			}
 			t.Run("ImportAndOutbox", func(t *testing.T) {
 				ctx := context.Background()
