@@ -17,11 +17,10 @@ import (
 
 // TestQueryExecModes runs the conformance suite, an import and the outbox
 // (and, on the simple protocol, the ordering guard and retention, whose
-// batches pass a tid) on pools in the exec
-// modes where pgx sends parameters as text of no known type:
-// QueryExecModeExec, and the simple protocol that pools behind PgBouncer
-// in transaction mode often use. The driver's arrays must encode there as
-// well as in the default mode.
+// batches pass a tid) on pools in the exec modes where pgx sends
+// parameters as text of no known type: QueryExecModeExec, and the simple
+// protocol that pools behind PgBouncer in transaction mode often use. The
+// driver's arrays must encode there as well as in the default mode.
 func TestQueryExecModes(t *testing.T) {
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
 		t.Run(mode.String(), func(t *testing.T) {
