@@ -21,32 +21,34 @@ var (
 )
 
 // SequenceAdvance implements driver.SequenceGuard with one conditional
-// write: an upsert when the sequence may create the row (1, or any under
-// AllowGap), else an UPDATE of the row at Seq−1. Both wait on the row of a
-// concurrent transaction and then decide on its committed value. When
-// nothing moved, the last sequence is read with a locking read, which sees
-// the latest committed value at any isolation level.
+// UPDATE in the common case: it moves the row when the event is the next
+// one (or, with AllowGap, any later one), waiting on a concurrent
+// transaction's row lock and deciding on the committed value. Such an
+// UPDATE changes every row it matches, so its count means "advanced" on
+// any connection, with CLIENT_FOUND_ROWS (clientFoundRows=true, which
+// counts matched rows) or without; an upsert's would not, as its
+// unchanged branch counts 1 there. When it matched nothing and the event
+// may create the row (sequence 1, or any under AllowGap), an upsert
+// creates it at 0 or locks the one another transaction committed
+// meanwhile, and the UPDATE runs again. When nothing moved, the last
+// sequence is read with a locking read, which sees the latest committed
+// value at any isolation level.
 func (d *Driver) SequenceAdvance(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
-	var (
-		r   sql.Result
-		err error
-	)
-	if p.Seq == 1 || p.AllowGap {
-		r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, ?)
-ON DUPLICATE KEY UPDATE last_seq = IF(last_seq = VALUES(last_seq) - 1 OR (? AND last_seq < VALUES(last_seq)), VALUES(last_seq), last_seq)`,
-			p.Handler, p.AggregateID, p.Seq, p.AllowGap)
-	} else {
-		r, err = tx.ExecContext(ctx, `UPDATE `+d.t.sequences+` SET last_seq = ? WHERE handler = ? AND aggregate_id = ? AND last_seq = ?`,
-			p.Seq, p.Handler, p.AggregateID, p.Seq-1)
+	advanced, err := d.advanceRow(ctx, tx, p)
+	if err == nil && !advanced && (p.Seq == 1 || p.AllowGap) {
+		// Make sure the row exists, at 0 if new, and hold its exclusive
+		// lock (an upsert takes it on an existing row, where INSERT
+		// IGNORE would take a shared one, and two of those upgrading
+		// deadlock); then the UPDATE decides on the committed value.
+		if _, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)
+ON DUPLICATE KEY UPDATE last_seq = last_seq`, p.Handler, p.AggregateID); err == nil {
+			advanced, err = d.advanceRow(ctx, tx, p)
+		}
 	}
 	if err != nil {
 		return driver.SequenceAdvanceResult{}, notMigrated(err)
 	}
-	// Rows affected: 1 inserted or updated, 2 updated by the upsert, 0
-	// unchanged.
-	if n, err := r.RowsAffected(); err != nil {
-		return driver.SequenceAdvanceResult{}, err
-	} else if n > 0 {
+	if advanced {
 		return driver.SequenceAdvanceResult{Advanced: true}, nil
 	}
 	var last int64
@@ -56,6 +58,21 @@ ON DUPLICATE KEY UPDATE last_seq = IF(last_seq = VALUES(last_seq) - 1 OR (? AND 
 		return driver.SequenceAdvanceResult{}, err
 	}
 	return driver.SequenceAdvanceResult{Last: last}, nil
+}
+
+// advanceRow moves an existing sequence row to p.Seq when p.Seq follows
+// it (or, with AllowGap, is later), and reports whether it did. The new
+// value always differs from the one matched, so the count is the same
+// whether the connection counts matched rows or changed ones.
+func (d *Driver) advanceRow(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceParams) (bool, error) {
+	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.sequences+` SET last_seq = ?
+WHERE handler = ? AND aggregate_id = ? AND (last_seq = ? OR (? AND last_seq < ?))`,
+		p.Seq, p.Handler, p.AggregateID, p.Seq-1, p.AllowGap, p.Seq)
+	if err != nil {
+		return false, err
+	}
+	n, err := r.RowsAffected()
+	return n > 0, err
 }
 
 // BeginSequenceAdvance implements driver.BeginSequenceAdvancer: it opens a
