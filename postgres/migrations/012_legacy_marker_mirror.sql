@@ -22,7 +22,7 @@ BEGIN
     IF NEW.message_id ~ '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$' THEN
         k := decode(replace(NEW.message_id, '-', ''), 'hex');
     ELSIF octet_length(NEW.message_id) = 16 THEN
-        k := convert_to(NEW.message_id, 'UTF8') || '\x00'::bytea;
+        k := convert_to(NEW.message_id, 'UTF8') || decode('00', 'hex');
     ELSE
         k := convert_to(NEW.message_id, 'UTF8');
     END IF;

@@ -1,0 +1,63 @@
+package postgres_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
+)
+
+// TestStandardConformingStringsOff migrates and processes on sessions with
+// standard_conforming_strings off, a setting older applications still
+// carry, where a backslash in a plain string literal is an escape: the
+// schema must not depend on it. An old process's 16-byte ID goes through
+// the mirror trigger of migration 012, whose key ends in a NUL byte.
+func TestStandardConformingStringsOff(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testenv.PostgresPoolWith(t, 4, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["standard_conforming_strings"] = "off"
+	})
+	var scs string
+	if err := pool.QueryRow(ctx, `SHOW standard_conforming_strings`).Scan(&scs); err != nil || scs != "off" {
+		t.Fatalf("standard_conforming_strings = %q, %v; want off", scs, err)
+	}
+	schema := testenv.FreshSchema(t, pool)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied := 0
+	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(context.Context, postgres.Tx, *idem.Message) error {
+		applied++
+		return nil
+	}}
+	// An old process's marker of a 16-byte ID, mirrored by the trigger.
+	const old = "0123456789abcdef"
+	hash := sha256.Sum256([]byte("x"))
+	if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "idem_processed"}.Sanitize()+
+		` (handler, message_id, payload_hash) VALUES ($1, $2, $3)`, "balances", old, hash[:]); err != nil {
+		t.Fatalf("an old process's marker: %v", err)
+	}
+	for _, id := range []string{old, "new-1", "new-1"} {
+		if _, err := proc.Process(ctx, h, &idem.Message{ID: id, Payload: []byte("x")}); err != nil {
+			t.Fatalf("process %s: %v", id, err)
+		}
+	}
+	if applied != 1 {
+		t.Fatalf("applied %d times; want 1 (new-1 once; the old process's ID is a duplicate)", applied)
+	}
+}
