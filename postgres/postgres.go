@@ -278,9 +278,18 @@ func (d *Driver) Migrate(ctx context.Context) error {
 				}
 			}
 		}
-		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
-			` (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
-			return fmt.Errorf("postgres: create migrations table: %w", err)
+		// CREATE TABLE IF NOT EXISTS needs CREATE on the schema even when
+		// the table is there, which a role that only runs the service
+		// has not: a schema migrated already needs no DDL.
+		var have bool
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, d.t.migrations).Scan(&have); err != nil {
+			return fmt.Errorf("postgres: look up migrations table: %w", err)
+		}
+		if !have {
+			if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
+				` (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+				return fmt.Errorf("postgres: create migrations table: %w", err)
+			}
 		}
 		for _, m := range ms {
 			var done bool

@@ -61,3 +61,64 @@ func TestStandardConformingStringsOff(t *testing.T) {
 		t.Fatalf("applied %d times; want 1 (new-1 once; the old process's ID is a duplicate)", applied)
 	}
 }
+
+// TestMigrateAsServiceRole: a DBA migrates the schema, the service runs
+// as a role that may only read and write its tables and calls Migrate at
+// start, as the docs show. With nothing to migrate that must need no DDL
+// right: it succeeds, and the role processes messages.
+func TestMigrateAsServiceRole(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	admin := testenv.PostgresPool(t, 2)
+	schema := testenv.FreshSchema(t, admin)
+	owner, err := postgres.New(admin, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := owner.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	role := schema + "_svc"
+	quoted := pgx.Identifier{role}.Sanitize()
+	if _, err := admin.Exec(ctx, `CREATE ROLE `+quoted+` LOGIN PASSWORD 'svc';
+GRANT USAGE ON SCHEMA `+pgx.Identifier{schema}.Sanitize()+` TO `+quoted+`;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+pgx.Identifier{schema}.Sanitize()+` TO `+quoted); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec(context.Background(), `DROP OWNED BY `+quoted+`; DROP ROLE `+quoted); err != nil {
+			t.Errorf("drop role: %v", err)
+		}
+	})
+	svc := testenv.PostgresPoolWith(t, 2, func(c *pgxpool.Config) {
+		c.ConnConfig.User, c.ConnConfig.Password = role, "svc"
+	})
+	var create bool
+	if err := svc.QueryRow(ctx, `SELECT has_schema_privilege($1, 'CREATE')`, schema).Scan(&create); err != nil || create {
+		t.Fatalf("the service role may create in the schema (%v, %v): the test needs one that may not", create, err)
+	}
+	drv, err := postgres.New(svc, &postgres.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatalf("migrate a migrated schema as the service role: %v", err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied := 0
+	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(context.Context, postgres.Tx, *idem.Message) error {
+		applied++
+		return nil
+	}}
+	for _, id := range []string{"a", "b", "a"} {
+		if _, err := proc.Process(ctx, h, &idem.Message{ID: id, Payload: []byte("x")}); err != nil {
+			t.Fatalf("process %s as the service role: %v", id, err)
+		}
+	}
+	if applied != 2 {
+		t.Fatalf("applied %d; want 2", applied)
+	}
+}
