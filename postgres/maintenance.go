@@ -206,9 +206,16 @@ func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
 	if err != nil {
 		return nil, false, fmt.Errorf("postgres: maintenance lock: connect: %w", err)
 	}
-	key := "idem-maintenance:" + d.schema + "." + d.prefix
-	var ok bool
-	if err := c.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtext($1))`, key).Scan(&ok); err != nil {
+	// Named after the schema the markers table is in: with Config.Schema
+	// unset that is the one the search_path finds, so that tenants in
+	// schemas of their own do not wait on each other's runs.
+	var (
+		key string
+		ok  bool
+	)
+	if err := c.QueryRow(ctx, `SELECT k, pg_try_advisory_lock(hashtext(k)) FROM (SELECT 'idem-maintenance:' || coalesce(
+  (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)), $2) || '.' || $3 AS k) AS s`,
+		d.t.markers, d.schema, d.prefix).Scan(&key, &ok); err != nil {
 		_ = c.Close(context.WithoutCancel(ctx))
 		return nil, false, fmt.Errorf("postgres: maintenance lock: %w", err)
 	}

@@ -122,3 +122,48 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+pgx.Identifier{sc
 		t.Fatalf("applied %d; want 2", applied)
 	}
 }
+
+// TestMaintenanceLockPerSchema: with Config.Schema unset each tenant's
+// tables are found through its search_path, and each schema has a
+// retention run of its own at a time; the same schema still has one.
+func TestMaintenanceLockPerSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	admin := testenv.PostgresPool(t, 2)
+	tenant := func(schema string) *postgres.Driver {
+		pool := testenv.PostgresPoolWith(t, 2, func(c *pgxpool.Config) {
+			c.ConnConfig.RuntimeParams["search_path"] = schema
+		})
+		drv, err := postgres.New(pool, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := drv.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return drv
+	}
+	a, b := testenv.FreshSchema(t, admin), testenv.FreshSchema(t, admin)
+	for _, s := range []string{a, b} {
+		if _, err := admin.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+pgx.Identifier{s}.Sanitize()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	da, da2, db := tenant(a), tenant(a), tenant(b)
+	unlock, ok, err := da.TryMaintenanceLock(ctx)
+	if err != nil || !ok {
+		t.Fatalf("tenant %s: %v, %v; want the lock", a, ok, err)
+	}
+	defer unlock()
+	if u, ok, err := db.TryMaintenanceLock(ctx); err != nil || !ok {
+		t.Fatalf("tenant %s while %s holds its lock: %v, %v; want its own", b, a, ok, err)
+	} else {
+		u()
+	}
+	if u, ok, err := da2.TryMaintenanceLock(ctx); err != nil || ok {
+		if ok {
+			u()
+		}
+		t.Fatalf("a second driver on %s: %v, %v; want the lock held", a, ok, err)
+	}
+}
