@@ -242,7 +242,15 @@ func (d *Driver) internPooled(ctx context.Context, handler string) (int32, error
 		}
 		return id, nil
 	}
-	if id, err = d.intern(ctx, d.pool, handler); err == nil {
+	// In a READ COMMITTED transaction of its own: under a server default
+	// of REPEATABLE READ or SERIALIZABLE, workers interning a new name at
+	// once would fail to serialize, and each failure cost an attempt.
+	// This runs once per name.
+	err = pgx.BeginTxFunc(ctx, d.pool, readCommitted(), func(tx pgx.Tx) error {
+		id, err = d.intern(ctx, tx, handler)
+		return err
+	})
+	if err == nil {
 		d.handlerIDs.Store(handler, id)
 	}
 	return id, err

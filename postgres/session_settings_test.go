@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/postgres"
 )
@@ -165,5 +166,24 @@ func TestMaintenanceLockPerSchema(t *testing.T) {
 			u()
 		}
 		t.Fatalf("a second driver on %s: %v, %v; want the lock held", a, ok, err)
+	}
+}
+
+// TestServerDefaultIsolation runs the conformance suite on sessions whose
+// default isolation is REPEATABLE READ or SERIALIZABLE: the transactions
+// idem begins are READ COMMITTED whatever the default, and so is the
+// interning of a handler name, which many workers do at once on a new
+// handler (there a serialization failure cost each an attempt).
+func TestServerDefaultIsolation(t *testing.T) {
+	t.Parallel()
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
+				pool := testenv.PostgresPoolWith(t, 40, func(c *pgxpool.Config) {
+					c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+				})
+				return storeIn(t, pool, testenv.FreshSchema(t, pool))
+			}})
+		})
 	}
 }
