@@ -36,11 +36,23 @@ func (d *Driver) Unavailable(err error) bool {
 	return false
 }
 
-// Probe implements driver.Prober: a write transaction can start (BEGIN
-// IMMEDIATE takes the write lock), and is rolled back at once.
+// Probe implements driver.Prober: a write can happen. In a transaction
+// rolled back at once it rewrites the header's user_version with the
+// value it holds, which takes the write lock and needs the file
+// writable: a BEGIN alone takes no lock on a pool that begins deferred
+// (a *sql.DB of the caller's, without _txlock=immediate), and starts on
+// a file the process may only read.
 func (d *Driver) Probe(ctx context.Context) error {
 	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
+		return fmt.Errorf("sqlite: probe: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	var v int64
+	if err := tx.QueryRowContext(ctx, `PRAGMA user_version`).Scan(&v); err != nil {
+		return fmt.Errorf("sqlite: probe: %w", err)
+	}
+	if _, err := tx.ExecContext(ctx, fmt.Sprintf(`PRAGMA user_version = %d`, v)); err != nil {
 		return fmt.Errorf("sqlite: probe: %w", err)
 	}
 	if err := tx.Rollback(); err != nil {
