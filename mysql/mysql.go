@@ -243,6 +243,17 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		return fmt.Errorf("mysql: load migrations: %w", err)
 	}
 	return d.withLock(ctx, "migrate", time.Minute, func(c *sql.Conn) error {
+		// The driver's statements outside a transaction (interning a
+		// handler name, dead-letter state, stats) rely on autocommit: on
+		// a pool whose sessions turn it off they would never commit and
+		// hold their locks for the connection's life.
+		var autocommit int
+		if err := c.QueryRowContext(ctx, `SELECT @@autocommit`).Scan(&autocommit); err != nil {
+			return fmt.Errorf("mysql: read autocommit: %w", err)
+		}
+		if autocommit == 0 {
+			return fmt.Errorf("%w: mysql: the pool's sessions run with autocommit=0 (set in the DSN or init commands?): idem needs it on outside its transactions; drop the setting, or use mysql.Open, which manages it", idem.ErrInvalidConfig)
+		}
 		if _, err := c.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
 			` (version INT NOT NULL PRIMARY KEY, name VARCHAR(255) NOT NULL, applied_at BIGINT NOT NULL) ENGINE = InnoDB`); err != nil {
 			return fmt.Errorf("mysql: create migrations table: %w", err)

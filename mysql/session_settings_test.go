@@ -1,13 +1,18 @@
 package mysql_test
 
 import (
+	"context"
 	"database/sql"
+	"errors"
+	"strings"
 	"testing"
 
 	gomysql "github.com/go-sql-driver/mysql"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/mysql"
 )
 
 // TestClientFoundRows runs the ordering guard's suite, the conformance
@@ -29,4 +34,26 @@ func TestClientFoundRows(t *testing.T) {
 	t.Run("Ordering", func(t *testing.T) { idemtest.RunOrdering(t, h) })
 	t.Run("Conformance", func(t *testing.T) { idemtest.Run(t, h) })
 	t.Run("DeadLetters", func(t *testing.T) { idemtest.RunDeadLetters(t, h) })
+}
+
+// TestMigrateRefusesAutocommitOff: on a pool whose sessions run with
+// autocommit=0 the driver's statements outside a transaction would never
+// commit, holding their locks; Migrate says so instead.
+func TestMigrateRefusesAutocommitOff(t *testing.T) {
+	t.Parallel()
+	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Params == nil {
+		cfg.Params = map[string]string{}
+	}
+	cfg.Params["autocommit"] = "0"
+	drv, err := mysql.New(testenv.MySQL(t, cfg.FormatDSN(), 2), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "autocommit") {
+		t.Fatalf("Migrate on sessions at autocommit=0: %v; want ErrInvalidConfig naming autocommit", err)
+	}
 }
