@@ -93,7 +93,11 @@ type Driver struct {
 	// noSetStatement: the server has no SET STATEMENT (MySQL 8); see
 	// execNoWait.
 	noSetStatement atomic.Bool
-	sql            statements
+	// countsMatched caches what the pool's connections count as affected
+	// by an UPDATE: 0 not known yet, 1 the rows changed (the default), 2
+	// the rows matched (clientFoundRows=true); see rowsCountMatched.
+	countsMatched atomic.Int32
+	sql           statements
 }
 
 type tables struct {

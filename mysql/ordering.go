@@ -21,29 +21,44 @@ var (
 )
 
 // SequenceAdvance implements driver.SequenceGuard with one conditional
-// UPDATE in the common case: it moves the row when the event is the next
-// one (or, with AllowGap, any later one), waiting on a concurrent
-// transaction's row lock and deciding on the committed value. Such an
-// UPDATE changes every row it matches, so its count means "advanced" on
-// any connection, with CLIENT_FOUND_ROWS (clientFoundRows=true, which
-// counts matched rows) or without; an upsert's would not, as its
-// unchanged branch counts 1 there. When it matched nothing and the event
-// may create the row (sequence 1, or any under AllowGap), an upsert
-// creates it at 0 or locks the one another transaction committed
-// meanwhile, and the UPDATE runs again. When nothing moved, the last
-// sequence is read with a locking read, which sees the latest committed
-// value at any isolation level.
+// write: an upsert when the sequence may create the row (1, or any under
+// AllowGap), else an UPDATE of the row at Seq−1. Both wait on the row of a
+// concurrent transaction and then decide on its committed value. When
+// nothing moved, the last sequence is read with a locking read, which sees
+// the latest committed value at any isolation level.
+//
+// The upsert's count tells an unchanged row (0) from an advanced one only
+// on connections that count changed rows, MySQL's default. On a pool with
+// clientFoundRows=true the unchanged branch counts 1, as an insert does:
+// there (and until rowsCountMatched finds out) the row is upserted at 0 first (which takes its exclusive lock,
+// or creates it), then moved by an UPDATE whose new value always differs
+// from the one it matched, so matched and changed are one count. An
+// UPDATE before the upsert would, at REPEATABLE READ, gap-lock a missing
+// row and deadlock concurrent creators.
 func (d *Driver) SequenceAdvance(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
-	advanced, err := d.advanceRow(ctx, tx, p)
-	if err == nil && !advanced && (p.Seq == 1 || p.AllowGap) {
-		// Make sure the row exists, at 0 if new, and hold its exclusive
-		// lock (an upsert takes it on an existing row, where INSERT
-		// IGNORE would take a shared one, and two of those upgrading
-		// deadlock); then the UPDATE decides on the committed value.
-		if _, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)
+	var (
+		advanced bool
+		err      error
+	)
+	if p.Seq == 1 || p.AllowGap {
+		if d.rowsCountMatched(ctx) {
+			if _, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)
 ON DUPLICATE KEY UPDATE last_seq = last_seq`, p.Handler, p.AggregateID); err == nil {
-			advanced, err = d.advanceRow(ctx, tx, p)
+				advanced, err = d.advanceRow(ctx, tx, p)
+			}
+		} else {
+			var r sql.Result
+			if r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, ?)
+ON DUPLICATE KEY UPDATE last_seq = IF(last_seq = VALUES(last_seq) - 1 OR (? AND last_seq < VALUES(last_seq)), VALUES(last_seq), last_seq)`,
+				p.Handler, p.AggregateID, p.Seq, p.AllowGap); err == nil {
+				// 1 inserted, 2 updated, 0 unchanged.
+				var n int64
+				n, err = r.RowsAffected()
+				advanced = n > 0
+			}
 		}
+	} else {
+		advanced, err = d.advanceRow(ctx, tx, p)
 	}
 	if err != nil {
 		return driver.SequenceAdvanceResult{}, notMigrated(err)
@@ -74,6 +89,56 @@ WHERE handler = ? AND aggregate_id = ? AND (last_seq = ? OR (? AND last_seq < ?)
 	n, err := r.RowsAffected()
 	return n > 0, err
 }
+
+// rowsCountMatched reports whether the pool's connections count the rows
+// an UPDATE matched rather than those it changed (CLIENT_FOUND_ROWS, the
+// DSN's clientFoundRows=true), found once: in a transaction of its own,
+// rolled back, a sequence row no handler can have (the empty name) is
+// inserted, then set to the value it holds, which changes nothing but
+// matches one row. It needs a second connection while the caller holds
+// one: when none comes within probeWait (a pool of one, a busy pool), it
+// answers true, and SequenceAdvance takes the path right on either kind
+// of connection, one statement longer, until a later call finds out.
+func (d *Driver) rowsCountMatched(ctx context.Context) bool {
+	switch d.countsMatched.Load() {
+	case 1:
+		return false
+	case 2:
+		return true
+	}
+	pctx, cancel := context.WithTimeout(ctx, probeWait)
+	defer cancel()
+	matched, err := func() (bool, error) {
+		tx, err := d.db.BeginTx(pctx, d.txOpts)
+		if err != nil {
+			return false, err
+		}
+		defer func() { _ = tx.Rollback() }()
+		q := `INSERT INTO ` + d.t.sequences + ` (handler, aggregate_id, last_seq) VALUES ('', '', 0) ON DUPLICATE KEY UPDATE last_seq = last_seq`
+		if _, err := tx.ExecContext(pctx, q); err != nil {
+			return false, err
+		}
+		r, err := tx.ExecContext(pctx, q)
+		if err != nil {
+			return false, err
+		}
+		n, err := r.RowsAffected()
+		return n > 0, err
+	}()
+	switch {
+	case err != nil:
+		return true
+	case matched:
+		d.countsMatched.Store(2)
+	default:
+		d.countsMatched.Store(1)
+	}
+	return matched
+}
+
+// probeWait bounds rowsCountMatched's wait for a connection and its
+// statements.
+const probeWait = time.Second
 
 // BeginSequenceAdvance implements driver.BeginSequenceAdvancer: it opens a
 // transaction and runs SequenceAdvance, both again after a deadlock or
