@@ -251,12 +251,18 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		// handler name, dead-letter state, stats) rely on autocommit: on
 		// a pool whose sessions turn it off they would never commit and
 		// hold their locks for the connection's life.
-		var autocommit int
-		if err := c.QueryRowContext(ctx, `SELECT @@autocommit`).Scan(&autocommit); err != nil {
+		var (
+			autocommit int
+			completion string
+		)
+		if err := c.QueryRowContext(ctx, `SELECT @@autocommit, @@completion_type`).Scan(&autocommit, &completion); err != nil {
 			return fmt.Errorf("mysql: read autocommit: %w", err)
 		}
 		if autocommit == 0 {
 			return fmt.Errorf("%w: mysql: the pool's sessions run with autocommit=0 (set in the DSN or init commands?): idem needs it on outside its transactions; drop the setting, or use mysql.Open, which manages it", idem.ErrInvalidConfig)
+		}
+		if !strings.EqualFold(completion, "NO_CHAIN") && completion != "0" {
+			return fmt.Errorf("%w: mysql: the pool's sessions run with completion_type=%s: a COMMIT would begin (or disconnect) what idem does not expect; drop the setting", idem.ErrInvalidConfig, completion)
 		}
 		if _, err := c.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
 			` (version INT NOT NULL PRIMARY KEY, name VARCHAR(255) NOT NULL, applied_at BIGINT NOT NULL) ENGINE = InnoDB`); err != nil {

@@ -31,12 +31,15 @@ import (
 // pool begin with START TRANSACTION as usual. The
 // isolation variable is named after the server: tx_isolation on MariaDB
 // before 11.1, transaction_isolation elsewhere, which Open asks the server
-// first. A DSN that sets autocommit is refused with an error wrapping
-// idem.ErrInvalidConfig: Open manages it. cfg is not changed.
+// first. A DSN that sets autocommit (Open manages it) or completion_type
+// is refused with an error wrapping idem.ErrInvalidConfig, and so is a
+// connection character set in which escaping byte by byte is unsafe
+// (big5, cp932, gbk, gb18030, sjis: a backslash can end a character
+// there). cfg is not changed.
 func Open(ctx context.Context, cfg *gomysql.Config) (*sql.DB, error) {
 	for k := range cfg.Params {
-		if strings.EqualFold(k, "autocommit") {
-			return nil, fmt.Errorf("%w: mysql: open: the DSN sets autocommit; a pool from Open manages it (use a pool of your own for sessions at autocommit=0)", idem.ErrInvalidConfig)
+		if strings.EqualFold(k, "autocommit") || strings.EqualFold(k, "completion_type") {
+			return nil, fmt.Errorf("%w: mysql: open: the DSN sets %s; idem needs the server's default (a pool from Open manages autocommit itself)", idem.ErrInvalidConfig, k)
 		}
 	}
 	probe, err := gomysql.NewConnector(cfg)
@@ -44,11 +47,18 @@ func Open(ctx context.Context, cfg *gomysql.Config) (*sql.DB, error) {
 		return nil, fmt.Errorf("mysql: open: %w", err)
 	}
 	db := sql.OpenDB(probe)
-	var version string
-	err = db.QueryRowContext(ctx, `SELECT VERSION()`).Scan(&version)
+	var version, charset string
+	err = db.QueryRowContext(ctx, `SELECT VERSION(), @@character_set_client`).Scan(&version, &charset)
 	db.Close()
 	if err != nil {
 		return nil, fmt.Errorf("mysql: open: %w", err)
+	}
+	// Interpolation escapes byte by byte. In these character sets a
+	// backslash can be the second byte of a character, which would
+	// swallow the escape and let a quote in a message ID end the string.
+	switch strings.ToLower(charset) {
+	case "big5", "cp932", "gbk", "gb18030", "sjis":
+		return nil, fmt.Errorf("%w: mysql: open: the connection's character set %s is not safe for the client-side interpolation Open turns on; use utf8mb4, or mysql.New on a pool of your own", idem.ErrInvalidConfig, charset)
 	}
 	c := cfg.Clone()
 	if c.Params == nil {

@@ -57,3 +57,36 @@ func TestMigrateRefusesAutocommitOff(t *testing.T) {
 		t.Fatalf("Migrate on sessions at autocommit=0: %v; want ErrInvalidConfig naming autocommit", err)
 	}
 }
+
+// TestOpenRefusesUnsafeSettings: Open interpolates parameters on the
+// client, which is unsafe in character sets where a backslash can end a
+// character (a quote in a message ID would end the string), and it needs
+// the server's default completion_type and manages autocommit itself.
+func TestOpenRefusesUnsafeSettings(t *testing.T) {
+	t.Parallel()
+	base := testenv.MySQLDatabase(t)
+	for _, param := range []string{"charset=gbk", "charset=sjis", "completion_type=CHAIN", "autocommit=0"} {
+		cfg, err := gomysql.ParseDSN(base + "&" + param)
+		if err != nil {
+			t.Fatal(err)
+		}
+		db, err := mysql.Open(context.Background(), cfg)
+		if err == nil {
+			db.Close()
+		}
+		if !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("Open with %s: %v; want ErrInvalidConfig", param, err)
+		}
+	}
+	cfg, err := gomysql.ParseDSN(base + "&completion_type=CHAIN")
+	if err != nil {
+		t.Fatal(err)
+	}
+	drv, err := mysql.New(testenv.MySQL(t, cfg.FormatDSN(), 2), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "completion_type") {
+		t.Fatalf("Migrate on sessions with completion_type=CHAIN: %v; want ErrInvalidConfig naming it", err)
+	}
+}
