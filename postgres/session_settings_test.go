@@ -37,15 +37,6 @@ func TestStandardConformingStringsOff(t *testing.T) {
 	if err := drv.Migrate(ctx); err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	applied := 0
-	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(context.Context, postgres.Tx, *idem.Message) error {
-		applied++
-		return nil
-	}}
 	// An old process's marker of a 16-byte ID, mirrored by the trigger.
 	const old = "0123456789abcdef"
 	hash := sha256.Sum256([]byte("x"))
@@ -53,12 +44,7 @@ func TestStandardConformingStringsOff(t *testing.T) {
 		` (handler, message_id, payload_hash) VALUES ($1, $2, $3)`, "balances", old, hash[:]); err != nil {
 		t.Fatalf("an old process's marker: %v", err)
 	}
-	for _, id := range []string{old, "new-1", "new-1"} {
-		if _, err := proc.Process(ctx, h, &idem.Message{ID: id, Payload: []byte("x")}); err != nil {
-			t.Fatalf("process %s: %v", id, err)
-		}
-	}
-	if applied != 1 {
+	if applied := processCounting(t, drv, old, "new-1", "new-1"); applied != 1 {
 		t.Fatalf("applied %d times; want 1 (new-1 once; the old process's ID is a duplicate)", applied)
 	}
 }
@@ -105,21 +91,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+pgx.Identifier{sc
 	if err := drv.Migrate(ctx); err != nil {
 		t.Fatalf("migrate a migrated schema as the service role: %v", err)
 	}
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	applied := 0
-	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(context.Context, postgres.Tx, *idem.Message) error {
-		applied++
-		return nil
-	}}
-	for _, id := range []string{"a", "b", "a"} {
-		if _, err := proc.Process(ctx, h, &idem.Message{ID: id, Payload: []byte("x")}); err != nil {
-			t.Fatalf("process %s as the service role: %v", id, err)
-		}
-	}
-	if applied != 2 {
+	if applied := processCounting(t, drv, "a", "b", "a"); applied != 2 {
 		t.Fatalf("applied %d; want 2", applied)
 	}
 }
@@ -186,4 +158,25 @@ func TestServerDefaultIsolation(t *testing.T) {
 			}})
 		})
 	}
+}
+
+// processCounting processes a message of each ID in turn (payload "x")
+// with a handler named balances and returns how many it applied.
+func processCounting(t *testing.T, drv *postgres.Driver, ids ...string) int {
+	t.Helper()
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied := 0
+	h := &idem.Handler[postgres.Tx]{Name: "balances", Apply: func(context.Context, postgres.Tx, *idem.Message) error {
+		applied++
+		return nil
+	}}
+	for _, id := range ids {
+		if _, err := proc.Process(context.Background(), h, &idem.Message{ID: id, Payload: []byte("x")}); err != nil {
+			t.Fatalf("process %s: %v", id, err)
+		}
+	}
+	return applied
 }
