@@ -150,7 +150,7 @@ func TestServerDefaultIsolation(t *testing.T) {
 	t.Parallel()
 	for _, level := range []string{"repeatable read", "serializable"} {
 		t.Run(level, func(t *testing.T) {
-			idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
+			idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
 				pool := testenv.PostgresPoolWith(t, 40, func(c *pgxpool.Config) {
 					c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
 				})
