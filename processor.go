@@ -794,23 +794,14 @@ func (p *Processor[TTx]) processBatch(ctx context.Context, callerTx *TTx, owned 
 			setErr(i, err)
 		}
 	}
-	// The hash the store holds after this batch, by first copy; kept
-	// only when an ID comes more than once.
-	var stored [][]byte
-	if len(uniq) < len(msgs) {
-		stored = make([][]byte, len(msgs))
-	}
+	stored := make([][]byte, len(msgs)) // hash the store holds after this batch, by first copy
 	for k, i := range uniq {
 		if res[k].Inserted {
 			outs[i] = Applied
-			if stored != nil {
-				stored[i] = hashes[i]
-			}
+			stored[i] = hashes[i]
 			continue
 		}
-		if stored != nil {
-			stored[i] = res[k].ExistingHash
-		}
+		stored[i] = res[k].ExistingHash
 		decide(i, res[k].ExistingHash)
 	}
 	var refused map[int]Outcome // first occurrences the ordering guard refused
