@@ -30,11 +30,12 @@ var (
 // The upsert's count tells an unchanged row (0) from an advanced one only
 // on connections that count changed rows, MySQL's default. On a pool with
 // clientFoundRows=true the unchanged branch counts 1, as an insert does:
-// there (and until rowsCountMatched finds out) the row is upserted at 0 first (which takes its exclusive lock,
-// or creates it), then moved by an UPDATE whose new value always differs
-// from the one it matched, so matched and changed are one count. An
-// UPDATE before the upsert would, at REPEATABLE READ, gap-lock a missing
-// row and deadlock concurrent creators.
+// there (and until rowsCountMatched finds out) the row is upserted at 0
+// first, which creates it or takes its exclusive lock, then moved by an
+// UPDATE whose new value always differs from the one it matched, so
+// matched and changed are one count. An UPDATE before the upsert would,
+// at REPEATABLE READ, gap-lock a missing row and deadlock concurrent
+// creators.
 func (d *Driver) SequenceAdvance(ctx context.Context, tx *sql.Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
 	var (
 		advanced bool

@@ -37,31 +37,33 @@ func TestClientFoundRows(t *testing.T) {
 }
 
 // TestMigrateRefusesAutocommitOff: on a pool whose sessions run with
-// autocommit=0 the driver's statements outside a transaction would never
-// commit, holding their locks; Migrate says so instead.
+// autocommit=0 (or a completion_type that chains or disconnects) the
+// driver's statements outside a transaction would never commit, holding
+// their locks; Migrate says so instead, naming the setting.
 func TestMigrateRefusesAutocommitOff(t *testing.T) {
 	t.Parallel()
-	cfg, err := gomysql.ParseDSN(testenv.MySQLDatabase(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.Params == nil {
-		cfg.Params = map[string]string{}
-	}
-	cfg.Params["autocommit"] = "0"
-	drv, err := mysql.New(testenv.MySQL(t, cfg.FormatDSN(), 2), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "autocommit") {
-		t.Fatalf("Migrate on sessions at autocommit=0: %v; want ErrInvalidConfig naming autocommit", err)
+	base := testenv.MySQLDatabase(t)
+	for _, param := range []string{"autocommit=0", "completion_type=CHAIN"} {
+		cfg, err := gomysql.ParseDSN(base + "&" + param)
+		if err != nil {
+			t.Fatal(err)
+		}
+		drv, err := mysql.New(testenv.MySQL(t, cfg.FormatDSN(), 2), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		name := strings.SplitN(param, "=", 2)[0]
+		if err := drv.Migrate(context.Background()); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), name) {
+			t.Errorf("Migrate on sessions with %s: %v; want ErrInvalidConfig naming %s", param, err, name)
+		}
 	}
 }
 
 // TestOpenRefusesUnsafeSettings: Open interpolates parameters on the
 // client, which is unsafe in character sets where a backslash can end a
 // character (a quote in a message ID would end the string), and it needs
-// the server's default completion_type and manages autocommit itself.
+// the server's default completion_type and manages autocommit itself
+// (Migrate's refusal of those on any pool: TestMigrateRefusesAutocommitOff).
 func TestOpenRefusesUnsafeSettings(t *testing.T) {
 	t.Parallel()
 	base := testenv.MySQLDatabase(t)
@@ -77,16 +79,5 @@ func TestOpenRefusesUnsafeSettings(t *testing.T) {
 		if !errors.Is(err, idem.ErrInvalidConfig) {
 			t.Errorf("Open with %s: %v; want ErrInvalidConfig", param, err)
 		}
-	}
-	cfg, err := gomysql.ParseDSN(base + "&completion_type=CHAIN")
-	if err != nil {
-		t.Fatal(err)
-	}
-	drv, err := mysql.New(testenv.MySQL(t, cfg.FormatDSN(), 2), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "completion_type") {
-		t.Fatalf("Migrate on sessions with completion_type=CHAIN: %v; want ErrInvalidConfig naming it", err)
 	}
 }
