@@ -185,7 +185,7 @@ func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterSta
 		return 0, nil
 	}
 	var n int
-	err := d.pool.QueryRow(ctx, `WITH moved AS (
+	err := d.auto.QueryRow(ctx, `WITH moved AS (
   UPDATE `+d.t.deadLetters+` SET state = $1 WHERE state = ANY($2) AND id = ANY($3) RETURNING id
 ), logged AS (
   INSERT INTO `+d.t.deadLetterLog+` (dead_letter_id, state, actor, outcome) SELECT id, $1, $4, $5 FROM moved

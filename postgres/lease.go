@@ -47,7 +47,7 @@ func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (dr
 	if err != nil {
 		return driver.LeaseClaimResult{}, err
 	}
-	err = d.pool.QueryRow(ctx, fmt.Sprintf(leaseClaimSQL, d.t.processed, d.t.markers),
+	err = d.auto.QueryRow(ctx, fmt.Sprintf(leaseClaimSQL, d.t.processed, d.t.markers),
 		p.Handler, p.MessageID, p.PayloadHash, p.Owner, p.TTL.Microseconds(), hid, messageKey(p.MessageID)).Scan(&res.Token, &res.Attempt, &res.LeaseUntil)
 	switch {
 	case err == nil:
@@ -65,7 +65,7 @@ func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (dr
 
 // LeaseHeartbeat implements driver.LeaseDriver.
 func (d *Driver) LeaseHeartbeat(ctx context.Context, p *driver.LeaseHeartbeatParams) (driver.LeaseWriteResult, error) {
-	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+` SET lease_until = now() + $4::bigint * interval '1 microsecond'
+	tag, err := d.auto.Exec(ctx, `UPDATE `+d.t.processed+` SET lease_until = now() + $4::bigint * interval '1 microsecond'
 WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 		p.Handler, p.MessageID, p.Token, p.TTL.Microseconds())
 	return d.fencedWrite(ctx, "heartbeat", p.Handler, p.MessageID, tag, err)
@@ -76,7 +76,7 @@ func (d *Driver) LeaseComplete(ctx context.Context, p *driver.LeaseCompleteParam
 	if p.Advance != nil {
 		return d.leaseCompleteAdvance(ctx, p)
 	}
-	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+`
+	tag, err := d.auto.Exec(ctx, `UPDATE `+d.t.processed+`
 SET status = 'done', lease_until = NULL, next_attempt_at = NULL, last_error = NULL, processed_at = now()
 WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 		p.Handler, p.MessageID, p.Token)
@@ -88,7 +88,7 @@ WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 // matched.
 func (d *Driver) leaseCompleteAdvance(ctx context.Context, p *driver.LeaseCompleteParams) (driver.LeaseWriteResult, error) {
 	var n int64
-	err := d.pool.QueryRow(ctx, `WITH done AS (
+	err := d.auto.QueryRow(ctx, `WITH done AS (
   UPDATE `+d.t.processed+`
   SET status = 'done', lease_until = NULL, next_attempt_at = NULL, last_error = NULL, processed_at = now()
   WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'
@@ -120,7 +120,7 @@ func (d *Driver) LeaseFail(ctx context.Context, p *driver.LeaseFailParams) (driv
 		us := p.RetryIn.Microseconds()
 		retryIn = &us
 	}
-	tag, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+`
+	tag, err := d.auto.Exec(ctx, `UPDATE `+d.t.processed+`
 SET status = 'failed', lease_until = NULL, last_error = $4, processed_at = now(),
     next_attempt_at = now() + $5::bigint * interval '1 microsecond',
     attempts = CASE WHEN $6::boolean THEN attempts - 1 ELSE attempts END
@@ -131,7 +131,7 @@ WHERE handler = $1 AND message_id = $2 AND token = $3 AND status = 'running'`,
 
 // LeaseRearm implements driver.LeaseRearmer.
 func (d *Driver) LeaseRearm(ctx context.Context, handler, messageID string) error {
-	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.processed+` SET next_attempt_at = now(), attempts = 0
+	if _, err := d.auto.Exec(ctx, `UPDATE `+d.t.processed+` SET next_attempt_at = now(), attempts = 0
 WHERE handler = $1 AND message_id = $2 AND status = 'failed'`, handler, messageID); err != nil {
 		return fmt.Errorf("postgres: rearm lease: %w", err)
 	}

@@ -73,7 +73,7 @@ func (d *Driver) pruneOld(ctx context.Context, p *driver.PruneParams) (_ driver.
 		res          driver.PruneResult
 		lastH, lastM *string
 	)
-	err := d.pool.QueryRow(ctx, `WITH victims AS (
+	err := d.auto.QueryRow(ctx, `WITH victims AS (
   SELECT handler, message_id FROM `+d.t.processed+`
   WHERE (handler, message_id) > ($2, $3) AND processed_at < $1 AND `+prunableLease+`
   ORDER BY handler, message_id
@@ -119,7 +119,7 @@ func (d *Driver) pruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 		last        pgtype.TID // the Limit-th old marker of the range, if any
 		nblocks, hi int64
 	)
-	err := d.pool.QueryRow(ctx, `WITH range AS (
+	err := d.auto.QueryRow(ctx, `WITH range AS (
   SELECT $5::bigint + least(ceil($3 * 1.25 / CASE WHEN relpages > 0 AND reltuples > 0 THEN reltuples / relpages ELSE 100 END),
                             ceil($3 / 4.0))::bigint + 1 AS hi
   FROM pg_class WHERE oid = $4::text::regclass
@@ -158,7 +158,7 @@ func (d *Driver) retireLegacy(ctx context.Context) error {
 	if legacy, err := d.legacyAtomic(ctx, d.pool); err != nil || !legacy {
 		return err
 	}
-	_, err := d.pool.Exec(ctx, `UPDATE `+d.t.markerLayout+` SET legacy_atomic = false
+	_, err := d.auto.Exec(ctx, `UPDATE `+d.t.markerLayout+` SET legacy_atomic = false
 WHERE legacy_atomic AND NOT EXISTS (SELECT 1 FROM `+d.t.processed+` WHERE token = 0)`)
 	if err != nil {
 		return fmt.Errorf("postgres: update the marker layout: %w", err)
@@ -240,7 +240,7 @@ var _ driver.GapPruner = (*Driver)(nil)
 // PruneGaps implements driver.GapPruner: one bounded DELETE of sightings
 // whose sequence the guard has reached, or first seen before before.
 func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (int, error) {
-	tag, err := d.pool.Exec(ctx, `DELETE FROM `+d.t.gaps+` WHERE ctid = ANY(ARRAY(
+	tag, err := d.auto.Exec(ctx, `DELETE FROM `+d.t.gaps+` WHERE ctid = ANY(ARRAY(
   SELECT g.ctid FROM `+d.t.gaps+` g LEFT JOIN `+d.t.sequences+` s ON s.handler = g.handler AND s.aggregate_id = g.aggregate_id
   WHERE g.first_seen_at < $1 OR g.seq <= s.last_seq LIMIT $2))`, before, limit)
 	if err != nil {

@@ -306,7 +306,7 @@ ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`,
 // GapSighting implements driver.SequenceGuard on the database clock.
 func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (driver.GapSightingResult, error) {
 	var r driver.GapSightingResult
-	err := d.pool.QueryRow(ctx, `INSERT INTO `+d.t.gaps+` AS g (handler, aggregate_id, seq) VALUES ($1, $2, $3)
+	err := d.auto.QueryRow(ctx, `INSERT INTO `+d.t.gaps+` AS g (handler, aggregate_id, seq) VALUES ($1, $2, $3)
 ON CONFLICT (handler, aggregate_id, seq) DO UPDATE SET first_seen_at = g.first_seen_at
 RETURNING first_seen_at, now()`, p.Handler, p.AggregateID, p.Seq).Scan(&r.FirstSeen, &r.Now)
 	return r, err

@@ -113,7 +113,7 @@ ORDER BY o.id LIMIT $2`, owner, limit)
 	keys = uniqueStrings(keys)
 	// Claim them: a key another relay holds live is left alone (the
 	// upsert's WHERE re-checks it under the row lock).
-	rows, err = d.pool.Query(ctx, `INSERT INTO `+d.t.outboxClaims+` AS c (ordering_key, owner, claimed_until)
+	rows, err = d.auto.Query(ctx, `INSERT INTO `+d.t.outboxClaims+` AS c (ordering_key, owner, claimed_until)
 SELECT k, $2, clock_timestamp() + $3::bigint * interval '1 microsecond' FROM unnest($1::text[]) AS k
 ON CONFLICT (ordering_key) DO UPDATE SET owner = excluded.owner, claimed_until = excluded.claimed_until
 WHERE c.owner = excluded.owner OR c.claimed_until <= clock_timestamp()
@@ -170,7 +170,7 @@ func uniqueStrings(in []string) []string {
 
 // OutboxMarkPublished implements driver.OutboxRelayStore.
 func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
-	if _, err := d.pool.Exec(ctx, `UPDATE `+d.t.outbox+` SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL`, ids); err != nil {
+	if _, err := d.auto.Exec(ctx, `UPDATE `+d.t.outbox+` SET published_at = now() WHERE id = ANY($1) AND published_at IS NULL`, ids); err != nil {
 		return fmt.Errorf("postgres: mark outbox rows published: %w", err)
 	}
 	return nil
@@ -179,7 +179,7 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 // OutboxFailed implements driver.OutboxRelayStore: the attempt and the
 // key's hold in one statement.
 func (d *Driver) OutboxFailed(ctx context.Context, owner string, id int64, errText string, holdFor time.Duration) error {
-	if _, err := d.pool.Exec(ctx, `WITH f AS (
+	if _, err := d.auto.Exec(ctx, `WITH f AS (
   UPDATE `+d.t.outbox+` SET attempts = attempts + 1, last_error = $2 WHERE id = $1 RETURNING ordering_key)
 INSERT INTO `+d.t.outboxClaims+` AS c (ordering_key, owner, claimed_until)
 SELECT ordering_key, '', clock_timestamp() + $3::bigint * interval '1 microsecond' FROM f
@@ -192,7 +192,7 @@ WHERE c.owner = $4 OR c.owner = '' OR c.claimed_until <= clock_timestamp()`, id,
 
 // OutboxRelease implements driver.OutboxRelayStore.
 func (d *Driver) OutboxRelease(ctx context.Context, owner string) error {
-	if _, err := d.pool.Exec(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE owner = $1`, owner); err != nil {
+	if _, err := d.auto.Exec(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE owner = $1`, owner); err != nil {
 		return fmt.Errorf("postgres: release outbox claims: %w", err)
 	}
 	return nil
@@ -232,16 +232,16 @@ func (d *Driver) OutboxPrune(ctx context.Context, before time.Time, after int64,
 		// are overwritten by the next claim of their key, but a key that
 		// never comes back would keep its row. SQLite deletes them at
 		// every claim; here that would cost each relay cycle a statement.
-		if _, err := d.pool.Exec(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE claimed_until <= clock_timestamp()`); err != nil {
+		if _, err := d.auto.Exec(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE claimed_until <= clock_timestamp()`); err != nil {
 			return 0, after, fmt.Errorf("postgres: prune expired outbox claims: %w", err)
 		}
 		// The operators' log of retries, parks and discards ages with
 		// the rows it is about: a few rows a day, deleted in one go.
-		if _, err := d.pool.Exec(ctx, `DELETE FROM `+d.t.outboxLog+` WHERE at < $1`, before); err != nil {
+		if _, err := d.auto.Exec(ctx, `DELETE FROM `+d.t.outboxLog+` WHERE at < $1`, before); err != nil {
 			return 0, after, fmt.Errorf("postgres: prune outbox log: %w", err)
 		}
 	}
-	rows, err := d.pool.Query(ctx, `DELETE FROM `+d.t.outbox+` WHERE id IN (SELECT id FROM `+d.t.outbox+`
+	rows, err := d.auto.Query(ctx, `DELETE FROM `+d.t.outbox+` WHERE id IN (SELECT id FROM `+d.t.outbox+`
 WHERE id > $1 AND published_at < $2 ORDER BY id LIMIT $3) RETURNING id`, after, before, limit)
 	if err != nil {
 		return 0, after, fmt.Errorf("postgres: prune outbox: %w", err)

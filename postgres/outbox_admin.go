@@ -101,7 +101,7 @@ func (d *Driver) OutboxRetryNow(ctx context.Context, ids []int64, actor string) 
 	if len(ids) == 0 {
 		return driver.OutboxActionResult{}, nil
 	}
-	rows, err := d.pool.Query(ctx, `WITH r AS (
+	rows, err := d.auto.Query(ctx, `WITH r AS (
   UPDATE `+d.t.outbox+` SET parked_at = NULL, parked_by = '', park_reason = ''
   WHERE id = ANY($1) AND published_at IS NULL RETURNING id, message_id, ordering_key, destination),
 h AS (DELETE FROM `+d.t.outboxClaims+` WHERE owner = '' AND ordering_key IN (SELECT ordering_key FROM r)),

@@ -133,6 +133,10 @@ type Driver struct {
 	// nanoseconds; lostBets counts lost bets (for tests).
 	noBetUntil atomic.Int64
 	lostBets   atomic.Int64
+	// auto runs the driver's writes outside transactions; session holds
+	// the pool's session settings once read (sessionDefaults).
+	auto    autocommit
+	session atomic.Pointer[sessionSettings]
 }
 
 // betting reports whether a transaction the driver opens should insert
@@ -188,6 +192,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Driver, error) {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
 	d := &Driver{pool: pool, schema: cfg.Schema, prefix: prefix, conflictAware: cfg.ConflictAwareInserts, logger: cfg.Logger}
+	d.auto = autocommit{d: d}
 	if d.logger == nil {
 		d.logger = slog.Default()
 	}
@@ -858,7 +863,7 @@ func (d *Driver) InsertImportedMarkers(ctx context.Context, handler string, ids 
 	for i, id := range ids {
 		keys[i] = messageKey(id)
 	}
-	tag, err := d.pool.Exec(ctx, `INSERT INTO `+d.t.markers+` (handler_id, message_key, payload_hash)
+	tag, err := d.auto.Exec(ctx, `INSERT INTO `+d.t.markers+` (handler_id, message_key, payload_hash)
 SELECT $1, k, ''::bytea FROM unnest($2::bytea[]) AS u(k)
 ON CONFLICT DO NOTHING`, hid, byteaArray(keys))
 	if err != nil {

@@ -3,12 +3,16 @@ package postgres_test
 import (
 	"context"
 	"crypto/sha256"
+	"fmt"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/postgres"
@@ -179,4 +183,116 @@ func processCounting(t *testing.T, drv *postgres.Driver, ids ...string) int {
 		}
 	}
 	return applied
+}
+
+// TestServerDefaultIsolationWrites races the driver's writes outside a
+// transaction on sessions whose default isolation is REPEATABLE READ or
+// SERIALIZABLE: 16 workers at once claim one expired lease, record one
+// gap sighting, add to one handler's stats and move one dead letter. At
+// those levels a statement that meets a row another committed meanwhile
+// fails to serialize (each failure an attempt, or an operator's error);
+// the driver runs them at READ COMMITTED, so every call succeeds and the
+// race has exactly one winner where there is one.
+func TestServerDefaultIsolationWrites(t *testing.T) {
+	t.Parallel()
+	const workers, rounds = 16, 15
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pool := testenv.PostgresPoolWith(t, workers+1, func(c *pgxpool.Config) {
+				c.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+			})
+			schema := testenv.FreshSchema(t, pool)
+			drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := drv.Migrate(ctx); err != nil {
+				t.Fatal(err)
+			}
+			// race runs f in every worker at once and fails t on any
+			// error; it returns how many answered true.
+			race := func(what string, f func(w int) (bool, error)) int {
+				var (
+					mu   sync.Mutex
+					wins int
+					errs []error
+					wg   sync.WaitGroup
+				)
+				start := make(chan struct{})
+				for w := range workers {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						<-start
+						won, err := f(w)
+						mu.Lock()
+						defer mu.Unlock()
+						if err != nil {
+							errs = append(errs, err)
+						} else if won {
+							wins++
+						}
+					}()
+				}
+				close(start)
+				wg.Wait()
+				if len(errs) > 0 {
+					t.Fatalf("%s: %d of %d workers failed, first: %v", what, len(errs), workers, errs[0])
+				}
+				return wins
+			}
+			hash := sha256.Sum256([]byte("x"))
+			for r := range rounds {
+				id := fmt.Sprintf("m-%d", r)
+				// A live lease; a transaction that expires it commits while
+				// the workers wait on its row lock to take it over.
+				if res, err := drv.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "h", MessageID: id, PayloadHash: hash[:], Owner: "first", TTL: time.Minute}); err != nil || !res.Claimed {
+					t.Fatalf("first claim of %s: %+v, %v", id, res, err)
+				}
+				expire, err := pool.Begin(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := expire.Exec(ctx, `UPDATE `+schema+`.idem_processed SET lease_until = now() - interval '1 second' WHERE message_id = $1`, id); err != nil {
+					t.Fatal(err)
+				}
+				go func() {
+					time.Sleep(50 * time.Millisecond)
+					_ = expire.Commit(ctx)
+				}()
+				if n := race("claim an expired lease", func(w int) (bool, error) {
+					res, err := drv.LeaseClaim(ctx, &driver.LeaseClaimParams{Handler: "h", MessageID: id, PayloadHash: hash[:], Owner: fmt.Sprint("w", w), TTL: time.Minute})
+					return res.Claimed, err
+				}); n != 1 {
+					t.Fatalf("%s: %d workers took the expired lease over, want 1", id, n)
+				}
+				race("gap sighting", func(int) (bool, error) {
+					_, err := drv.GapSighting(ctx, &driver.GapSightingParams{Handler: "h", AggregateID: "a", Seq: int64(r + 2)})
+					return false, err
+				})
+				race("stats", func(int) (bool, error) {
+					return false, drv.StatsAdd(ctx, "h", driver.StatsDelta{Duplicates: 1})
+				})
+				dl, err := drv.DeadLetterPut(ctx, &driver.DeadLetter{Handler: "h", MessageID: id, PayloadHash: hash[:], Error: "boom", Class: "permanent", Attempts: 1})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if n := race("claim a dead letter for replay", func(int) (bool, error) {
+					n, err := drv.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{dl}, From: []string{driver.DeadLetterParked}, To: driver.DeadLetterReplaying, Actor: "op"})
+					return n == 1, err
+				}); n != 1 {
+					t.Fatalf("dead letter %d: %d workers moved it, want 1", dl, n)
+				}
+			}
+			stats, err := drv.StatsRead(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, want := stats["h"].Duplicates, int64(workers*rounds); got != want {
+				t.Fatalf("duplicates counted %d, want %d", got, want)
+			}
+		})
+	}
 }

@@ -13,7 +13,7 @@ var _ driver.StatsStore = (*Driver)(nil)
 
 // StatsAdd implements driver.StatsStore.
 func (d *Driver) StatsAdd(ctx context.Context, handler string, s driver.StatsDelta) error {
-	_, err := d.pool.Exec(ctx, `INSERT INTO `+d.t.handlerStats+` AS h
+	_, err := d.auto.Exec(ctx, `INSERT INTO `+d.t.handlerStats+` AS h
 (handler, duplicates, stale) VALUES ($1, $2, $3)
 ON CONFLICT (handler) DO UPDATE SET duplicates = h.duplicates + excluded.duplicates,
   stale = h.stale + excluded.stale, updated_at = now()`,
