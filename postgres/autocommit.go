@@ -28,7 +28,7 @@ type autocommit struct{ d *Driver }
 // sessions' default isolation is READ COMMITTED. When the defaults could
 // not be read it answers false, the safe path.
 func (a autocommit) pooled(ctx context.Context) bool {
-	s := a.d.sessionDefaults(ctx)
+	s := a.d.sessionDefaults(ctx, a.d.pool)
 	return s != nil && s.readCommitted
 }
 
@@ -42,17 +42,19 @@ type sessionSettings struct {
 	lockTimeout, statementTimeout string
 }
 
-// sessionDefaults returns the settings of the pool's sessions, read once:
-// one connection speaks for the pool, since they come from the server's
-// configuration, the role, the database or the pool's connection
-// parameters. A failed read returns nil and is tried again next time.
-func (d *Driver) sessionDefaults(ctx context.Context) *sessionSettings {
+// sessionDefaults returns the settings of the pool's sessions, read once
+// on q (the pool, or a connection the caller holds, never the pool then:
+// it may have no other): one connection speaks for the pool, since they
+// come from the server's configuration, the role, the database or the
+// pool's connection parameters. A failed read returns nil and is tried
+// again next time.
+func (d *Driver) sessionDefaults(ctx context.Context, q querier) *sessionSettings {
 	if s := d.session.Load(); s != nil {
 		return s
 	}
 	var level string
 	s := &sessionSettings{}
-	err := d.pool.QueryRow(ctx, `SELECT current_setting('default_transaction_isolation'),
+	err := q.QueryRow(ctx, `SELECT current_setting('default_transaction_isolation'),
   current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&level, &s.lockTimeout, &s.statementTimeout)
 	if err != nil {
 		return nil
@@ -196,4 +198,86 @@ func (r *autocommitRows) Err() error {
 		return err
 	}
 	return r.err
+}
+
+// A delivery whose marker another delivery holds, uncommitted, waits for
+// that transaction to end and then reports Duplicate (or applies, if it
+// rolled back): the wait lasts as long as the other delivery's handler.
+// A lock_timeout or statement_timeout on the sessions would cut it short
+// with an error, costing the message an attempt where it was a duplicate.
+// So where the sessions set either, the statements that insert markers in
+// a transaction the driver began lift both for themselves: set to 0 in the
+// same round trip before the insert and set back to the sessions' values
+// after it, so the handler's statements keep them. Contexts still bound
+// the wait.
+const (
+	liftTimeoutsSQL    = `SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)`
+	restoreTimeoutsSQL = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)`
+)
+
+// timeoutLift lifts the sessions' timeouts around a marker insert; a nil
+// *timeoutLift, for sessions with neither timeout, does nothing.
+type timeoutLift struct{ lock, statement string }
+
+// liftTimeouts returns the lift for the pool's sessions, reading their
+// settings on q the first time: nil when they set neither timeout (or
+// their settings could not be read).
+func (d *Driver) liftTimeouts(ctx context.Context, q querier) *timeoutLift {
+	s := d.sessionDefaults(ctx, q)
+	if s == nil || (s.lockTimeout == "0" && s.statementTimeout == "0") {
+		return nil
+	}
+	return &timeoutLift{lock: s.lockTimeout, statement: s.statementTimeout}
+}
+
+// off queues the lifting; on queues the restoring.
+func (l *timeoutLift) off(b *pgx.Batch) {
+	if l != nil {
+		b.Queue(liftTimeoutsSQL)
+	}
+}
+
+func (l *timeoutLift) on(b *pgx.Batch) {
+	if l != nil {
+		b.Queue(restoreTimeoutsSQL, l.lock, l.statement)
+	}
+}
+
+// read reads the result of what off or on queued.
+func (l *timeoutLift) read(br pgx.BatchResults) error {
+	if l == nil {
+		return nil
+	}
+	_, err := br.Exec()
+	return err
+}
+
+// queued is how many statements off (or on) queued.
+func (l *timeoutLift) queued() int {
+	if l == nil {
+		return 0
+	}
+	return 1
+}
+
+// liftAround runs f, which waits on concurrent deliveries in tx, with the
+// sessions' timeouts lifted when tx is one the driver began (a caller's
+// transaction keeps the caller's settings). It costs a round trip before
+// and after f, and only on sessions that set a timeout.
+func (d *Driver) liftAround(ctx context.Context, tx Tx, f func() error) error {
+	var lift *timeoutLift
+	if _, ours := tx.(*connTx); ours {
+		lift = d.liftTimeouts(ctx, tx)
+	}
+	if lift == nil {
+		return f()
+	}
+	if _, err := tx.Exec(ctx, liftTimeoutsSQL); err != nil {
+		return err
+	}
+	if err := f(); err != nil {
+		return err
+	}
+	_, err := tx.Exec(ctx, restoreTimeoutsSQL, lift.lock, lift.statement)
+	return err
 }

@@ -24,11 +24,15 @@ var (
 // sequence is the one before; it waits on a concurrent transaction's row
 // lock and re-checks the committed value. Anything else ensures the row
 // exists, locks it and reads it in one round trip, then decides.
-func (d *Driver) SequenceAdvance(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams) (driver.SequenceAdvanceResult, error) {
-	var last int64
-	q, args := d.advanceSQL(p)
-	err := tx.QueryRow(ctx, q, args...).Scan(&last)
-	return d.advanceSlow(ctx, tx, p, err)
+func (d *Driver) SequenceAdvance(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams) (res driver.SequenceAdvanceResult, err error) {
+	err = d.liftAround(ctx, tx, func() error {
+		var last int64
+		q, args := d.advanceSQL(p)
+		err := tx.QueryRow(ctx, q, args...).Scan(&last)
+		res, err = d.advanceSlow(ctx, tx, p, err, nil)
+		return err
+	})
+	return res, err
 }
 
 // advanceSQL is the statement that advances the sequence when the event is
@@ -53,6 +57,9 @@ RETURNING last_seq`, []any{p.Handler, p.AggregateID, p.Seq}
 // the one-statement advance go in one round trip; an out-of-order event
 // continues with SequenceAdvance's locked read in the same transaction.
 func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdvanceParams) (Tx, driver.SequenceAdvanceResult, error) {
+	// The advance waits on a concurrent delivery of the aggregate: no
+	// session timeout cuts that wait (see liftTimeouts).
+	lift := d.liftTimeouts(ctx, d.pool)
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.SequenceAdvanceResult{}, err
@@ -60,15 +67,25 @@ func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdv
 	tx := &connTx{c: c}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
+	lift.off(b)
 	q, args := d.advanceSQL(p)
 	b.Queue(q, args...)
+	lift.on(b)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
+	if err == nil {
+		err = lift.read(br)
+	}
 	var last int64
 	if err == nil {
 		err = br.QueryRow().Scan(&last)
 	}
 	first := err // nil: advanced; pgx.ErrNoRows: out of order
+	if err == nil || errors.Is(err, pgx.ErrNoRows) {
+		if lerr := lift.read(br); lerr != nil {
+			err, first = lerr, lerr
+		}
+	}
 	if cerr := br.Close(); err == nil || errors.Is(err, pgx.ErrNoRows) {
 		err = cerr
 	}
@@ -76,7 +93,7 @@ func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdv
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, driver.SequenceAdvanceResult{}, err
 	}
-	res, err := d.advanceSlow(ctx, tx, p, first)
+	res, err := d.advanceSlow(ctx, tx, p, first, lift)
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, driver.SequenceAdvanceResult{}, err
@@ -85,8 +102,9 @@ func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdv
 }
 
 // advanceSlow finishes SequenceAdvance after the one-statement attempt,
-// whose error is err: no error means it advanced.
-func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams, err error) (driver.SequenceAdvanceResult, error) {
+// whose error is err: no error means it advanced. lift is nil in a
+// caller's transaction, whose settings are the caller's.
+func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvanceParams, err error, lift *timeoutLift) (driver.SequenceAdvanceResult, error) {
 	var last int64
 	if err == nil {
 		return driver.SequenceAdvanceResult{Advanced: true}, nil
@@ -98,12 +116,20 @@ func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvan
 	// first makes a concurrent creator's insert wait for ours (and ours for
 	// it), so the locked read below sees every committed predecessor.
 	b := &pgx.Batch{}
+	lift.off(b)
 	b.Queue(`INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES ($1, $2, 0) ON CONFLICT DO NOTHING`, p.Handler, p.AggregateID)
 	b.Queue(`SELECT last_seq FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate_id = $2 FOR UPDATE`, p.Handler, p.AggregateID)
+	lift.on(b)
 	br := tx.SendBatch(ctx, b)
-	_, err = br.Exec()
+	err = lift.read(br)
+	if err == nil {
+		_, err = br.Exec()
+	}
 	if err == nil {
 		err = br.QueryRow().Scan(&last)
+	}
+	if err == nil {
+		err = lift.read(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -131,7 +157,15 @@ func (d *Driver) advanceSlow(ctx context.Context, tx Tx, p *driver.SequenceAdvan
 // of this call yet; one that waits on a row lock is past its inserts, so
 // nobody waits on it for an insert. Concurrent batches queue instead of
 // deadlocking.
-func (d *Driver) SequenceLockMany(ctx context.Context, tx Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
+func (d *Driver) SequenceLockMany(ctx context.Context, tx Tx, p *driver.SequenceLockManyParams) (out []int64, err error) {
+	err = d.liftAround(ctx, tx, func() error {
+		out, err = d.sequenceLockMany(ctx, tx, p)
+		return err
+	})
+	return out, err
+}
+
+func (d *Driver) sequenceLockMany(ctx context.Context, tx Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
 	b := &pgx.Batch{}
 	b.Queue(`INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq)
 SELECT $1, a, 0 FROM unnest($2::text[]) AS a ORDER BY a COLLATE "C"
@@ -186,7 +220,15 @@ LATERAL (SELECT last_seq FROM `+d.t.sequences+` WHERE handler = $1 AND aggregate
 // the batch does not move (a redelivery) is locked but not rewritten, and
 // read after. The value replaced is kept in prev_seq and returned
 // (RETURNING sees only the new row before PostgreSQL 18).
-func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.SequenceAdvanceManyParams) ([]int64, []int64, error) {
+func (d *Driver) SequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.SequenceAdvanceManyParams) (before, after []int64, err error) {
+	err = d.liftAround(ctx, tx, func() error {
+		before, after, err = d.sequenceAdvanceMany(ctx, tx, p)
+		return err
+	})
+	return before, after, err
+}
+
+func (d *Driver) sequenceAdvanceMany(ctx context.Context, tx Tx, p *driver.SequenceAdvanceManyParams) ([]int64, []int64, error) {
 	if len(p.AggregateIDs) != len(p.Seqs) {
 		return nil, nil, fmt.Errorf("postgres: %d aggregates for %d sequence lists", len(p.AggregateIDs), len(p.Seqs))
 	}

@@ -475,6 +475,7 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
 	}
+	lift := d.liftTimeouts(ctx, d.pool)
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
@@ -487,12 +488,20 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
+	lift.off(b)
 	b.Queue(insert, m.insertArgs()...)
+	lift.on(b)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
+	if err == nil {
+		err = lift.read(br)
+	}
 	var tag pgconn.CommandTag
 	if err == nil {
 		tag, err = br.Exec()
+	}
+	if err == nil {
+		err = lift.read(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -505,7 +514,7 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 		res, err = d.afterInsert(ctx, tx, tag, m)
 	case betting && errors.As(err, &pgErr) && pgErr.Code == "23505":
 		d.lostBet()
-		res, err = d.reinsertMarker(ctx, c, m)
+		res, err = d.reinsertMarker(ctx, c, m, lift)
 	}
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
@@ -521,14 +530,20 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 // pgconn's pipeline of unnamed statements: pgx's batch would first prepare
 // statements it has not cached, inside the aborted transaction.
 // It serves the markers-only layout, the one a bet is made on.
-func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, m *marker) (driver.MarkerInsertResult, error) {
-	const int4OID, byteaOID = 23, 17
+func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, m *marker, lift *timeoutLift) (driver.MarkerInsertResult, error) {
+	const int4OID, byteaOID, textOID = 23, 17, 25
 	hid := []byte(strconv.Itoa(int(m.hid)))
 	b := &pgconn.Batch{}
 	b.ExecParams("rollback", nil, nil, nil, nil)
 	b.ExecParams(beginSQL, nil, nil, nil, nil)
+	if lift != nil {
+		b.ExecParams(liftTimeoutsSQL, nil, nil, nil, nil)
+	}
 	b.ExecParams(m.sql.insert, [][]byte{hid, m.key, m.hash}, []uint32{int4OID, byteaOID, byteaOID}, []int16{0, 1, 1}, nil)
 	b.ExecParams(m.sql.selectHash, [][]byte{hid, m.key}, []uint32{int4OID, byteaOID}, []int16{0, 1}, []int16{1})
+	if lift != nil {
+		b.ExecParams(restoreTimeoutsSQL, [][]byte{[]byte(lift.lock), []byte(lift.statement)}, []uint32{textOID, textOID}, nil, nil)
+	}
 	results, err := c.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
 	if err == nil {
 		for _, r := range results {
@@ -538,18 +553,19 @@ func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, m *marker)
 			}
 		}
 	}
+	ins := 2 + lift.queued() // the insert's result; the read's follows
 	switch {
 	case err != nil:
 		return driver.MarkerInsertResult{}, err
-	case len(results) != 4:
-		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: reinsert marker: %d results for 4 statements", len(results))
-	case results[2].CommandTag.RowsAffected() == 1:
+	case len(results) != ins+2+lift.queued():
+		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: reinsert marker: %d results for %d statements", len(results), ins+2+lift.queued())
+	case results[ins].CommandTag.RowsAffected() == 1:
 		// The marker went away in between (retention): inserted now.
 		return driver.MarkerInsertResult{Inserted: true}, nil
-	case len(results[3].Rows) == 0:
+	case len(results[ins+1].Rows) == 0:
 		return driver.MarkerInsertResult{}, fmt.Errorf("postgres: the marker of %q conflicted, then vanished before it could be read; retry", m.id)
 	}
-	return driver.MarkerInsertResult{ExistingHash: results[3].Rows[0][0]}, nil
+	return driver.MarkerInsertResult{ExistingHash: results[ins+1].Rows[0][0]}, nil
 }
 
 // BeginMarkerInsertMany opens a transaction and inserts a batch's markers.
@@ -573,21 +589,30 @@ func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 	if err != nil {
 		return nil, nil, err
 	}
+	lift := d.liftTimeouts(ctx, d.pool)
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, nil, err
 	}
 	tx := &connTx{c: c}
 	if !d.betting() || mb.sql.legacy {
-		return d.beginInsertManyAware(ctx, tx, mb)
+		return d.beginInsertManyAware(ctx, tx, mb, lift)
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
+	lift.off(b)
 	b.Queue(mb.sql.insertManyNew, mb.insertArgs()...)
+	lift.on(b)
 	br := c.SendBatch(ctx, b)
 	_, err = br.Exec()
 	if err == nil {
+		err = lift.read(br)
+	}
+	if err == nil {
 		_, err = br.Exec()
+	}
+	if err == nil {
+		err = lift.read(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -607,11 +632,18 @@ func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 	// Some marker exists: start again with the conflict-aware statement on
 	// the same connection.
 	d.lostBet()
-	if _, err := c.Exec(ctx, "rollback; "+beginSQL); err != nil {
+	restart := "rollback; " + beginSQL
+	if lift != nil {
+		restart += "; " + liftTimeoutsSQL
+	}
+	if _, err := c.Exec(ctx, restart); err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, nil, err
 	}
 	res, err := d.markerInsertMany(ctx, tx, mb)
+	if err == nil && lift != nil {
+		_, err = c.Exec(ctx, restoreTimeoutsSQL, lift.lock, lift.statement)
+	}
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")
 		return nil, nil, err
@@ -622,18 +654,26 @@ func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 // beginInsertManyAware is BeginMarkerInsertMany under
 // Config.ConflictAwareInserts: BEGIN and INSERT … ON CONFLICT DO NOTHING
 // RETURNING in one round trip, then the hashes of the IDs not inserted.
-func (d *Driver) beginInsertManyAware(ctx context.Context, tx *connTx, mb *markerBatch) (Tx, []driver.MarkerInsertResult, error) {
+func (d *Driver) beginInsertManyAware(ctx context.Context, tx *connTx, mb *markerBatch, lift *timeoutLift) (Tx, []driver.MarkerInsertResult, error) {
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
+	lift.off(b)
 	b.Queue(mb.sql.insertMany, mb.insertArgs()...)
+	lift.on(b)
 	br := tx.c.SendBatch(ctx, b)
 	var inserted map[string]struct{}
 	_, err := br.Exec()
+	if err == nil {
+		err = lift.read(br)
+	}
 	if err == nil {
 		var rows pgx.Rows
 		if rows, err = br.Query(); err == nil {
 			inserted, err = insertedKeys(rows, len(mb.keys))
 		}
+	}
+	if err == nil {
+		err = lift.read(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr

@@ -3,12 +3,15 @@ package postgres_test
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
@@ -294,5 +297,133 @@ func TestServerDefaultIsolationWrites(t *testing.T) {
 				t.Fatalf("duplicates counted %d, want %d", got, want)
 			}
 		})
+	}
+}
+
+// TestSessionTimeoutsSpareMarkerWaits runs on sessions with a lock_timeout
+// and a statement_timeout shorter than a handler. A redelivery that comes
+// while the first delivery's handler runs waits on its marker (per
+// message, in a batch) or on its aggregate's sequence row (ordering), and
+// must then report Duplicate (or apply the next event), not a timeout that
+// costs the message an attempt; the handler's own statements keep the
+// timeout.
+func TestSessionTimeoutsSpareMarkerWaits(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testenv.PostgresPoolWith(t, 8, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["lock_timeout"] = "100ms"
+		c.ConnConfig.RuntimeParams["statement_timeout"] = "300ms"
+	})
+	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const hold = 700 * time.Millisecond // the first delivery's handler
+	var applied sync.Map                // message ID → times applied
+	count := func(msgs ...*idem.Message) {
+		for _, m := range msgs {
+			n, _ := applied.LoadOrStore(m.ID, new(int64))
+			*(n.(*int64))++
+		}
+	}
+	slow := func(name string, ordering *idem.Ordering) *idem.Handler[postgres.Tx] {
+		var mu sync.Mutex
+		return &idem.Handler[postgres.Tx]{Name: name, Ordering: ordering, ApplyBatch: func(ctx context.Context, tx postgres.Tx, msgs []*idem.Message) error {
+			mu.Lock()
+			count(msgs...)
+			mu.Unlock()
+			time.Sleep(hold)
+			return nil
+		}}
+	}
+	// first runs the first delivery; once it holds its markers, second
+	// runs the redelivery, whose outcomes are returned.
+	redeliver := func(first, second func() ([]idem.Outcome, error)) []idem.Outcome {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() {
+			_, err := first()
+			done <- err
+		}()
+		time.Sleep(hold / 4)
+		outs, err := second()
+		if err != nil {
+			t.Fatalf("the redelivery while the first delivery's handler ran: %v", err)
+		}
+		if err := <-done; err != nil {
+			t.Fatalf("the first delivery: %v", err)
+		}
+		return outs
+	}
+	one := func(h *idem.Handler[postgres.Tx], m *idem.Message) func() ([]idem.Outcome, error) {
+		return func() ([]idem.Outcome, error) {
+			out, err := proc.Process(ctx, h, m)
+			return []idem.Outcome{out}, err
+		}
+	}
+	batch := func(h *idem.Handler[postgres.Tx], msgs ...*idem.Message) func() ([]idem.Outcome, error) {
+		return func() ([]idem.Outcome, error) { return proc.ProcessBatch(ctx, h, msgs) }
+	}
+	msg := func(id string) *idem.Message { return &idem.Message{ID: id, Payload: []byte("x")} }
+
+	h := slow("per-message", nil)
+	if outs := redeliver(one(h, msg("a")), one(h, msg("a"))); outs[0] != idem.Duplicate {
+		t.Fatalf("per message: the redelivery reported %v, want Duplicate", outs[0])
+	}
+	hb := slow("batch", nil)
+	outs := redeliver(batch(hb, msg("b1"), msg("b2")), batch(hb, msg("b2"), msg("b3")))
+	if want := []idem.Outcome{idem.Duplicate, idem.Applied}; !slices.Equal(outs, want) {
+		t.Fatalf("batch: the redelivery reported %v, want %v", outs, want)
+	}
+	hv := slow("version-only", &idem.Ordering{VersionOnly: true})
+	ev := func(seq int64) *idem.Message {
+		return &idem.Message{ID: fmt.Sprint("v", seq), AggregateID: "acc", Seq: seq, Payload: []byte("x")}
+	}
+	if out, err := proc.Process(ctx, hv, ev(1)); err != nil || out != idem.Applied {
+		t.Fatalf("version-only seq 1: %v, %v", out, err)
+	}
+	if outs := redeliver(one(hv, ev(2)), one(hv, ev(2))); outs[0] != idem.Duplicate && outs[0] != idem.Stale {
+		t.Fatalf("version-only: the redelivery reported %v, want Duplicate or Stale", outs[0])
+	}
+	// Ordered handlers: the next event of an aggregate waits on the
+	// sequence row the one before holds, in the marker's transaction.
+	for _, b := range []bool{false, true} {
+		name := fmt.Sprint("ordered-batch-", b)
+		ho := slow(name, &idem.Ordering{})
+		ev := func(seq int64) *idem.Message {
+			return &idem.Message{ID: fmt.Sprint(name, seq), AggregateID: "acc", Seq: seq, Payload: []byte("x")}
+		}
+		run := func(m *idem.Message) func() ([]idem.Outcome, error) { return one(ho, m) }
+		if b {
+			run = func(m *idem.Message) func() ([]idem.Outcome, error) { return batch(ho, m) }
+		}
+		if outs, err := run(ev(1))(); err != nil || outs[0] != idem.Applied {
+			t.Fatalf("%s seq 1: %v, %v", name, outs, err)
+		}
+		if outs := redeliver(run(ev(2)), run(ev(3))); outs[0] != idem.Applied {
+			t.Fatalf("%s: seq 3 while seq 2's handler ran reported %v, want Applied", name, outs[0])
+		}
+	}
+	for _, id := range []string{"a", "b1", "b2", "b3", "v1", "v2", "ordered-batch-false1", "ordered-batch-false2", "ordered-batch-false3", "ordered-batch-true1", "ordered-batch-true2", "ordered-batch-true3"} {
+		if n, ok := applied.Load(id); !ok || *(n.(*int64)) != 1 {
+			t.Errorf("%s applied %v times, want once", id, n)
+		}
+	}
+
+	// The handler's statements keep the sessions' statement_timeout.
+	sleepy := &idem.Handler[postgres.Tx]{Name: "sleepy", Apply: func(ctx context.Context, tx postgres.Tx, _ *idem.Message) error {
+		_, err := tx.Exec(ctx, "SELECT pg_sleep(1)")
+		return err
+	}}
+	_, err = proc.Process(ctx, sleepy, msg("s"))
+	if pgErr := (*pgconn.PgError)(nil); !errors.As(err, &pgErr) || pgErr.Code != "57014" {
+		t.Fatalf("a handler statement longer than statement_timeout: %v, want SQLSTATE 57014", err)
 	}
 }
