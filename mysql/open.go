@@ -31,8 +31,9 @@ import (
 // pool begin with START TRANSACTION as usual. The
 // isolation variable is named after the server: tx_isolation on MariaDB
 // before 11.1, transaction_isolation elsewhere, which Open asks the server
-// first. A DSN that sets autocommit (Open manages it) or completion_type
-// is refused with an error wrapping idem.ErrInvalidConfig, and so is a
+// first. A DSN that sets autocommit (Open manages it), completion_type or
+// the isolation variable (Open sets it; either name, in any case) is
+// refused with an error wrapping idem.ErrInvalidConfig, and so is a
 // connection character set in which escaping byte by byte is unsafe
 // (big5, cp932, gbk, gb18030, sjis: a backslash can end a character
 // there). cfg is not changed.
@@ -40,6 +41,12 @@ func Open(ctx context.Context, cfg *gomysql.Config) (*sql.DB, error) {
 	for k := range cfg.Params {
 		if strings.EqualFold(k, "autocommit") || strings.EqualFold(k, "completion_type") {
 			return nil, fmt.Errorf("%w: mysql: open: the DSN sets %s; idem needs the server's default (a pool from Open manages autocommit itself)", idem.ErrInvalidConfig, k)
+		}
+		// The driver sends the DSN's variables in one SET, in map order:
+		// a second spelling of the isolation variable next to Open's
+		// would win on some connections and lose on others.
+		if strings.EqualFold(k, "tx_isolation") || strings.EqualFold(k, "transaction_isolation") {
+			return nil, fmt.Errorf("%w: mysql: open: the DSN sets %s; Open sets the connections' isolation level itself (READ COMMITTED): drop it, or use mysql.New on a pool of your own", idem.ErrInvalidConfig, k)
 		}
 	}
 	probe, err := gomysql.NewConnector(cfg)
