@@ -144,6 +144,9 @@ const idsIn = `id IN (SELECT j.v FROM JSON_TABLE(?, '$[*]' COLUMNS (v BIGINT PAT
 
 // DeadLetterList implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter) ([]driver.DeadLetter, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, err
+	}
 	where, args := sqlfilter.DeadLetters(f, idsIn)
 	cols := deadLetterColumns
 	if f != nil && f.Summary {
@@ -238,6 +241,9 @@ SELECT j.v, `+nowMicros+`, ?, ?, ? FROM JSON_TABLE(?, '$[*]' COLUMNS (v BIGINT P
 
 // DeadLetterHistory implements driver.DeadLetterStore.
 func (d *Driver) DeadLetterHistory(ctx context.Context, id int64) ([]driver.DeadLetterEvent, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, err
+	}
 	rows, err := d.db.QueryContext(ctx, `SELECT at, state, actor, outcome FROM `+d.t.deadLetterLog+` WHERE dead_letter_id = ? ORDER BY id`, id)
 	if err != nil {
 		return nil, fmt.Errorf("mysql: dead-letter history: %w", notMigrated(err))

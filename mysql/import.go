@@ -42,6 +42,9 @@ func importSQL(src *driver.ImportSource) (table, column string, err error) {
 // integer for an integer column, as text otherwise. An index on the
 // column keeps each page cheap.
 func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after string, limit int) ([]string, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, err
+	}
 	table, col, err := importSQL(src)
 	if err != nil {
 		return nil, err

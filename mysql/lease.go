@@ -94,6 +94,9 @@ VALUES (?, ?, ?, `+nowMicros+`, 'running', ?, `+nowMicros+` + ?, 1, 1)`,
 
 // LeaseHeartbeat implements driver.LeaseDriver.
 func (d *Driver) LeaseHeartbeat(ctx context.Context, p *driver.LeaseHeartbeatParams) (driver.LeaseWriteResult, error) {
+	if err := d.ready(ctx); err != nil {
+		return driver.LeaseWriteResult{}, err
+	}
 	r, err := d.db.ExecContext(ctx, `UPDATE `+d.t.leases+` SET lease_until = `+nowMicros+` + ?
 WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`,
 		p.TTL.Microseconds(), p.Handler, p.MessageID, p.Token)
@@ -107,6 +110,9 @@ WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`
 // LeaseComplete implements driver.LeaseDriver. With Advance, the fenced
 // update and the sequence's advance share one transaction.
 func (d *Driver) LeaseComplete(ctx context.Context, p *driver.LeaseCompleteParams) (driver.LeaseWriteResult, error) {
+	if err := d.ready(ctx); err != nil {
+		return driver.LeaseWriteResult{}, err
+	}
 	if p.Advance == nil {
 		r, err := d.db.ExecContext(ctx, `UPDATE `+d.t.leases+leaseDoneSQL, p.Handler, p.MessageID, p.Token)
 		return d.fencedWrite(ctx, "mark done", p.Handler, p.MessageID, p.Token, r, err)
@@ -147,6 +153,9 @@ ON DUPLICATE KEY UPDATE last_seq = GREATEST(last_seq, VALUES(last_seq))`, p.Hand
 
 // LeaseFail implements driver.LeaseDriver.
 func (d *Driver) LeaseFail(ctx context.Context, p *driver.LeaseFailParams) (driver.LeaseWriteResult, error) {
+	if err := d.ready(ctx); err != nil {
+		return driver.LeaseWriteResult{}, err
+	}
 	r, err := d.db.ExecContext(ctx, `UPDATE `+d.t.leases+`
 SET status = 'failed', lease_until = NULL, last_error = ?, next_attempt_at = IF(?, NULL, `+nowMicros+` + ?),
     processed_at = `+nowMicros+`, attempts = IF(?, attempts - 1, attempts)
@@ -157,6 +166,9 @@ WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`,
 
 // LeaseRearm implements driver.LeaseRearmer.
 func (d *Driver) LeaseRearm(ctx context.Context, handler, messageID string) error {
+	if err := d.ready(ctx); err != nil {
+		return err
+	}
 	if _, err := d.db.ExecContext(ctx, `UPDATE `+d.t.leases+` SET next_attempt_at = `+nowMicros+`, attempts = 0
 WHERE handler = ? AND message_id = ? AND status = 'failed'`, handler, messageID); err != nil {
 		return fmt.Errorf("mysql: rearm lease: %w", notMigrated(err))
@@ -201,6 +213,9 @@ func (d *Driver) staleToken(ctx context.Context, handler, id string) (driver.Lea
 
 // LeaseGet implements driver.LeaseDriver.
 func (d *Driver) LeaseGet(ctx context.Context, p *driver.LeaseGetParams) (*driver.LeaseRow, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, err
+	}
 	var (
 		row               driver.LeaseRow
 		status            string

@@ -31,6 +31,9 @@ const leasesPosition = -1
 // of the rows it deletes only, and only for that statement, so writers
 // are never held up for long.
 func (d *Driver) PruneMarkers(ctx context.Context, p *driver.PruneParams) (driver.PruneResult, error) {
+	if err := d.ready(ctx); err != nil {
+		return driver.PruneResult{}, err
+	}
 	if p.Limit < 1 {
 		return driver.PruneResult{}, fmt.Errorf("mysql: prune limit %d must be at least 1", p.Limit)
 	}
@@ -137,6 +140,9 @@ WHERE (handler > ? OR (handler = ? AND message_id > ?))
 
 // CountPrunable implements driver.MarkerPruner.
 func (d *Driver) CountPrunable(ctx context.Context, before time.Time) (map[string]int64, time.Time, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, time.Time{}, err
+	}
 	rows, err := d.db.QueryContext(ctx, `SELECT h.name, x.n FROM (
   SELECT handler_id, count(*) AS n FROM `+d.t.markers+` WHERE processed_at < ? GROUP BY handler_id) x
 JOIN `+d.t.handlers+` h ON h.id = x.handler_id
@@ -181,6 +187,9 @@ SELECT handler, count(*) FROM `+d.t.leases+` WHERE processed_at < ? AND `+prunab
 // (SetMaxOpenConns(1)) cannot prune: the lock is then refused with an
 // error wrapping idem.ErrInvalidConfig rather than waiting for ever.
 func (d *Driver) TryMaintenanceLock(ctx context.Context) (func(), bool, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, false, err
+	}
 	if d.db.Stats().MaxOpenConnections == 1 {
 		return nil, false, fmt.Errorf("mysql: maintenance lock: %w: pruning holds a connection for its lock and runs its statements on another, and the pool allows one (SetMaxOpenConns(1)); allow two or more", idem.ErrInvalidConfig)
 	}

@@ -143,6 +143,17 @@ func (d *Driver) tryInternPooled(ctx context.Context, handler string) (id int32,
 		return 0, false, fmt.Errorf("mysql: intern handler name: %w", err)
 	}
 	defer c.Close()
+	// The insert commits by itself, on a session whose settings the
+	// driver may not have checked yet: check them on this connection,
+	// as the pool may have none to spare for another. A check that could
+	// not run leaves the name to the caller's transaction.
+	if !d.sessionOK.Load() {
+		if err := d.checkSession(ctx, c); errors.Is(err, idem.ErrInvalidConfig) {
+			return 0, false, err
+		} else if err != nil {
+			return 0, false, nil
+		}
+	}
 	err = d.execNoWait(ctx, c, `INSERT IGNORE INTO `+d.t.handlers+` (name) VALUES (?)`, handler)
 	switch n := errNumber(err); {
 	case errors.Is(err, errNoSetStatement) || n == errLockWaitTimeout || n == errDeadlock:
@@ -166,6 +177,9 @@ func (d *Driver) spareConn() bool {
 // internPooled reads handler's id on the pool, inserting the name first
 // when it is not there, each committed at once, and caches the id.
 func (d *Driver) internPooled(ctx context.Context, handler string) (int32, error) {
+	if err := d.ready(ctx); err != nil {
+		return 0, err
+	}
 	var id int32
 	err := d.retry(ctx, func() error {
 		var err error

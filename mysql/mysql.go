@@ -97,7 +97,14 @@ type Driver struct {
 	// by an UPDATE: 0 not known yet, 1 the rows changed (the default), 2
 	// the rows matched (clientFoundRows=true); see rowsCountMatched.
 	countsMatched atomic.Int32
-	sql           statements
+	// sessionOK says a pooled connection's session was found to run
+	// with autocommit on and completion_type NO_CHAIN (see ready); once
+	// true it stays true.
+	sessionOK atomic.Bool
+	// checking serializes the first calls' checks of the session, so
+	// that workers starting at once send one check, not one each.
+	checking chan struct{}
+	sql      statements
 }
 
 type tables struct {
@@ -133,7 +140,15 @@ const nowMicros = `TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))`
 func quote(s string) string { return "`" + s + "`" }
 
 // New returns a driver over db. It does not touch the database until
-// Migrate or the first transaction.
+// Migrate or the first operation. The driver's statements outside its
+// transactions rely on autocommit, so before its first operation that
+// reaches the pool (and in Migrate) the driver checks, on one of the
+// pool's connections, that the session runs with autocommit=1 and
+// completion_type NO_CHAIN; otherwise that operation fails with an error
+// wrapping idem.ErrInvalidConfig that names the setting, and so does every
+// later one until a check passes. A passed check is not repeated. Only one
+// connection is checked: such settings come from the DSN, the pool's
+// init statements or the user's defaults, the same for each connection.
 func New(db *sql.DB, cfg *Config) (*Driver, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: mysql: nil *sql.DB", idem.ErrInvalidConfig)
@@ -148,7 +163,7 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 	if err := sqlident.Check("mysql: TablePrefix", prefix, false); err != nil {
 		return nil, fmt.Errorf("%w: %w", idem.ErrInvalidConfig, err)
 	}
-	d := &Driver{db: db, prefix: prefix, maxRetries: cfg.MaxRetries}
+	d := &Driver{db: db, prefix: prefix, maxRetries: cfg.MaxRetries, checking: make(chan struct{}, 1)}
 	if d.maxRetries == 0 {
 		d.maxRetries = 16
 	}
@@ -219,7 +234,10 @@ func (d *Driver) withLock(ctx context.Context, what string, wait time.Duration, 
 // Migrate applies the embedded migrations not yet recorded, under a
 // GET_LOCK lock, so concurrent calls from several instances are safe. DDL
 // commits implicitly in MySQL; every statement is idempotent, so a
-// migration interrupted halfway is completed by the next call.
+// migration interrupted halfway is completed by the next call. It first
+// checks the session's settings, as the driver's first operation does
+// (see New), and refuses autocommit=0 and a completion_type other than
+// NO_CHAIN with an error wrapping idem.ErrInvalidConfig.
 func (d *Driver) Migrate(ctx context.Context) error {
 	ms, err := migrations.Load(migrationFS, "migrations", strings.NewReplacer(
 		"{{handlers}}", d.t.handlers,
@@ -247,22 +265,8 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		return fmt.Errorf("mysql: load migrations: %w", err)
 	}
 	return d.withLock(ctx, "migrate", time.Minute, func(c *sql.Conn) error {
-		// The driver's statements outside a transaction (interning a
-		// handler name, dead-letter state, stats) rely on autocommit: on
-		// a pool whose sessions turn it off they would never commit and
-		// hold their locks for the connection's life.
-		var (
-			autocommit int
-			completion string
-		)
-		if err := c.QueryRowContext(ctx, `SELECT @@autocommit, @@completion_type`).Scan(&autocommit, &completion); err != nil {
-			return fmt.Errorf("mysql: read autocommit: %w", err)
-		}
-		if autocommit == 0 {
-			return fmt.Errorf("%w: mysql: the pool's sessions run with autocommit=0 (set in the DSN or init commands?): idem needs it on outside its transactions; drop the setting, or use mysql.Open, which manages it", idem.ErrInvalidConfig)
-		}
-		if !strings.EqualFold(completion, "NO_CHAIN") && completion != "0" {
-			return fmt.Errorf("%w: mysql: the pool's sessions run with completion_type=%s: a COMMIT would begin (or disconnect) what idem does not expect; drop the setting", idem.ErrInvalidConfig, completion)
+		if err := d.checkSession(ctx, c); err != nil {
+			return err
 		}
 		if _, err := c.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
 			` (version INT NOT NULL PRIMARY KEY, name VARCHAR(255) NOT NULL, applied_at BIGINT NOT NULL) ENGINE = InnoDB`); err != nil {
@@ -288,6 +292,65 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		}
 		return nil
 	})
+}
+
+// ready returns nil once a pooled connection's session was found fit for
+// the driver's statements (see checkSession); until then it checks one,
+// a single caller at a time, and on success remembers it, so that later
+// calls cost an atomic load. The settings come from the DSN, the pool's
+// init statements or the user's defaults, the same for every connection
+// of a pool, so one connection stands for them all. A failed check is not
+// remembered: a bad setting fails every call, and a check that could not
+// run (no connection, a cancelled context) is run again by the next call.
+// Migrate checks its own connection and counts as a check.
+//
+// It runs before the driver's own transactions (Begin) and its statements
+// on the pool outside a transaction, and not in methods that run in the
+// caller's transaction: those only reach the pool (interning a handler's
+// name, creating a version row) on connections they take themselves,
+// checked there.
+func (d *Driver) ready(ctx context.Context) error {
+	if d.sessionOK.Load() {
+		return nil
+	}
+	select {
+	case d.checking <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("mysql: check the session's settings: %w", ctx.Err())
+	}
+	defer func() { <-d.checking }()
+	if d.sessionOK.Load() {
+		return nil
+	}
+	return d.checkSession(ctx, d.db)
+}
+
+// checkSession reads the session's autocommit and completion_type on q, a
+// connection outside a transaction or the pool, and refuses settings the
+// driver cannot work with: its statements outside a transaction
+// (interning a handler name, lease writes, dead-letter state, stats, the
+// outbox relay's updates) rely on autocommit, and on a session that turns
+// it off they would never commit and would hold their locks for the
+// connection's life; a completion_type of CHAIN begins a transaction at
+// each COMMIT (the same), RELEASE disconnects. A bad setting is an error
+// wrapping idem.ErrInvalidConfig naming it; a failure to read them is
+// returned as it is. Found fit, the driver remembers it (see ready).
+func (d *Driver) checkSession(ctx context.Context, q querier) error {
+	var (
+		autocommit int
+		completion string
+	)
+	if err := q.QueryRowContext(ctx, `SELECT @@autocommit, @@completion_type`).Scan(&autocommit, &completion); err != nil {
+		return fmt.Errorf("mysql: read the session's autocommit and completion_type: %w", err)
+	}
+	if autocommit == 0 {
+		return fmt.Errorf("%w: mysql: the pool's sessions run with autocommit=0 (set in the DSN or init commands?): idem needs it on outside its transactions; drop the setting, or use mysql.Open, which manages it", idem.ErrInvalidConfig)
+	}
+	if !strings.EqualFold(completion, "NO_CHAIN") && completion != "0" {
+		return fmt.Errorf("%w: mysql: the pool's sessions run with completion_type=%s: a COMMIT would begin (or disconnect) what idem does not expect; drop the setting", idem.ErrInvalidConfig, completion)
+	}
+	d.sessionOK.Store(true)
+	return nil
 }
 
 // appliedAlready reports whether a migration statement failed because an
@@ -385,8 +448,12 @@ func (d *Driver) retry(ctx context.Context, f func() error) error {
 // Begin opens a read-write transaction at READ COMMITTED (see the package
 // documentation).
 // On a pool from Open, the transaction sends no begin of its own: its
-// first statement begins it (see Open).
+// first statement begins it (see Open). The driver's first operation
+// checks the pool's session settings first (see New).
 func (d *Driver) Begin(ctx context.Context) (*sql.Tx, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, err
+	}
 	return d.db.BeginTx(context.WithValue(ctx, foldBegin{}, true), d.txOpts)
 }
 

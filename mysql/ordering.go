@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 )
 
@@ -272,6 +273,9 @@ func (d *Driver) SequenceSetMany(ctx context.Context, tx *sql.Tx, p *driver.Sequ
 // loaded server), the first sighting never looks older than it is. An
 // INSERT IGNORE keeps an earlier sighting, which the last read returns.
 func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (driver.GapSightingResult, error) {
+	if err := d.ready(ctx); err != nil {
+		return driver.GapSightingResult{}, err
+	}
 	var first, now int64
 	err := d.retry(ctx, func() error {
 		if err := d.db.QueryRowContext(ctx, `SELECT `+nowMicros).Scan(&now); err != nil {
@@ -292,6 +296,9 @@ func (d *Driver) GapSighting(ctx context.Context, p *driver.GapSightingParams) (
 
 // SequenceLast implements driver.LeaseSequencer.
 func (d *Driver) SequenceLast(ctx context.Context, handler, aggregateID string) (int64, error) {
+	if err := d.ready(ctx); err != nil {
+		return 0, err
+	}
 	var last int64
 	err := d.db.QueryRowContext(ctx, `SELECT COALESCE(MAX(last_seq), 0) FROM `+d.t.sequences+` WHERE handler = ? AND aggregate_id = ?`,
 		handler, aggregateID).Scan(&last)
@@ -304,6 +311,9 @@ func (d *Driver) SequenceLast(ctx context.Context, handler, aggregateID string) 
 // PruneGaps implements driver.GapPruner: one bounded DELETE of sightings
 // whose sequence the guard has reached, or first seen before before.
 func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (int, error) {
+	if err := d.ready(ctx); err != nil {
+		return 0, err
+	}
 	r, err := d.db.ExecContext(ctx, `DELETE g FROM `+d.t.gaps+` g JOIN (
   SELECT g2.handler, g2.aggregate_id, g2.seq FROM `+d.t.gaps+` g2 LEFT JOIN `+d.t.sequences+` s
     ON s.handler = g2.handler AND s.aggregate_id = g2.aggregate_id
@@ -333,7 +343,9 @@ func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (in
 // among themselves (1213), losing their transactions, which are the
 // caller's.
 func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (int64, error) {
-	d.createVersionRow(ctx, p)
+	if err := d.createVersionRow(ctx, p); err != nil {
+		return 0, err
+	}
 	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = LAST_INSERT_ID(version + 1) WHERE stream = ? AND aggregate_id = ?`,
 		p.Stream, p.AggregateID)
 	if err != nil {
@@ -372,18 +384,40 @@ const versionRowWait = 500 * time.Millisecond
 // a server without SET STATEMENT), the caller creates the row inside its
 // transaction, as idem did before this existed. A server that cannot
 // parse SET STATEMENT (MySQL) is not asked again.
-func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) {
+//
+// The INSERT commits by itself, so it runs on a connection whose session
+// settings were checked (see ready), on that connection when the driver
+// has not checked any yet. The error is that check's refusal, wrapping
+// idem.ErrInvalidConfig; whatever else fails leaves the row to the caller.
+func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) error {
 	if d.noSetStatement.Load() || d.versionRows.has(p) || !d.spareConn() {
-		return
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, versionRowWait)
 	defer cancel()
-	if d.execNoWait(ctx, d.db, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
+	var e interface {
+		ExecContext(context.Context, string, ...any) (sql.Result, error)
+	} = d.db
+	if !d.sessionOK.Load() {
+		c, err := d.db.Conn(ctx)
+		if err != nil {
+			return nil
+		}
+		defer c.Close()
+		if err := d.checkSession(ctx, c); errors.Is(err, idem.ErrInvalidConfig) {
+			return err
+		} else if err != nil {
+			return nil
+		}
+		e = c
+	}
+	if d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
 		p.Stream, p.AggregateID) == nil {
 		// The row exists, committed: the INSERT made it, or met it
 		// without waiting.
 		d.versionRows.add(p)
 	}
+	return nil
 }
 
 // errNoSetStatement is execNoWait's error on a server without SET
@@ -444,7 +478,9 @@ func (s *seenRows) add(p *driver.VersionParams) {
 // as VersionNext creates it.
 func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (bool, int64, error) {
 	if p.Expected == 0 {
-		d.createVersionRow(ctx, p)
+		if err := d.createVersionRow(ctx, p); err != nil {
+			return false, 0, err
+		}
 	}
 	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = version + 1 WHERE stream = ? AND aggregate_id = ? AND version = ?`,
 		p.Stream, p.AggregateID, p.Expected)

@@ -182,6 +182,9 @@ func (d *Driver) notParked(o string) string {
 
 // OutboxMarkPublished implements driver.OutboxRelayStore.
 func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
+	if err := d.ready(ctx); err != nil {
+		return err
+	}
 	if len(ids) == 0 {
 		return nil
 	}
@@ -243,6 +246,9 @@ ON DUPLICATE KEY UPDATE owner = owner`, key, until)
 
 // OutboxRelease implements driver.OutboxRelayStore.
 func (d *Driver) OutboxRelease(ctx context.Context, owner string) error {
+	if err := d.ready(ctx); err != nil {
+		return err
+	}
 	err := d.retry(ctx, func() error {
 		_, err := d.db.ExecContext(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE owner = ?`, owner)
 		return err
@@ -255,6 +261,9 @@ func (d *Driver) OutboxRelease(ctx context.Context, owner string) error {
 
 // OutboxStats implements driver.OutboxRelayStore.
 func (d *Driver) OutboxStats(ctx context.Context) (driver.OutboxStats, error) {
+	if err := d.ready(ctx); err != nil {
+		return driver.OutboxStats{}, err
+	}
 	var (
 		s      driver.OutboxStats
 		oldest sql.NullInt64
@@ -279,6 +288,9 @@ FROM `+d.t.outbox).Scan(&s.Pending, &s.Published, &oldest, &s.Failing, &s.Parked
 // deletes expired claims and holds, and the outbox log's entries made
 // before the cut-off.
 func (d *Driver) OutboxPrune(ctx context.Context, before time.Time, after int64, limit int) (int, int64, error) {
+	if err := d.ready(ctx); err != nil {
+		return 0, after, err
+	}
 	if after == 0 {
 		if _, err := d.db.ExecContext(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE claimed_until <= `+nowMicros); err != nil {
 			return 0, after, fmt.Errorf("mysql: prune outbox claims: %w", notMigrated(err))
@@ -309,6 +321,9 @@ WHERE id > ? AND published_at < ? ORDER BY id LIMIT ?) x`, after, micros(before)
 
 // OutboxCountPrunable implements driver.OutboxPrunableCounter.
 func (d *Driver) OutboxCountPrunable(ctx context.Context, before time.Time) (int64, error) {
+	if err := d.ready(ctx); err != nil {
+		return 0, err
+	}
 	var n int64
 	if err := d.db.QueryRowContext(ctx, `SELECT count(*) FROM `+d.t.outbox+` WHERE published_at < ?`, micros(before)).Scan(&n); err != nil {
 		return 0, fmt.Errorf("mysql: count prunable outbox rows: %w", notMigrated(err))

@@ -16,6 +16,9 @@ var _ driver.OutboxAdmin = (*Driver)(nil)
 
 // OutboxList implements driver.OutboxAdmin.
 func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.OutboxPage, error) {
+	if err := d.ready(ctx); err != nil {
+		return driver.OutboxPage{}, err
+	}
 	var page driver.OutboxPage
 	limit, err := f.Check()
 	if err != nil {

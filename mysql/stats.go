@@ -11,6 +11,9 @@ var _ driver.StatsStore = (*Driver)(nil)
 
 // StatsAdd implements driver.StatsStore with one upsert.
 func (d *Driver) StatsAdd(ctx context.Context, handler string, s driver.StatsDelta) error {
+	if err := d.ready(ctx); err != nil {
+		return err
+	}
 	err := d.retry(ctx, func() error {
 		_, err := d.db.ExecContext(ctx, `INSERT INTO `+d.t.handlerStats+` (handler, duplicates, stale, updated_at) VALUES (?, ?, ?, `+nowMicros+`)
 ON DUPLICATE KEY UPDATE duplicates = duplicates + VALUES(duplicates), stale = stale + VALUES(stale), updated_at = VALUES(updated_at)`,
@@ -25,6 +28,9 @@ ON DUPLICATE KEY UPDATE duplicates = duplicates + VALUES(duplicates), stale = st
 
 // StatsRead implements driver.StatsStore.
 func (d *Driver) StatsRead(ctx context.Context) (map[string]driver.StatsDelta, error) {
+	if err := d.ready(ctx); err != nil {
+		return nil, err
+	}
 	rows, err := d.db.QueryContext(ctx, `SELECT handler, duplicates, stale FROM `+d.t.handlerStats)
 	if err != nil {
 		return nil, fmt.Errorf("mysql: read handler stats: %w", notMigrated(err))
