@@ -268,9 +268,20 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		if err := d.checkSession(ctx, c); err != nil {
 			return err
 		}
-		if _, err := c.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
-			` (version INT NOT NULL PRIMARY KEY, name VARCHAR(255) NOT NULL, applied_at BIGINT NOT NULL) ENGINE = InnoDB`); err != nil {
-			return fmt.Errorf("mysql: create migrations table: %w", err)
+		// CREATE TABLE IF NOT EXISTS needs the CREATE privilege even
+		// when the table is there: an account that may only read and
+		// write, calling Migrate at start on a migrated database, would
+		// be refused. So the table is looked up first.
+		var present int
+		if err := c.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?`,
+			d.prefix+"migrations").Scan(&present); err != nil {
+			return fmt.Errorf("mysql: look up the migrations table: %w", err)
+		}
+		if present == 0 {
+			if _, err := c.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS `+d.t.migrations+
+				` (version INT NOT NULL PRIMARY KEY, name VARCHAR(255) NOT NULL, applied_at BIGINT NOT NULL) ENGINE = InnoDB`); err != nil {
+				return fmt.Errorf("mysql: create migrations table: %w", err)
+			}
 		}
 		for _, m := range ms {
 			var n int

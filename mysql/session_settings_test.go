@@ -346,3 +346,65 @@ func prepares(t testing.TB, db *sql.DB) int {
 	}
 	return count() - before
 }
+
+// TestMigrateAsServiceRole: a service whose account may only read and
+// write the tables calls Migrate at start on a database an owner already
+// migrated. That must pass without asking for CREATE.
+func TestMigrateAsServiceRole(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn := testenv.MySQLDatabase(t)
+	owner := testenv.MySQL(t, dsn, 2)
+	drv, err := mysql.New(owner, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := gomysql.ParseDSN(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	user := strings.TrimPrefix(cfg.DBName, "idemtest_") + "_svc"
+	if _, err := owner.ExecContext(ctx, "CREATE USER '"+user+"'@'%' IDENTIFIED BY 'svc'"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := owner.ExecContext(context.Background(), "DROP USER '"+user+"'@'%'"); err != nil {
+			t.Errorf("drop user: %v", err)
+		}
+	})
+	if _, err := owner.ExecContext(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON `"+cfg.DBName+"`.* TO '"+user+"'@'%'"); err != nil {
+		t.Fatal(err)
+	}
+	cfg.User, cfg.Passwd = user, "svc"
+	svc := testenv.MySQL(t, cfg.FormatDSN(), 2)
+	if _, err := svc.ExecContext(ctx, "CREATE TABLE probe_create (x INT)"); err == nil {
+		t.Fatal("the service account may create tables: the test needs one that may not")
+	}
+	drv, err = mysql.New(svc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(ctx); err != nil {
+		t.Fatalf("migrate a migrated database as the service account: %v", err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied := 0
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(context.Context, *sql.Tx, *idem.Message) error {
+		applied++
+		return nil
+	}}
+	for _, id := range []string{"a", "b", "a"} {
+		if _, err := proc.Process(ctx, h, &idem.Message{ID: id, Payload: []byte("x")}); err != nil {
+			t.Fatalf("process %s: %v", id, err)
+		}
+	}
+	if applied != 2 {
+		t.Fatalf("applied %d; want 2", applied)
+	}
+}
