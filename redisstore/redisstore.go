@@ -193,16 +193,22 @@ type Config struct {
 	// handlers that read a driver of their own without it (a Driver is
 	// only its settings: two can share a client). Default false.
 	WriteOnly bool
+	// AllowEviction lets Migrate pass on a server whose eviction policy
+	// may evict markers (see Migrate): for a server whose memory is sized
+	// so that it never reaches maxmemory. A marker evicted is a message
+	// applied again on its next redelivery. Default false.
+	AllowEviction bool
 }
 
 // Driver implements driver.Driver[*redisstore.Tx].
 type Driver struct {
-	client    *redis.Client
-	prefix    string
-	lockTTL   time.Duration
-	markerTTL time.Duration
-	maxKeys   int
-	writeOnly bool
+	client     *redis.Client
+	prefix     string
+	lockTTL    time.Duration
+	markerTTL  time.Duration
+	maxKeys    int
+	writeOnly  bool
+	allowEvict bool
 	// commands is the server's command table, read by the first
 	// write-only commit (see scriptable).
 	commandsMu sync.Mutex
@@ -223,7 +229,7 @@ func New(client *redis.Client, cfg *Config) (*Driver, error) {
 	if cfg == nil {
 		cfg = &Config{}
 	}
-	d := &Driver{client: client, prefix: cfg.Prefix, lockTTL: cfg.LockTTL, markerTTL: cfg.MarkerTTL, maxKeys: cfg.MaxWatchedKeys, writeOnly: cfg.WriteOnly}
+	d := &Driver{client: client, prefix: cfg.Prefix, lockTTL: cfg.LockTTL, markerTTL: cfg.MarkerTTL, maxKeys: cfg.MaxWatchedKeys, writeOnly: cfg.WriteOnly, allowEvict: cfg.AllowEviction}
 	if d.maxKeys < 0 {
 		return nil, fmt.Errorf("%w: redisstore: MaxWatchedKeys %d is negative", idem.ErrInvalidConfig, cfg.MaxWatchedKeys)
 	}
@@ -269,10 +275,40 @@ func (d *Driver) MarkerKey(handler, messageID string) string {
 	return d.prefix + "m:" + handler + "|" + messageID
 }
 
-// Migrate checks that the server answers. Redis needs no schema.
+// Migrate checks that the server answers and will not evict markers.
+// Redis needs no schema. With a maxmemory set, a maxmemory-policy of
+// allkeys-* may evict any key, and volatile-* any key with an expiry,
+// markers included when Config.MarkerTTL gives them one: Migrate refuses
+// those with an error wrapping idem.ErrInvalidConfig, unless
+// Config.AllowEviction. A server that does not let the client read its
+// configuration (CONFIG disabled or not permitted, as on some managed
+// services) is not checked.
 func (d *Driver) Migrate(ctx context.Context) error {
 	if err := d.client.Ping(ctx).Err(); err != nil {
 		return fmt.Errorf("redisstore: ping: %w", err)
+	}
+	if d.allowEvict {
+		return nil
+	}
+	cfg, err := d.client.ConfigGet(ctx, "maxmemory*").Result()
+	if err != nil {
+		var rerr redis.Error
+		if errors.As(err, &rerr) {
+			return nil // CONFIG refused: nothing to check with
+		}
+		return fmt.Errorf("redisstore: read the eviction policy: %w", err)
+	}
+	return d.checkEviction(cfg["maxmemory"], cfg["maxmemory-policy"])
+}
+
+// checkEviction refuses an eviction policy that may evict markers.
+func (d *Driver) checkEviction(maxmemory, policy string) error {
+	if maxmemory == "" || maxmemory == "0" {
+		return nil // no limit: nothing is evicted
+	}
+	policy = strings.ToLower(policy)
+	if strings.HasPrefix(policy, "allkeys-") || (d.markerTTL > 0 && strings.HasPrefix(policy, "volatile-")) {
+		return fmt.Errorf("%w: redisstore: the server runs with maxmemory %s and maxmemory-policy %s, which may evict markers, and a marker evicted is a message applied again on its next redelivery: set maxmemory-policy noeviction (writes then fail while memory is full, and are retried), or set Config.AllowEviction if memory is sized never to fill", idem.ErrInvalidConfig, maxmemory, policy)
 	}
 	return nil
 }

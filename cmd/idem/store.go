@@ -674,12 +674,15 @@ func openStore(ctx context.Context, dsn string, opts storeOptions) (*store, erro
 			s.Close()
 			return nil, &usageError{err: err}
 		}
+		// A ping, not the driver's Migrate: that also refuses a server
+		// that may evict markers, which `idem migrate` reports, but an
+		// operator must still reach the dead letters on it.
 		pctx, cancel := context.WithTimeout(ctx, pingTimeout)
-		err = s.redisDrv.Migrate(pctx)
+		err = s.redisClient.Ping(pctx).Err()
 		cancel()
 		if err != nil {
 			s.Close()
-			return nil, fmt.Errorf("connect to %s: %w", s, err)
+			return nil, fmt.Errorf("connect to %s: redisstore: ping: %w", s, err)
 		}
 	}
 	return s, nil
