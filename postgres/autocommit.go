@@ -28,7 +28,7 @@ type autocommit struct{ d *Driver }
 // sessions' default isolation is READ COMMITTED. When the defaults could
 // not be read it answers false, the safe path.
 func (a autocommit) pooled(ctx context.Context) bool {
-	s := a.d.sessionDefaults(ctx, a.d.pool)
+	s := a.d.sessionDefaults(ctx)
 	return s != nil && s.readCommitted
 }
 
@@ -43,18 +43,20 @@ type sessionSettings struct {
 }
 
 // sessionDefaults returns the settings of the pool's sessions, read once
-// on q (the pool, or a connection the caller holds, never the pool then:
-// it may have no other): one connection speaks for the pool, since they
-// come from the server's configuration, the role, the database or the
-// pool's connection parameters. A failed read returns nil and is tried
-// again next time.
-func (d *Driver) sessionDefaults(ctx context.Context, q querier) *sessionSettings {
+// on the pool (so never while the caller holds a connection: the pool may
+// have no other), outside any transaction: one connection speaks for the pool, since
+// they come from the server's configuration, the role, the database or
+// the pool's connection parameters. A failed read returns nil and is
+// tried again next time. The settings are not read again: a change of
+// the server's configuration while the driver runs is seen by the next
+// process.
+func (d *Driver) sessionDefaults(ctx context.Context) *sessionSettings {
 	if s := d.session.Load(); s != nil {
 		return s
 	}
 	var level string
 	s := &sessionSettings{}
-	err := q.QueryRow(ctx, `SELECT current_setting('default_transaction_isolation'),
+	err := d.pool.QueryRow(ctx, `SELECT current_setting('default_transaction_isolation'),
   current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&level, &s.lockTimeout, &s.statementTimeout)
 	if err != nil {
 		return nil
@@ -205,29 +207,40 @@ func (r *autocommitRows) Err() error {
 // rolled back): the wait lasts as long as the other delivery's handler.
 // A lock_timeout or statement_timeout on the sessions would cut it short
 // with an error, costing the message an attempt where it was a duplicate.
-// So where the sessions set either, the statements that insert markers in
-// a transaction the driver began lift both for themselves: set to 0 in the
-// same round trip before the insert and set back to the sessions' values
-// after it, so the handler's statements keep them. Contexts still bound
-// the wait.
+// So where the sessions set either, the statements that wait on another
+// delivery in a transaction the driver began lift both for themselves:
+// the lift saves the values in force (idem.* placeholders, local to the
+// transaction) and sets them to 0 in the same round trip as the waiting
+// statement, and the restore sets the saved values back after it, so the
+// handler's statements keep them, a SET LOCAL of the caller's included.
+// Contexts still bound the wait. (PostgreSQL 17's transaction_timeout is
+// not lifted.)
 const (
-	liftTimeoutsSQL    = `SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)`
-	restoreTimeoutsSQL = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)`
+	liftTimeoutsSQL = `SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
+  set_config('idem.statement_timeout', current_setting('statement_timeout'), true),
+  set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)`
+	restoreTimeoutsSQL = `SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true),
+  set_config('statement_timeout', current_setting('idem.statement_timeout'), true)`
 )
 
-// timeoutLift lifts the sessions' timeouts around a marker insert; a nil
-// *timeoutLift, for sessions with neither timeout, does nothing.
-type timeoutLift struct{ lock, statement string }
+// timeoutLift lifts the sessions' timeouts around a waiting statement; a
+// nil *timeoutLift, for sessions with neither timeout, does nothing.
+type timeoutLift struct{}
 
-// liftTimeouts returns the lift for the pool's sessions, reading their
-// settings on q the first time: nil when they set neither timeout (or
-// their settings could not be read).
-func (d *Driver) liftTimeouts(ctx context.Context, q querier) *timeoutLift {
-	s := d.sessionDefaults(ctx, q)
-	if s == nil || (s.lockTimeout == "0" && s.statementTimeout == "0") {
+// bounded reports whether the sessions set a lock or statement timeout.
+func (s *sessionSettings) bounded() bool {
+	return s.lockTimeout != "0" || s.statementTimeout != "0"
+}
+
+// liftTimeouts returns the lift for the pool's sessions: nil when they set
+// neither timeout (or their settings could not be read). The caller holds
+// no connection yet (see sessionDefaults).
+func (d *Driver) liftTimeouts(ctx context.Context) *timeoutLift {
+	s := d.sessionDefaults(ctx)
+	if s == nil || !s.bounded() {
 		return nil
 	}
-	return &timeoutLift{lock: s.lockTimeout, statement: s.statementTimeout}
+	return &timeoutLift{}
 }
 
 // off queues the lifting; on queues the restoring.
@@ -239,7 +252,7 @@ func (l *timeoutLift) off(b *pgx.Batch) {
 
 func (l *timeoutLift) on(b *pgx.Batch) {
 	if l != nil {
-		b.Queue(restoreTimeoutsSQL, l.lock, l.statement)
+		b.Queue(restoreTimeoutsSQL)
 	}
 }
 
@@ -261,15 +274,17 @@ func (l *timeoutLift) queued() int {
 }
 
 // liftAround runs f, which waits on concurrent deliveries in tx, with the
-// sessions' timeouts lifted when tx is one the driver began (a caller's
-// transaction keeps the caller's settings). It costs a round trip before
-// and after f, and only on sessions that set a timeout.
+// sessions' timeouts lifted when tx is one of this driver's (from one of
+// its Begin methods; a pgx.Tx of the caller's keeps the caller's
+// settings). It costs a round trip before and after f, and only where the
+// sessions set a timeout, or their settings have not been read yet: they
+// are not read here, inside a transaction whose SET LOCALs would pass for
+// the sessions'.
 func (d *Driver) liftAround(ctx context.Context, tx Tx, f func() error) error {
-	var lift *timeoutLift
-	if _, ours := tx.(*connTx); ours {
-		lift = d.liftTimeouts(ctx, tx)
+	if _, ours := tx.(*connTx); !ours {
+		return f()
 	}
-	if lift == nil {
+	if s := d.session.Load(); s != nil && !s.bounded() {
 		return f()
 	}
 	if _, err := tx.Exec(ctx, liftTimeoutsSQL); err != nil {
@@ -278,6 +293,6 @@ func (d *Driver) liftAround(ctx context.Context, tx Tx, f func() error) error {
 	if err := f(); err != nil {
 		return err
 	}
-	_, err := tx.Exec(ctx, restoreTimeoutsSQL, lift.lock, lift.statement)
+	_, err := tx.Exec(ctx, restoreTimeoutsSQL)
 	return err
 }

@@ -59,7 +59,7 @@ RETURNING last_seq`, []any{p.Handler, p.AggregateID, p.Seq}
 func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdvanceParams) (Tx, driver.SequenceAdvanceResult, error) {
 	// The advance waits on a concurrent delivery of the aggregate: no
 	// session timeout cuts that wait (see liftTimeouts).
-	lift := d.liftTimeouts(ctx, d.pool)
+	lift := d.liftTimeouts(ctx)
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.SequenceAdvanceResult{}, err

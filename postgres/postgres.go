@@ -475,7 +475,7 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
 	}
-	lift := d.liftTimeouts(ctx, d.pool)
+	lift := d.liftTimeouts(ctx)
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, driver.MarkerInsertResult{}, err
@@ -531,7 +531,7 @@ func (d *Driver) beginMarkerInsert(ctx context.Context, p *driver.MarkerInsertPa
 // statements it has not cached, inside the aborted transaction.
 // It serves the markers-only layout, the one a bet is made on.
 func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, m *marker, lift *timeoutLift) (driver.MarkerInsertResult, error) {
-	const int4OID, byteaOID, textOID = 23, 17, 25
+	const int4OID, byteaOID = 23, 17
 	hid := []byte(strconv.Itoa(int(m.hid)))
 	b := &pgconn.Batch{}
 	b.ExecParams("rollback", nil, nil, nil, nil)
@@ -542,7 +542,7 @@ func (d *Driver) reinsertMarker(ctx context.Context, c *pgxpool.Conn, m *marker,
 	b.ExecParams(m.sql.insert, [][]byte{hid, m.key, m.hash}, []uint32{int4OID, byteaOID, byteaOID}, []int16{0, 1, 1}, nil)
 	b.ExecParams(m.sql.selectHash, [][]byte{hid, m.key}, []uint32{int4OID, byteaOID}, []int16{0, 1}, []int16{1})
 	if lift != nil {
-		b.ExecParams(restoreTimeoutsSQL, [][]byte{[]byte(lift.lock), []byte(lift.statement)}, []uint32{textOID, textOID}, nil, nil)
+		b.ExecParams(restoreTimeoutsSQL, nil, nil, nil, nil)
 	}
 	results, err := c.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
 	if err == nil {
@@ -589,7 +589,7 @@ func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 	if err != nil {
 		return nil, nil, err
 	}
-	lift := d.liftTimeouts(ctx, d.pool)
+	lift := d.liftTimeouts(ctx)
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, nil, err
@@ -642,7 +642,7 @@ func (d *Driver) beginMarkerInsertMany(ctx context.Context, p *driver.MarkerInse
 	}
 	res, err := d.markerInsertMany(ctx, tx, mb)
 	if err == nil && lift != nil {
-		_, err = c.Exec(ctx, restoreTimeoutsSQL, lift.lock, lift.statement)
+		_, err = c.Exec(ctx, restoreTimeoutsSQL)
 	}
 	if err != nil {
 		_, _ = tx.end(context.WithoutCancel(ctx), "rollback")

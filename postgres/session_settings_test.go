@@ -333,9 +333,19 @@ func TestSessionTimeoutsSpareMarkerWaits(t *testing.T) {
 			*(n.(*int64))++
 		}
 	}
+	// timeouts reads the timeouts in force in tx.
+	timeouts := func(ctx context.Context, tx postgres.Tx) (string, error) {
+		var lock, stmt string
+		err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&lock, &stmt)
+		return lock + "/" + stmt, err
+	}
+	const sessions = "100ms/300ms"
 	slow := func(name string, ordering *idem.Ordering) *idem.Handler[postgres.Tx] {
 		var mu sync.Mutex
 		return &idem.Handler[postgres.Tx]{Name: name, Ordering: ordering, ApplyBatch: func(ctx context.Context, tx postgres.Tx, msgs []*idem.Message) error {
+			if got, err := timeouts(ctx, tx); err != nil || got != sessions {
+				return fmt.Errorf("the handler runs with timeouts %s (%v), want the sessions' %s", got, err, sessions)
+			}
 			mu.Lock()
 			count(msgs...)
 			mu.Unlock()
@@ -373,14 +383,41 @@ func TestSessionTimeoutsSpareMarkerWaits(t *testing.T) {
 	}
 	msg := func(id string) *idem.Message { return &idem.Message{ID: id, Payload: []byte("x")} }
 
-	h := slow("per-message", nil)
-	if outs := redeliver(one(h, msg("a")), one(h, msg("a"))); outs[0] != idem.Duplicate {
-		t.Fatalf("per message: the redelivery reported %v, want Duplicate", outs[0])
+	// First of all (the driver has not read the sessions' settings yet), a
+	// transaction of the caller's from Driver.Begin with timeouts of its
+	// own: an ordered handler's guard runs in it, and the caller's values
+	// are still in force after, not the sessions'.
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
 	}
+	defer func() { _ = drv.Rollback(ctx, tx) }() // after a failure: the pool's Close would wait for it
+	if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '5s'; SET LOCAL statement_timeout = '6s'`); err != nil {
+		t.Fatal(err)
+	}
+	caller := &idem.Handler[postgres.Tx]{Name: "caller", Ordering: &idem.Ordering{}, Apply: func(context.Context, postgres.Tx, *idem.Message) error { return nil }}
+	if out, err := proc.ProcessTx(ctx, tx, caller, &idem.Message{ID: "c1", AggregateID: "acc", Seq: 1, Payload: []byte("x")}); err != nil || out != idem.Applied {
+		t.Fatalf("ProcessTx: %v, %v", out, err)
+	}
+	if got, err := timeouts(ctx, tx); err != nil || got != "5s/6s" {
+		t.Fatalf("after ProcessTx the caller's transaction runs with timeouts %s (%v), want its own 5s/6s", got, err)
+	}
+	if err := drv.Commit(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+
+	// The batch first: the driver bets on new markers (plain INSERT),
+	// loses, and inserts again aware of conflicts. The per-message case
+	// then runs in the second after a lost bet, on the conflict-aware
+	// insert.
 	hb := slow("batch", nil)
 	outs := redeliver(batch(hb, msg("b1"), msg("b2")), batch(hb, msg("b2"), msg("b3")))
 	if want := []idem.Outcome{idem.Duplicate, idem.Applied}; !slices.Equal(outs, want) {
 		t.Fatalf("batch: the redelivery reported %v, want %v", outs, want)
+	}
+	h := slow("per-message", nil)
+	if outs := redeliver(one(h, msg("a")), one(h, msg("a"))); outs[0] != idem.Duplicate {
+		t.Fatalf("per message: the redelivery reported %v, want Duplicate", outs[0])
 	}
 	hv := slow("version-only", &idem.Ordering{VersionOnly: true})
 	ev := func(seq int64) *idem.Message {
