@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -14,8 +15,9 @@ import (
 // bare or in its bad-connection error, for a server killed mid-command),
 // or the server refusing to serve now: still loading its data (LOADING),
 // a replica refusing writes (READONLY, as after a failover), its primary
-// or cluster down (MASTERDOWN, CLUSTERDOWN). Other network errors are
-// recognized by the core.
+// or cluster down (MASTERDOWN, CLUSTERDOWN), or out of memory under
+// maxmemory-policy noeviction (OOM). Other network errors are recognized
+// by the core.
 func (d *Driver) Unavailable(err error) bool {
 	if err == nil {
 		return false
@@ -23,7 +25,7 @@ func (d *Driver) Unavailable(err error) bool {
 	if errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, io.EOF) {
 		return true
 	}
-	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "BUSY "} {
+	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "BUSY ", "OOM "} {
 		if redis.HasErrorPrefix(err, p) {
 			return true
 		}
@@ -31,15 +33,15 @@ func (d *Driver) Unavailable(err error) bool {
 	return false
 }
 
-// Probe implements driver.Prober: the server answers PING, and is a
-// primary (a replica refuses writes).
+// Probe implements driver.Prober: the server takes a write, as a marker
+// needs. A SET with a short expiry of a key under the prefix fails on a
+// replica (READONLY, as after a failover) and on a server out of memory
+// (OOM), and needs no command a user confined to idem's keys lacks (ROLE,
+// which the probe once read, is an admin command: denied, it kept an
+// outage from ever ending).
 func (d *Driver) Probe(ctx context.Context) error {
-	role, err := d.client.Do(ctx, "ROLE").Slice()
-	if err != nil {
+	if err := d.client.Set(ctx, d.prefix+"probe", "1", time.Second).Err(); err != nil {
 		return fmt.Errorf("redisstore: probe: %w", err)
-	}
-	if len(role) > 0 && role[0] != "master" {
-		return fmt.Errorf("redisstore: probe: the server is a %v, which refuses writes", role[0])
 	}
 	return nil
 }

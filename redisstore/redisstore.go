@@ -806,17 +806,23 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 	}
 	foreign := false // a marker applied by another transaction was watched
 	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
+		var set redis.Cmder
 		if len(keys) == 1 {
-			pipe.SetNX(ctx, keys[0], tx.pending, d.lockTTL)
+			set = pipe.SetNX(ctx, keys[0], tx.pending, d.lockTTL)
 		} else {
 			// One command rather than one per marker: for a batch the
 			// per-command cost, on both ends, is most of the work.
-			setNXScript.EvalSha(ctx, pipe, keys, tx.pending, d.lockTTL.Milliseconds())
+			set = setNXScript.EvalSha(ctx, pipe, keys, tx.pending, d.lockTTL.Milliseconds())
 		}
 		pipe.Do(ctx, watchArgs(keys)...)
 		mget := pipe.MGet(ctx, keys...)
 		return func() (bool, error) {
 			foreign = false
+			// A refused SET (out of memory, a replica) would read below
+			// as a marker another transaction holds: waited on forever.
+			if err := set.Err(); err != nil && !errors.Is(err, redis.Nil) {
+				return false, err
+			}
 			// The caller below names the handler.
 			vals, err := mget.Result()
 			if err != nil {
@@ -850,7 +856,17 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 					delete(tx.claims, keys[k])
 					out[i] = driver.MarkerInsertResult{ExistingHash: []byte(v[len(appliedPrefix):])}
 					foreign = true
-				case v == "" || strings.HasPrefix(v, pendingPrefix):
+				case v == "":
+					// Gone since the SET (a hold let go of), or a key of
+					// another type, which SET NX leaves and MGET reads as
+					// nothing: that would be waited on forever.
+					if t, err := tx.conn.Type(ctx, keys[k]).Result(); err != nil {
+						return false, err
+					} else if t != "none" && t != "string" {
+						return false, fmt.Errorf("redisstore: key %q holds a %s, not an idem marker", keys[k], t)
+					}
+					blocked = k
+				case strings.HasPrefix(v, pendingPrefix):
 					blocked = k
 				default:
 					return false, fmt.Errorf("redisstore: key %q holds %q, not an idem marker", keys[k], v)
@@ -972,9 +988,22 @@ func (d *Driver) Commit(ctx context.Context, tx *Tx) error {
 		// Only queued reads that found nothing (redis.Nil).
 		return d.finish(ctx, tx, false)
 	}
-	// The connection failed: the EXEC may or may not have run. Let go of
-	// what is still this transaction's (nothing, if it ran), so that a
-	// redelivery need not wait for the holds to expire.
+	if redis.HasErrorPrefix(err, "EXECABORT") {
+		// The server refused a command as it was queued (out of memory,
+		// a replica's READONLY) and discarded the transaction: nothing
+		// ran. That command's error says why, and whether it is an
+		// outage.
+		for _, c := range cmds {
+			if cerr := c.Err(); cerr != nil && !errors.Is(cerr, redis.Nil) && !redis.HasErrorPrefix(cerr, "EXECABORT") {
+				err = fmt.Errorf("%s: %w", c.Name(), cerr)
+				break
+			}
+		}
+	}
+	// The connection failed, or the server discarded the transaction:
+	// the EXEC may or may not have run. Let go of what is still this
+	// transaction's (nothing, if it ran), so that a redelivery need not
+	// wait for the holds to expire.
 	return errors.Join(fmt.Errorf("redisstore: commit: %w", err), d.finish(ctx, tx, true))
 }
 

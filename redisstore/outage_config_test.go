@@ -1,0 +1,162 @@
+package redisstore_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/redisstore"
+)
+
+// TestProbeAsRestrictedUser: a user confined to commands that are neither
+// admin nor dangerous (common on managed servers) runs idem; the probe
+// that confirms an outage must answer for it too, or the first outage it
+// confirmed would never end.
+func TestProbeAsRestrictedUser(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.NewRedisServer(t)
+	admin := srv.Client(redis.Options{})
+	if err := admin.Do(ctx, "ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-@dangerous", "-@admin").Err(); err != nil {
+		t.Fatal(err)
+	}
+	app := srv.Client(redis.Options{Username: "app", Password: "pw"})
+	if err := app.Do(ctx, "ROLE").Err(); err == nil {
+		t.Fatal("the restricted user may run ROLE: the test needs one that may not")
+	}
+	drv, err := redisstore.New(app, &redisstore.Config{Prefix: "t:"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Probe(ctx); err != nil {
+		t.Fatalf("probe as a restricted user of a healthy server: %v", err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*redisstore.Tx]{Name: "h", Apply: func(ctx context.Context, tx *redisstore.Tx, _ *idem.Message) error {
+		return tx.Queue().Incr(ctx, "t:n").Err()
+	}}
+	if out, err := proc.Process(ctx, h, &idem.Message{ID: "a", Payload: []byte("x")}); err != nil || out != idem.Applied {
+		t.Fatalf("process as the restricted user: %v, %v", out, err)
+	}
+}
+
+// TestOutOfMemoryIsAnOutage: a server whose memory is full under
+// noeviction (what docs/redis.md asks for) refuses writes with OOM. That
+// is the store being down: the marker insert (per message and in a
+// batch) and a commit refused as its commands are queued return at once
+// with an error Unavailable recognises, the probe fails until memory is
+// freed, and then the messages apply.
+func TestOutOfMemoryIsAnOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.NewRedisServer(t)
+	admin := srv.Client(redis.Options{})
+	client := srv.Client(redis.Options{})
+	drv, err := redisstore.New(client, &redisstore.Config{Prefix: "t:"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	full := func(on bool) {
+		t.Helper()
+		limit := "0"
+		if on {
+			limit = "1"
+		}
+		if err := admin.ConfigSet(ctx, "maxmemory", limit).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := admin.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
+		t.Fatal(err)
+	}
+	fill := false // the handler fills the memory before its write
+	h := &idem.Handler[*redisstore.Tx]{Name: "h", ApplyBatch: func(ctx context.Context, tx *redisstore.Tx, msgs []*idem.Message) error {
+		if fill {
+			full(true)
+		}
+		for _, m := range msgs {
+			if err := tx.Queue().SAdd(ctx, "t:applied", m.ID).Err(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}}
+	msg := func(id string) *idem.Message { return &idem.Message{ID: id, Payload: []byte("x")} }
+	refused := func(what string, f func(ctx context.Context) error) {
+		t.Helper()
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		start := time.Now()
+		err := f(cctx)
+		if err == nil || !drv.Unavailable(err) {
+			t.Fatalf("%s on a full server: %v; want an error Unavailable recognises", what, err)
+		}
+		if took := time.Since(start); took > 3*time.Second {
+			t.Fatalf("%s on a full server took %v: it waited rather than failing", what, took)
+		}
+		if err := drv.Probe(ctx); err == nil {
+			t.Fatalf("%s: the probe passes on a full server", what)
+		}
+	}
+	full(true)
+	refused("a message", func(ctx context.Context) error { _, err := proc.Process(ctx, h, msg("a")); return err })
+	refused("a batch", func(ctx context.Context) error {
+		_, err := proc.ProcessBatch(ctx, h, []*idem.Message{msg("b"), msg("c")})
+		return err
+	})
+	full(false)
+	fill = true
+	refused("a commit", func(ctx context.Context) error { _, err := proc.Process(ctx, h, msg("d")); return err })
+	fill = false
+	full(false)
+	if err := drv.Probe(ctx); err != nil {
+		t.Fatalf("probe once memory is freed: %v", err)
+	}
+	if outs, err := proc.ProcessBatch(ctx, h, []*idem.Message{msg("a"), msg("b"), msg("c"), msg("d")}); err != nil {
+		t.Fatalf("after the outage: %v, %v", outs, err)
+	}
+	got, err := admin.SMembers(ctx, "t:applied").Result()
+	if err != nil || len(got) != 4 {
+		t.Fatalf("applied %v (%v), want a, b, c and d", got, err)
+	}
+}
+
+// TestMarkerKeyOfAnotherType: a key of another type where a marker goes
+// (a prefix shared with other data) is reported at once, not waited on as
+// if another transaction held the marker.
+func TestMarkerKeyOfAnotherType(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	c, prefix := testenv.Redis(t)
+	drv, err := redisstore.New(c, &redisstore.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.HSet(ctx, drv.MarkerKey("h", "a"), "f", "v").Err(); err != nil {
+		t.Fatal(err)
+	}
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*redisstore.Tx]{Name: "h", Apply: func(context.Context, *redisstore.Tx, *idem.Message) error { return nil }}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	_, err = proc.Process(cctx, h, &idem.Message{ID: "a", Payload: []byte("x")})
+	if err == nil || errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "not an idem marker") {
+		t.Fatalf("a hash at the marker's key: %v; want an error saying it is not an idem marker", err)
+	}
+}
