@@ -31,7 +31,7 @@ const (
 // updates the row it wrote.
 func (d *Driver) DeadLetterPut(ctx context.Context, dl *driver.DeadLetter) (int64, error) {
 	now := time.Now().UnixMicro()
-	tx, err := d.db.BeginTx(ctx, nil)
+	tx, err := d.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: store dead letter: %w", err)
 	}
@@ -160,7 +160,7 @@ func (d *Driver) DeadLetterSetState(ctx context.Context, c *driver.DeadLetterSta
 		args = append(args, s)
 	}
 	args = append(args, sqlfilter.JSONIDs(c.IDs))
-	tx, err := d.db.BeginTx(ctx, nil)
+	tx, err := d.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("sqlite: set dead-letter state: %w", err)
 	}

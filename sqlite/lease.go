@@ -24,7 +24,14 @@ var (
 // LeaseClaim implements driver.LeaseDriver with one INSERT … ON CONFLICT DO
 // UPDATE … WHERE … RETURNING: SQLite runs it atomically under its single
 // writer lock, so two claimers (goroutines or processes) never both win.
+//
+// Lease mode begins no transaction of the driver's before its first claim,
+// so the claim checks the journal mode first, until a check passed (see
+// New).
 func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (driver.LeaseClaimResult, error) {
+	if err := d.ready(ctx, d.db); err != nil {
+		return driver.LeaseClaimResult{}, err
+	}
 	now := time.Now()
 	until := now.Add(p.TTL)
 	var (
@@ -76,7 +83,7 @@ WHERE handler = ? AND message_id = ? AND token = ? AND status = 'running'`
 	}
 	// Mark done and advance the aggregate's sequence in one transaction;
 	// the sequence moves only if the fenced update matched.
-	tx, err := d.db.BeginTx(ctx, nil)
+	tx, err := d.Begin(ctx)
 	if err != nil {
 		return driver.LeaseWriteResult{}, fmt.Errorf("sqlite: lease mark done: %w", err)
 	}

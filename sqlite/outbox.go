@@ -58,7 +58,7 @@ func wrapOutboxAdd(err error) error {
 // transaction (SQLite has one writer, so the steps cannot interleave with
 // another relay's).
 func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) (out []driver.OutboxRow, err error) {
-	tx, err := d.db.BeginTx(ctx, nil)
+	tx, err := d.Begin(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("sqlite: claim outbox rows: %w", err)
 	}
@@ -162,7 +162,7 @@ func (d *Driver) OutboxMarkPublished(ctx context.Context, ids []int64) error {
 // OutboxFailed implements driver.OutboxRelayStore: the attempt and the
 // key's hold in one transaction.
 func (d *Driver) OutboxFailed(ctx context.Context, owner string, id int64, errText string, holdFor time.Duration) (err error) {
-	tx, err := d.db.BeginTx(ctx, nil)
+	tx, err := d.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("sqlite: record outbox failure: %w", err)
 	}

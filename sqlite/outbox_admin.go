@@ -177,7 +177,7 @@ func (d *Driver) outboxAct(ctx context.Context, ids []int64, anyKey bool, act fu
 	if len(ids) == 0 {
 		return res, nil
 	}
-	tx, err := d.db.BeginTx(ctx, nil)
+	tx, err := d.Begin(ctx)
 	if err != nil {
 		return res, err
 	}

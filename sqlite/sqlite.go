@@ -13,6 +13,14 @@
 //
 // Handlers receive the *sql.Tx that holds the marker.
 //
+// The connections of a *sql.DB opened otherwise must keep a journal on
+// disk (WAL, or a rollback journal: DELETE, TRUNCATE, PERSIST): without
+// one SQLite cannot undo a failed statement, and a crash mid-commit can
+// corrupt the file. journal_mode=OFF, and MEMORY on a database file, are
+// refused with idem.ErrInvalidConfig, by Migrate and by the driver's first
+// transaction (see New). synchronous is the caller's choice, with the
+// costs OpenOptions.Synchronous lists.
+//
 // SQLite has one writer at a time. Open limits the pool to one connection,
 // so concurrent Process calls queue in Go rather than spin on SQLITE_BUSY;
 // a handler must therefore do all its work through the transaction it is
@@ -31,6 +39,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -66,6 +75,11 @@ type Driver struct {
 
 	maintenance sync.Mutex // one pruner at a time in this process
 
+	// journalOK says a connection of the pool was found to run in a
+	// journal mode the driver can work with (see ready); once true it
+	// stays true.
+	journalOK atomic.Bool
+
 	schemaWritable func() // tests: called once migration 010 turned writable_schema on
 }
 
@@ -89,7 +103,12 @@ type OpenOptions struct {
 	// Synchronous is the synchronous pragma: "FULL" (default) makes every
 	// commit durable against power loss, which "nothing is lost" needs
 	// when the broker is acknowledged after commit; "NORMAL" is faster
-	// and durable against process crashes only.
+	// and durable against process crashes only. "OFF" never waits for the
+	// disk: a process crash still loses nothing (the commit reached the
+	// operating system), but an operating-system crash or power loss may
+	// lose commits already acknowledged to the broker, markers and effects
+	// alike, and may corrupt the file; it is accepted, for tests and data
+	// that can be rebuilt.
 	Synchronous string
 	// BusyTimeout bounds waiting for a lock held by another process.
 	// Default 10s.
@@ -143,6 +162,18 @@ func Open(path string, opts *OpenOptions) (*sql.DB, error) {
 
 // New returns a driver over db. It prepares no statements and does not touch
 // the schema until Migrate.
+//
+// The driver needs a journal on disk (see the package documentation):
+// Migrate, and the driver's first transaction or lease claim (a service may
+// run on a file another process migrated), read the connection's
+// journal_mode and refuse OFF, and MEMORY on a database file, with an error
+// wrapping idem.ErrInvalidConfig that names the setting; so does every
+// later call until a check passes. A passed check is kept for the driver's
+// life and costs an atomic load after; a check that could not run (a
+// connection error, a cancelled context) is made again. journal_mode is a
+// setting of each connection, which a DSN's pragmas set alike on every
+// connection of the pool, so one connection is checked: a mode changed
+// afterwards on some connection is not seen.
 func New(db *sql.DB, cfg *Config) (*Driver, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: sqlite: nil *sql.DB", idem.ErrInvalidConfig)
@@ -176,8 +207,14 @@ func New(db *sql.DB, cfg *Config) (*Driver, error) {
 func (d *Driver) DB() *sql.DB { return d.db }
 
 // Migrate applies the embedded migrations not yet recorded, each in its own
-// transaction, and prepares the driver's statements.
+// transaction, and prepares the driver's statements. It first checks the
+// journal mode, as the driver's first transaction does (see New), and
+// refuses journal_mode=OFF, and MEMORY on a database file, with an error
+// wrapping idem.ErrInvalidConfig.
 func (d *Driver) Migrate(ctx context.Context) error {
+	if err := d.ready(ctx, d.db); err != nil {
+		return err
+	}
 	ms, err := migrations.Load(migrationFS, "migrations", strings.NewReplacer(
 		"{{processed}}", d.tables.processed,
 		"{{sequences}}", d.tables.sequences,
@@ -304,9 +341,19 @@ ON CONFLICT (handler, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`,
 var errNotMigrated = errors.New("sqlite: driver not migrated: call Migrate first")
 
 // Begin opens an IMMEDIATE transaction (when the database was opened with
-// Open), so the write lock is taken up front and never upgraded.
+// Open), so the write lock is taken up front and never upgraded. Until a
+// check passed, it checks the journal mode of the transaction's connection
+// first (see New).
 func (d *Driver) Begin(ctx context.Context) (*sql.Tx, error) {
-	return d.db.BeginTx(ctx, nil)
+	tx, err := d.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.ready(ctx, tx); err != nil {
+		_ = tx.Rollback()
+		return nil, err
+	}
+	return tx, nil
 }
 
 // Commit commits tx.
@@ -388,6 +435,10 @@ const markerChunk = 32
 // existing marker fails with a key violation, which in SQLite undoes that
 // statement only, not the transaction; the chunk then runs again row by row
 // with ON CONFLICT DO NOTHING, which tells new markers from existing ones.
+// Undoing the statement needs a journal: at journal_mode=OFF the
+// rows before the existing marker would stay and be taken for duplicates,
+// so the driver refuses that mode: Migrate, which prepares the statements
+// used here, checks it first (see New).
 func (d *Driver) MarkerInsertMany(ctx context.Context, tx *sql.Tx, p *driver.MarkerInsertManyParams) ([]driver.MarkerInsertResult, error) {
 	if d.insertMarker == nil {
 		return nil, errNotMigrated
