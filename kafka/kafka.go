@@ -74,7 +74,10 @@ type Config struct {
 	// Options are extra franz-go client options (TLS, SASL, ...), applied
 	// after the Consumer's own. Of those, kgo.FetchMaxWait is 250 ms
 	// rather than kgo's 5 s: it bounds how late a partition resumes after
-	// a retry's delay. kgo.OnPartitionsCallbackBlocked,
+	// a retry's delay; and kgo.FetchIsolationLevel is read_committed
+	// rather than kgo's read_uncommitted: a record of a transaction its
+	// producer aborted is never handed over (applied, it could not be
+	// taken back), nor one of a transaction still open. kgo.OnPartitionsCallbackBlocked,
 	// kgo.OnPartitionsRevoked and kgo.OnPartitionsLost are the Consumer's
 	// own and cannot be replaced (a poll yields to a rebalance; a
 	// partition given up is no longer held for a retry): the Consumer's
@@ -171,6 +174,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		// fetch already waiting on the others returns: at most this late
 		// (kgo's default is 5 s).
 		kgo.FetchMaxWait(fetchMaxWait),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		// The client's own warnings and errors (a broker it cannot
 		// reach, a group it cannot join) go to Logger; a kgo.WithLogger
 		// in Options replaces this.
@@ -474,6 +478,11 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 			ds := make([]*idem.Delivery, len(handled))
 			for j, i := range handled {
 				ds[j] = m.delivery(chunk[i])
+				// Stopping Run during an outage ends the wait for the
+				// store: the delivery comes back held (no attempt) and
+				// its partition is not committed past it. Without it,
+				// Run returned only once the store answered again.
+				ds[j].Stopping = ctx.Done()
 				attempts[i] = ds[j].Attempt
 			}
 			for j, v := range m.decide(ctx, bh, batched, ds) {

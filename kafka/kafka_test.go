@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -23,6 +24,7 @@ import (
 	"github.com/idemhq/idem/internal/adaptertest"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
+	"github.com/idemhq/idem/sqlite"
 )
 
 const topic = "credits"
@@ -721,5 +723,132 @@ func TestUnreachableClusterIsLogged(t *testing.T) {
 	}
 	if out := buf.String(); !strings.Contains(out, "level=WARN") && !strings.Contains(out, "level=ERROR") || !strings.Contains(out, "kafka: ") {
 		t.Fatalf("nothing logged about the unreachable broker in 3 s: %q", out)
+	}
+}
+
+// TestStopDuringStoreOutage: Run is cancelled while the store is down and
+// a record waits for it. Run returns at once rather than when the store
+// answers again, commits nothing past the record, and a member started
+// once the store is back applies it, once.
+func TestStopDuringStoreOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	_, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var applied atomic.Int32
+	h := &idem.Handler[*sql.Tx]{Name: "proj", Apply: func(context.Context, *sql.Tx, *idem.Message) error {
+		applied.Add(1)
+		return nil
+	}}
+	consumer, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The store is down: another connection holds the file's lock.
+	locker, err := sqlite.Open(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close()
+	lock, err := locker.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Close()
+	if _, err := lock.ExecContext(ctx, "BEGIN EXCLUSIVE"); err != nil {
+		t.Fatal(err)
+	}
+	b := newBroker(t).(*broker)
+	b.produce(t, []*kgo.Record{{Key: []byte("k"), Value: []byte("v"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte("m1")}}}})
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- b.consumer(t, consumer, nil, 1).Run(rctx) }()
+	time.Sleep(2 * time.Second) // the record is fetched and held
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		_, _ = lock.ExecContext(ctx, "ROLLBACK")
+		<-done
+		t.Fatal("Run went on for 5 s after its context ended, waiting for the store")
+	}
+	if _, err := lock.ExecContext(ctx, "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+	if n := applied.Load(); n != 0 {
+		t.Fatalf("applied %d times while the store was down", n)
+	}
+	kill := b.start(t, b.consumer(t, consumer, nil, 1))
+	defer kill()
+	for deadline := time.Now().Add(15 * time.Second); applied.Load() == 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the record was not applied once the store was back")
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // a second application would show by now
+	kill()
+	if n := applied.Load(); n != 1 {
+		t.Fatalf("applied %d times, want once", n)
+	}
+}
+
+// TestAbortedTransactionNotApplied: a transactional producer aborts a
+// record; the Consumer hands over only the committed record after it.
+func TestAbortedTransactionNotApplied(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := newBroker(t).(*broker)
+	tcl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.TransactionalID("aborting"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tcl.Close()
+	if err := tcl.BeginTransaction(); err != nil {
+		t.Fatal(err)
+	}
+	rec := func(id string) *kgo.Record {
+		return &kgo.Record{Key: []byte("k"), Value: []byte(id), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(id)}}}
+	}
+	if err := tcl.ProduceSync(ctx, rec("aborted")).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	if err := tcl.EndTransaction(ctx, kgo.TryAbort); err != nil {
+		t.Fatal(err)
+	}
+	b.produce(t, []*kgo.Record{rec("committed")})
+	var (
+		mu   sync.Mutex
+		seen []string
+	)
+	h := idem.DeliveryHandlerFunc(func(_ context.Context, d *idem.Delivery) idem.Verdict {
+		mu.Lock()
+		defer mu.Unlock()
+		if d.Msg != nil {
+			seen = append(seen, d.Msg.ID)
+		}
+		return idem.Verdict{Ack: true}
+	})
+	kill := b.Start(t, h)
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		mu.Lock()
+		n := len(seen)
+		mu.Unlock()
+		if n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the committed record was not handed over")
+		}
+	}
+	time.Sleep(300 * time.Millisecond) // the partition's last record is the committed one
+	kill()
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(seen, []string{"committed"}) {
+		t.Fatalf("handed over %v, want only the committed record", seen)
 	}
 }
