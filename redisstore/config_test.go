@@ -37,6 +37,18 @@ func TestProbeAsRestrictedUser(t *testing.T) {
 	if err := drv.Probe(ctx); err != nil {
 		t.Fatalf("probe as a restricted user of a healthy server: %v", err)
 	}
+	// A user confined to the keys idem's processing writes, without the
+	// probe's: the probe answers all the same.
+	if err := admin.Do(ctx, "ACL", "SETUSER", "keys", "on", ">pw", "~t:m:*", "~t:n", "&*", "+@all", "-@dangerous", "-@admin").Err(); err != nil {
+		t.Fatal(err)
+	}
+	keys, err := redisstore.New(srv.Client(redis.Options{Username: "keys", Password: "pw"}), &redisstore.Config{Prefix: "t:"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := keys.Probe(ctx); err != nil {
+		t.Fatalf("probe as a user denied the probe's key: %v", err)
+	}
 	proc, err := idem.NewProcessor(drv, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -50,8 +62,9 @@ func TestProbeAsRestrictedUser(t *testing.T) {
 }
 
 // TestOutOfMemoryIsAnOutage: a server whose memory is full under
-// noeviction (what docs/redis.md asks for) refuses writes with OOM. That
-// is the store being down: the marker insert (per message and in a
+// noeviction (what docs/redis.md asks for) refuses writes with OOM, and
+// one short of min-replicas-to-write with NOREPLICAS. That is the store
+// being down: the marker insert (per message and in a
 // batch) and a commit refused as its commands are queued return at once
 // with an error Unavailable recognises, the probe fails until memory is
 // freed, and then the messages apply.
@@ -110,6 +123,14 @@ func TestOutOfMemoryIsAnOutage(t *testing.T) {
 		if err := drv.Probe(ctx); err == nil {
 			t.Fatalf("%s: the probe passes on a full server", what)
 		}
+	}
+	// Fewer replicas than min-replicas-to-write: writes refused too.
+	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	refused("a message without its replicas", func(ctx context.Context) error { _, err := proc.Process(ctx, h, msg("a")); return err })
+	if err := admin.ConfigSet(ctx, "min-replicas-to-write", "0").Err(); err != nil {
+		t.Fatal(err)
 	}
 	full(true)
 	refused("a message", func(ctx context.Context) error { _, err := proc.Process(ctx, h, msg("a")); return err })

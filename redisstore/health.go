@@ -15,9 +15,11 @@ import (
 // bare or in its bad-connection error, for a server killed mid-command),
 // or the server refusing to serve now: still loading its data (LOADING),
 // a replica refusing writes (READONLY, as after a failover), its primary
-// or cluster down (MASTERDOWN, CLUSTERDOWN), or out of memory under
-// maxmemory-policy noeviction (OOM). Other network errors are recognized
-// by the core.
+// or cluster down (MASTERDOWN, CLUSTERDOWN), out of memory under
+// maxmemory-policy noeviction (OOM), failing its snapshots under
+// stop-writes-on-bgsave-error (MISCONF) or short of the replicas
+// min-replicas-to-write asks for (NOREPLICAS). Other network errors are
+// recognized by the core.
 func (d *Driver) Unavailable(err error) bool {
 	if err == nil {
 		return false
@@ -25,7 +27,7 @@ func (d *Driver) Unavailable(err error) bool {
 	if errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, io.EOF) {
 		return true
 	}
-	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "BUSY ", "OOM "} {
+	for _, p := range []string{"LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "BUSY ", "OOM ", "MISCONF ", "NOREPLICAS "} {
 		if redis.HasErrorPrefix(err, p) {
 			return true
 		}
@@ -39,8 +41,13 @@ func (d *Driver) Unavailable(err error) bool {
 // (OOM), and needs no command a user confined to idem's keys lacks (ROLE,
 // which the probe once read, is an admin command: denied, it kept an
 // outage from ever ending).
+//
+// A user whose ACL denies the probe's key (NOPERM) is answered: the server
+// serves, and holding deliveries for an outage the probe cannot confirm
+// would hold them for good.
 func (d *Driver) Probe(ctx context.Context) error {
-	if err := d.client.Set(ctx, d.prefix+"probe", "1", time.Second).Err(); err != nil {
+	err := d.client.Set(ctx, d.prefix+"probe", "1", time.Second).Err()
+	if err != nil && !redis.HasErrorPrefix(err, "NOPERM") {
 		return fmt.Errorf("redisstore: probe: %w", err)
 	}
 	return nil
