@@ -1,12 +1,14 @@
 package rabbitmq
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"hash/maphash"
 	"log/slog"
 	"maps"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -203,7 +205,11 @@ func New(cfg *Config) (*Consumer, error) {
 // (Config.Reconnect), and the deliveries the lost channel held come back
 // from the queue (a decided one as a Duplicate). When ctx ends, the
 // deliveries being decided are finished and settled first, and those
-// received but not started are returned to the queue (nack with requeue).
+// received but not started are returned to the queue: nacked with requeue,
+// which keeps their place; or, when the store was down (a delivery was
+// held by the outage), republished to the queue as copies that keep their
+// attempt, and then acked, so that a stop during an outage spends no
+// attempt and no delivery-limit.
 func (c *Consumer) Run(ctx context.Context) error {
 	failures := 0
 	for {
@@ -332,11 +338,9 @@ loop:
 		}
 	}
 	s.closeLanes()
-	// Nothing not started is left unsettled on a live channel: nack
-	// with requeue (a closed channel requeues them on its own).
-	for _, p := range s.leftover {
-		s.requeue(p)
-	}
+	// Nothing not started is left unsettled on a live channel: returned
+	// to the queue (a closed channel requeues them on its own).
+	s.returnLeftovers(stopped)
 	if stopped {
 		return true, ctx.Err()
 	}
@@ -383,6 +387,7 @@ type session struct {
 	wg       sync.WaitGroup
 	mu       sync.Mutex
 	leftover []pending // received, not started when the session stopped
+	held     bool      // a delivery was held by a store outage when the session stopped
 }
 
 // startLanes starts Concurrency lanes.
@@ -515,8 +520,12 @@ func (s *session) settle(p pending, v idem.Verdict) {
 	}
 	if errors.Is(v.Err, idem.ErrStoreUnavailable) && s.stopped() {
 		// Held while the store was down and the session stopped: no
-		// attempt of the message. Back to the queue as it was.
-		s.requeue(p)
+		// attempt of the message. It goes back to the queue with those
+		// not started, once the lanes are done (returnLeftovers).
+		s.mu.Lock()
+		s.leftover = append(s.leftover, p)
+		s.held = true
+		s.mu.Unlock()
 		return
 	}
 	err := s.rt.republish(p.m, p.d.Attempt+1, v.RetryAfter)
@@ -539,6 +548,68 @@ func (s *session) settle(p pending, v idem.Verdict) {
 		t.Stop()
 	}
 	s.requeue(p)
+}
+
+// returnLeftovers returns to the queue what the session received and never
+// attempted: the deliveries not started, and those held by a store outage
+// when it stopped. Called once the lanes are done.
+//
+// A requeue (nack) keeps a message's place in the queue, but a quorum
+// queue counts it in x-delivery-count, which attemptOf adds to the attempt,
+// and in its delivery-limit; a classic queue marks it redelivered, one
+// attempt more. That is the price of an ordinary stop. A stop while the
+// store is down costs nothing instead: the outage may outlast many stops
+// (a supervisor restarting the process whose store does not answer), and
+// an outage must spend no attempt. So when a delivery was held by the
+// outage and Run's context ended (graceful), each is republished to the
+// work queue, in delivery order, as a copy carrying the attempt it was
+// (HeaderAttempt, without x-delivery-count: the next delivery is that
+// same attempt, and the broker's delivery-limit counts from zero), and
+// the originals are acked once the broker confirmed every copy. The
+// copies join the back of the queue, as retries do: later messages of
+// their aggregates may overtake them. If a copy is not confirmed, every
+// original is requeued instead (a copy the broker did take is then
+// decided as a Duplicate): nothing is lost.
+func (s *session) returnLeftovers(graceful bool) {
+	s.mu.Lock()
+	ps, held := s.leftover, s.held
+	s.leftover = nil
+	s.mu.Unlock()
+	if len(ps) == 0 {
+		return
+	}
+	if !graceful || !held {
+		for _, p := range ps {
+			s.requeue(p)
+		}
+		return
+	}
+	slices.SortFunc(ps, func(a, b pending) int { return cmp.Compare(a.m.DeliveryTag, b.m.DeliveryTag) })
+	ms := make([]*amqp.Delivery, len(ps))
+	for i, p := range ps {
+		ms[i] = p.m
+	}
+	log := s.c.cfg.Logger
+	if err := s.rt.putBack(ms); err != nil {
+		log.Warn("rabbitmq: copies of the deliveries held by the store outage not confirmed on stop; requeueing them (a quorum queue counts the return as an attempt)", slog.Int("deliveries", len(ps)), slog.Any("error", err))
+		for _, p := range ps {
+			s.requeue(p)
+		}
+		return
+	}
+	// One ack of them all (multiple): every delivery of the channel not
+	// yet settled is one of ps, since the lanes are done and the consumer
+	// cancelled (its deliveries all came before the cancel-ok). Acks one
+	// by one could be lost: a quorum queue's channel holds back its
+	// settlements past 32 outstanding ones, and drops what it holds when
+	// the connection closes right after, which returned the originals
+	// beside their copies.
+	if err := s.ch.Ack(ps[len(ps)-1].m.DeliveryTag, true); err != nil {
+		// The copies are in the queue and the originals come back
+		// when the channel closes: idem decides the second of each
+		// pair as a Duplicate.
+		log.Warn("rabbitmq: ack after returning copies on stop failed; those messages will be delivered twice", slog.Int("deliveries", len(ps)), slog.Any("error", err))
+	}
 }
 
 // requeue returns p to its queue.

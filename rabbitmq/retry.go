@@ -124,28 +124,7 @@ func declareTier(ch *amqp.Channel, queue, queueType string, tier time.Duration) 
 // routing key in HeaderRoutingKey.
 func (r *retrier) republish(m *amqp.Delivery, attempt int, delay time.Duration) error {
 	tier := tierOf(delay)
-	h := amqp.Table{}
-	for k, v := range m.Headers {
-		switch k {
-		case "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", headerDeliveryCount:
-			continue
-		}
-		h[k] = v
-	}
-	h[HeaderAttempt] = int64(attempt)
-	if _, ok := h[HeaderRoutingKey]; !ok {
-		h[HeaderRoutingKey] = m.RoutingKey
-	}
-	pub := amqp.Publishing{
-		Headers: h, ContentType: m.ContentType, ContentEncoding: m.ContentEncoding,
-		DeliveryMode: m.DeliveryMode, Priority: m.Priority, CorrelationId: m.CorrelationId,
-		ReplyTo: m.ReplyTo, MessageId: m.MessageId, Timestamp: m.Timestamp, Type: m.Type,
-		AppId: m.AppId, Body: m.Body,
-	}
-	if pub.DeliveryMode == 0 {
-		pub.DeliveryMode = amqp.Persistent
-	}
+	pub := copyOf(m, attempt)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if !r.declared[tier] {
@@ -182,4 +161,91 @@ func (r *retrier) republish(m *amqp.Delivery, attempt int, delay time.Duration) 
 		return fmt.Errorf("%w: retry copy to %s", ErrNacked, name)
 	}
 	return nil
+}
+
+// putBack puts a copy of each of ms, in order, straight into the work
+// queue (through the default exchange, mandatory), each for the attempt
+// it was (attemptOf: its idem-attempt plus the returns the queue counted,
+// which the copy no longer carries), and waits for the broker's confirm of
+// every one. An error means some copy may be missing: the caller must then
+// return the originals.
+func (r *retrier) putBack(ms []*amqp.Delivery) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), confirmWait)
+	defer cancel()
+	dcs := make([]*amqp.DeferredConfirmation, 0, len(ms))
+	for _, m := range ms {
+		dc, err := r.ch.PublishWithDeferredConfirmWithContext(ctx, "", r.queue, true, false, copyOf(m, attemptOf(m.Headers, m.Redelivered)))
+		if err != nil {
+			return fmt.Errorf("rabbitmq: publish a copy to %s: %w", r.queue, err)
+		}
+		dcs = append(dcs, dc)
+	}
+	// The confirms come in order, each publish's return (if any) before
+	// its confirm. Returns are taken while waiting: the client hands them
+	// over on the connection's reader, which a full buffer would block.
+	returned, nacked := false, false
+	for _, dc := range dcs {
+		for waiting := true; waiting; {
+			select {
+			case <-dc.Done():
+				waiting = false
+			case _, open := <-r.returns:
+				if !open {
+					return fmt.Errorf("rabbitmq: copies to %s: %w", r.queue, amqp.ErrClosed)
+				}
+				returned = true
+			case <-ctx.Done():
+				return fmt.Errorf("rabbitmq: confirm of the copies to %s: %w", r.queue, ctx.Err())
+			}
+		}
+		nacked = nacked || !dc.Acked()
+	}
+	for drained := false; !drained; {
+		select {
+		case _, open := <-r.returns:
+			returned, drained = returned || open, !open
+		default:
+			drained = true
+		}
+	}
+	switch {
+	case returned:
+		return fmt.Errorf("%w: copy to %s", ErrUnroutable, r.queue)
+	case nacked:
+		// Also a channel closed before the confirm.
+		return fmt.Errorf("%w: copy to %s", ErrNacked, r.queue)
+	}
+	return nil
+}
+
+// copyOf returns a copy of m for attempt: m's body, properties and headers
+// (but an expiration, x-delivery-count, and the x-death history the retry
+// queues add), with the attempt in HeaderAttempt and m's first routing key
+// in HeaderRoutingKey.
+func copyOf(m *amqp.Delivery, attempt int) amqp.Publishing {
+	h := amqp.Table{}
+	for k, v := range m.Headers {
+		switch k {
+		case "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", headerDeliveryCount:
+			continue
+		}
+		h[k] = v
+	}
+	h[HeaderAttempt] = int64(attempt)
+	if _, ok := h[HeaderRoutingKey]; !ok {
+		h[HeaderRoutingKey] = m.RoutingKey
+	}
+	pub := amqp.Publishing{
+		Headers: h, ContentType: m.ContentType, ContentEncoding: m.ContentEncoding,
+		DeliveryMode: m.DeliveryMode, Priority: m.Priority, CorrelationId: m.CorrelationId,
+		ReplyTo: m.ReplyTo, MessageId: m.MessageId, Timestamp: m.Timestamp, Type: m.Type,
+		AppId: m.AppId, Body: m.Body,
+	}
+	if pub.DeliveryMode == 0 {
+		pub.DeliveryMode = amqp.Persistent
+	}
+	return pub
 }
