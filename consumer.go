@@ -2,7 +2,6 @@ package idem
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -461,7 +460,10 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 		}
 		if d.Msg.Validate() == nil { // invalid IDs are not storable as keys
 			dl.MessageID, dl.PayloadHash = d.Msg.ID, d.Msg.PayloadHash()
-			if env, err := json.Marshal(d.Msg); err == nil && !strings.Contains(string(env), `\u0000`) {
+			// Lossless and storable whatever the headers, Type or Time
+			// hold (see envelope.go): a dead letter without an envelope
+			// can never be replayed.
+			if env, err := marshalEnvelope(d.Msg); err == nil {
 				dl.Envelope = env
 			}
 		}
@@ -648,16 +650,18 @@ func (c *deliveries) replayClaimed(ctx context.Context, id int64, res *ReplayRes
 	}
 	dl := &dls[0]
 	var msg *Message
+	why := "no envelope to replay"
 	if dl.Envelope != nil {
-		var m Message
-		if json.Unmarshal(dl.Envelope, &m) == nil {
-			msg = &m
+		m, err := unmarshalEnvelope(dl.Envelope)
+		if err != nil {
+			why = "envelope not readable: " + storableText(err.Error())
 		}
+		msg = m
 	}
 	if msg == nil {
 		// Nothing to run: park it again, it needs a person.
 		if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
-			To: driver.DeadLetterParked, Actor: c.actor(), Outcome: "no envelope to replay"}); err != nil {
+			To: driver.DeadLetterParked, Actor: c.actor(), Outcome: why}); err != nil {
 			return err
 		}
 		res.Parked++
@@ -774,12 +778,10 @@ func (c *deliveries) inSeqOrder(ctx context.Context, ids []int64) ([]int64, erro
 		if err != nil {
 			return nil, fmt.Errorf("idem: read dead letter %d to order its replay: %w", id, err)
 		}
-		var key struct {
-			ID, AggregateID string
-			Seq             int64
-		}
-		if len(dls) == 1 && dls[0].Envelope != nil && json.Unmarshal(dls[0].Envelope, &key) == nil {
-			msgs[k] = &Message{ID: key.ID, AggregateID: key.AggregateID, Seq: key.Seq}
+		if len(dls) == 1 && dls[0].Envelope != nil {
+			if m, err := unmarshalEnvelope(dls[0].Envelope); err == nil {
+				msgs[k] = &Message{ID: m.ID, AggregateID: m.AggregateID, Seq: m.Seq}
+			}
 		}
 	}
 	orderBySeq(c.name, c.ordering, msgs, order)
