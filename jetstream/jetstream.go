@@ -769,7 +769,7 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 		id = h.Get(HeaderID)
 	}
 	if id == "" {
-		return nil, fmt.Errorf("jetstream: message on %q has no %s or %s header", subject, HeaderMsgID, HeaderID)
+		return nil, fmt.Errorf("%w: jetstream: message on %q has no %s or %s header", idem.ErrInvalidMessage, subject, HeaderMsgID, HeaderID)
 	}
 	msg := &idem.Message{ID: id, Stream: subject, Type: h.Get(HeaderType), AggregateID: h.Get(HeaderAggregate), Payload: data}
 	for k, vs := range h {
@@ -788,14 +788,14 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 	if s := h.Get(HeaderSeq); s != "" {
 		seq, err := strconv.ParseInt(s, 10, 64)
 		if err != nil || seq < 1 {
-			return nil, fmt.Errorf("jetstream: message %q: %s header %q is not a positive integer", id, HeaderSeq, s)
+			return nil, fmt.Errorf("%w: jetstream: message %q: %s header %q is not a positive integer", idem.ErrInvalidMessage, id, HeaderSeq, s)
 		}
 		msg.Seq = seq
 	}
 	if s := h.Get(HeaderTime); s != "" {
 		t, err := time.Parse(time.RFC3339Nano, s)
 		if err != nil {
-			return nil, fmt.Errorf("jetstream: message %q: %s header %q is not an RFC 3339 time", id, HeaderTime, s)
+			return nil, fmt.Errorf("%w: jetstream: message %q: %s header %q is not an RFC 3339 time", idem.ErrInvalidMessage, id, HeaderTime, s)
 		}
 		msg.Time = t
 	}

@@ -1,6 +1,7 @@
 package kafka
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -663,7 +664,18 @@ func (m *member) failed(p partition, r *kgo.Record, attempt int) {
 // Config.Map).
 func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 	msg := &idem.Message{Stream: r.Topic, AggregateID: string(r.Key), Payload: r.Value, Time: r.Timestamp}
+	// Kafka lets a record repeat a header; two different values of one of
+	// idem's would leave the message's ID, Type or sequence to whichever
+	// came last: refused instead.
+	seen := map[string][]byte{}
 	for _, h := range r.Headers {
+		switch h.Key {
+		case HeaderID, HeaderType, HeaderSeq:
+			if v, ok := seen[h.Key]; ok && !bytes.Equal(v, h.Value) {
+				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d has two %s headers, %q and %q", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, h.Key, v, h.Value)
+			}
+			seen[h.Key] = h.Value
+		}
 		switch h.Key {
 		case HeaderID:
 			msg.ID = string(h.Value)
@@ -672,7 +684,7 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		case HeaderSeq:
 			seq, err := strconv.ParseInt(string(h.Value), 10, 64)
 			if err != nil || seq < 1 {
-				return nil, fmt.Errorf("kafka: record %s/%d@%d: %s header %q is not a positive integer", r.Topic, r.Partition, r.Offset, HeaderSeq, h.Value)
+				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d: %s header %q is not a positive integer", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderSeq, h.Value)
 			}
 			msg.Seq = seq
 		default:
@@ -683,11 +695,11 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		}
 	}
 	if msg.ID == "" {
-		return nil, fmt.Errorf("kafka: record %s/%d@%d has no %s header", r.Topic, r.Partition, r.Offset, HeaderID)
+		return nil, fmt.Errorf("%w: kafka: record %s/%d@%d has no %s header", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderID)
 	}
 	if msg.Seq > 0 && len(r.Key) == 0 {
-		return nil, fmt.Errorf("kafka: record %s/%d@%d (%s %q) has a %s header but no key: the aggregate a sequence counts in is the record key",
-			r.Topic, r.Partition, r.Offset, HeaderID, msg.ID, HeaderSeq)
+		return nil, fmt.Errorf("%w: kafka: record %s/%d@%d (%s %q) has a %s header but no key: the aggregate a sequence counts in is the record key",
+			idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderID, msg.ID, HeaderSeq)
 	}
 	err := msg.Validate()
 	if ve := (*idem.ValidationError)(nil); msg.Seq == 0 && errors.As(err, &ve) && ve.Field == "AggregateID" {

@@ -13,8 +13,9 @@ import (
 	"github.com/idemhq/idem/kafka"
 )
 
-// FuzzDefaultMap: any record maps to a valid message or a clear error,
-// never a panic; a mapped message carries the header's ID and the key as
+// FuzzDefaultMap: any record maps to a valid message or a clear error
+// matching idem.ErrInvalidMessage, never a panic; two different ID
+// headers are refused; a mapped message carries the header's ID and the key as
 // its aggregate (or none, for a key no message can carry and no sequence).
 func FuzzDefaultMap(f *testing.F) {
 	f.Add([]byte("acct-1"), []byte("10"), "evt-1", "3", "Credited", false)
@@ -22,6 +23,7 @@ func FuzzDefaultMap(f *testing.F) {
 	f.Add([]byte("k"), []byte("v"), "id\x00", "0", "", true)
 	f.Add([]byte("\xff"), []byte("v"), "id", "-2", "t", false)
 	f.Add([]byte("k"), []byte("v"), "id", "99999999999999999999", "t", true)
+	f.Add([]byte("k"), []byte("v"), "evt-9", "2", "t", true) // two ID headers
 	f.Fuzz(func(t *testing.T, key, value []byte, id, seq, typ string, dupHeader bool) {
 		r := &kgo.Record{Topic: "credits", Key: key, Value: value}
 		if id != "" {
@@ -33,16 +35,21 @@ func FuzzDefaultMap(f *testing.F) {
 		if typ != "" {
 			r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.HeaderType, Value: []byte(typ)})
 		}
-		if dupHeader { // a repeated header: the last one wins
+		ambiguous := false
+		if dupHeader { // a repeated header: refused if it says another ID
 			r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.HeaderID, Value: []byte("last")})
+			ambiguous = id != "" && id != "last"
 			id = "last"
 		}
 		m, err := kafka.DefaultMap(r)
 		if err != nil {
-			if m != nil || err.Error() == "" {
-				t.Fatalf("error %v with message %v", err, m)
+			if m != nil || err.Error() == "" || !errors.Is(err, idem.ErrInvalidMessage) {
+				t.Fatalf("error %v with message %v; want an error matching idem.ErrInvalidMessage", err, m)
 			}
 			return
+		}
+		if ambiguous {
+			t.Fatalf("two different %s headers mapped to %q", kafka.HeaderID, m.ID)
 		}
 		if err := m.Validate(); err != nil {
 			t.Fatalf("mapped message invalid: %v", err)
