@@ -141,16 +141,7 @@ func (r *retrier) republish(m *amqp.Delivery, attempt int, delay time.Duration) 
 		return fmt.Errorf("rabbitmq: publish retry copy to %s: %w", name, err)
 	}
 	ok, err := dc.WaitContext(ctx)
-	returned := false
-	for drained := false; !drained; {
-		select {
-		case _, open := <-r.returns:
-			// Closed with the channel: the confirm failed too.
-			returned, drained = returned || open, !open
-		default:
-			drained = true
-		}
-	}
+	returned := r.drainReturns()
 	switch {
 	case err != nil:
 		return fmt.Errorf("rabbitmq: confirm of retry copy to %s: %w", name, err)
@@ -202,14 +193,7 @@ func (r *retrier) putBack(ms []*amqp.Delivery) error {
 		}
 		nacked = nacked || !dc.Acked()
 	}
-	for drained := false; !drained; {
-		select {
-		case _, open := <-r.returns:
-			returned, drained = returned || open, !open
-		default:
-			drained = true
-		}
-	}
+	returned = r.drainReturns() || returned
 	switch {
 	case returned:
 		return fmt.Errorf("%w: copy to %s", ErrUnroutable, r.queue)
@@ -248,4 +232,22 @@ func copyOf(m *amqp.Delivery, attempt int) amqp.Publishing {
 		pub.DeliveryMode = amqp.Persistent
 	}
 	return pub
+}
+
+// drainReturns takes the returns already handed over, without waiting,
+// and reports whether there was one. A closed channel ends it: the
+// confirms failed too.
+func (r *retrier) drainReturns() bool {
+	returned := false
+	for {
+		select {
+		case _, open := <-r.returns:
+			if !open {
+				return returned
+			}
+			returned = true
+		default:
+			return returned
+		}
+	}
 }
