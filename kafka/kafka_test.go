@@ -748,20 +748,7 @@ func TestStopDuringStoreOutage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The store is down: another connection holds the file's lock.
-	locker, err := sqlite.Open(path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer locker.Close()
-	lock, err := locker.Conn(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Close()
-	if _, err := lock.ExecContext(ctx, "BEGIN EXCLUSIVE"); err != nil {
-		t.Fatal(err)
-	}
+	release := testenv.HoldSQLite(t, path) // the store is down
 	b := newBroker(t).(*broker)
 	b.produce(t, []*kgo.Record{{Key: []byte("k"), Value: []byte("v"), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte("m1")}}}})
 	rctx, cancel := context.WithCancel(ctx)
@@ -772,13 +759,11 @@ func TestStopDuringStoreOutage(t *testing.T) {
 	select {
 	case <-done:
 	case <-time.After(5 * time.Second):
-		_, _ = lock.ExecContext(ctx, "ROLLBACK")
+		release()
 		<-done
 		t.Fatal("Run went on for 5 s after its context ended, waiting for the store")
 	}
-	if _, err := lock.ExecContext(ctx, "ROLLBACK"); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	if n := applied.Load(); n != 0 {
 		t.Fatalf("applied %d times while the store was down", n)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/idemtest"
 	"github.com/idemhq/idem/internal/adaptertest"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/rabbitmq"
 	"github.com/idemhq/idem/sqlite"
 )
@@ -184,19 +185,7 @@ func stopsDuringOutage(t *testing.T, queueType string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	locker, err := sqlite.Open(path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer locker.Close()
-	lock, err := locker.Conn(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Close()
-	if _, err := lock.ExecContext(ctx, "BEGIN EXCLUSIVE"); err != nil {
-		t.Fatal(err)
-	}
+	release := testenv.HoldSQLite(t, path)
 	events := idemtest.Events(60)
 	b.Publish(t, adaptertest.Messages(events), 0)
 	var (
@@ -253,10 +242,7 @@ func stopsDuringOutage(t *testing.T, queueType string) {
 		t.Fatalf("%d deliveries held at a stop, want at least one per stop (%d)", n, stops)
 	}
 	t.Logf("during the outage: %d deliveries held at %d stops, highest attempt %d", held.Load(), stops, maxAttempt.Load())
-	if _, err := lock.ExecContext(ctx, "ROLLBACK"); err != nil {
-		t.Fatal(err)
-	}
-	lock.Close()
+	release()
 	b.Start(t, wrap)
 	e.WaitMarkers(len(events))
 	e.CheckBalances(events)
