@@ -21,6 +21,11 @@
 // transaction (see New). synchronous is the caller's choice, with the
 // costs OpenOptions.Synchronous lists.
 //
+// A pool of several connections (sql.Open's default) works too: where its
+// connections have no busy timeout, the driver gives each transaction's
+// connection one of 10 s, so that deliveries wait for each other's locks
+// rather than fail with SQLITE_BUSY, which idem would take for an outage.
+//
 // SQLite has one writer at a time. Open limits the pool to one connection,
 // so concurrent Process calls queue in Go rather than spin on SQLITE_BUSY;
 // a handler must therefore do all its work through the transaction it is
@@ -79,6 +84,10 @@ type Driver struct {
 	// journal mode the driver can work with (see ready); once true it
 	// stays true.
 	journalOK atomic.Bool
+	// waitForLocks says the connection checked with journalOK had no busy
+	// timeout: Begin then sets one on the connection of every transaction
+	// it opens (see setBusyTimeout).
+	waitForLocks atomic.Bool
 
 	schemaWritable func() // tests: called once migration 010 turned writable_schema on
 }
@@ -343,7 +352,9 @@ var errNotMigrated = errors.New("sqlite: driver not migrated: call Migrate first
 // Begin opens an IMMEDIATE transaction (when the database was opened with
 // Open), so the write lock is taken up front and never upgraded. Until a
 // check passed, it checks the journal mode of the transaction's connection
-// first (see New).
+// first (see New). On a pool whose connections have no busy timeout
+// (a DSN without _pragma=busy_timeout), it gives the transaction's
+// connection one of 10 s first (see setBusyTimeout).
 func (d *Driver) Begin(ctx context.Context) (*sql.Tx, error) {
 	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
@@ -352,6 +363,12 @@ func (d *Driver) Begin(ctx context.Context) (*sql.Tx, error) {
 	if err := d.ready(ctx, tx); err != nil {
 		_ = tx.Rollback()
 		return nil, err
+	}
+	if d.waitForLocks.Load() {
+		if _, err := tx.ExecContext(ctx, setBusyTimeout); err != nil {
+			_ = tx.Rollback()
+			return nil, fmt.Errorf("sqlite: set busy_timeout: %w", err)
+		}
 	}
 	return tx, nil
 }
