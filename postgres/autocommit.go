@@ -71,7 +71,26 @@ func (a autocommit) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 	if a.pooled(ctx) {
 		return a.d.pool.Exec(ctx, sql, args...)
 	}
-	s, err := a.send(ctx, sql, args)
+	s, err := a.send(ctx, nil, sql, args)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := s.br.Exec()
+	return tag, s.finish(ctx, err)
+}
+
+// ExecWaiting is Exec for a statement that may wait on another
+// transaction's uncommitted marker (an import's insert): where the
+// sessions set a lock or statement timeout, it runs as its own READ
+// COMMITTED transaction with both lifted for it (see liftTimeouts), in
+// the same round trip; nothing needs restoring, the transaction ends with
+// the statement.
+func (a autocommit) ExecWaiting(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	lift := a.d.liftTimeouts(ctx)
+	if lift == nil {
+		return a.Exec(ctx, sql, args...)
+	}
+	s, err := a.send(ctx, lift, sql, args)
 	if err != nil {
 		return pgconn.CommandTag{}, err
 	}
@@ -84,7 +103,7 @@ func (a autocommit) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 	if a.pooled(ctx) {
 		return a.d.pool.QueryRow(ctx, sql, args...)
 	}
-	s, err := a.send(ctx, sql, args)
+	s, err := a.send(ctx, nil, sql, args)
 	if err != nil {
 		return errRow{err}
 	}
@@ -97,7 +116,7 @@ func (a autocommit) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 	if a.pooled(ctx) {
 		return a.d.pool.Query(ctx, sql, args...)
 	}
-	s, err := a.send(ctx, sql, args)
+	s, err := a.send(ctx, nil, sql, args)
 	if err != nil {
 		return nil, err
 	}
@@ -114,19 +133,25 @@ type sent struct {
 	br pgx.BatchResults
 }
 
-// send acquires a connection and sends BEGIN, sql and COMMIT in one
-// round trip.
-func (a autocommit) send(ctx context.Context, sql string, args []any) (*sent, error) {
+// send acquires a connection and sends BEGIN, the lifting of the
+// sessions' timeouts when lift is not nil, sql and COMMIT in one round
+// trip.
+func (a autocommit) send(ctx context.Context, lift *timeoutLift, sql string, args []any) (*sent, error) {
 	c, err := a.d.pool.Acquire(ctx)
 	if err != nil {
 		return nil, err
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
+	lift.off(b)
 	b.Queue(sql, args...)
 	b.Queue("commit")
 	s := &sent{tx: &connTx{c: c}, br: c.SendBatch(ctx, b)}
-	if _, err := s.br.Exec(); err != nil {
+	_, err = s.br.Exec()
+	if err == nil {
+		err = lift.read(s.br)
+	}
+	if err != nil {
 		return nil, s.finish(ctx, err)
 	}
 	return s, nil

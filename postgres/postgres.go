@@ -894,6 +894,10 @@ FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attname = $2 AND a.att
 }
 
 // InsertImportedMarkers implements driver.MarkerImporter with one INSERT.
+// An ID whose marker a delivery holds uncommitted waits for it to commit
+// (then it counts as existing) or roll back (then it is imported), with
+// the sessions' lock and statement timeouts lifted for the INSERT, as for
+// a redelivery (see liftTimeouts); the context still bounds the wait.
 func (d *Driver) InsertImportedMarkers(ctx context.Context, handler string, ids []string) (int64, error) {
 	hid, err := d.handlerID(ctx, d.pool, handler)
 	if err != nil {
@@ -903,7 +907,7 @@ func (d *Driver) InsertImportedMarkers(ctx context.Context, handler string, ids 
 	for i, id := range ids {
 		keys[i] = messageKey(id)
 	}
-	tag, err := d.auto.Exec(ctx, `INSERT INTO `+d.t.markers+` (handler_id, message_key, payload_hash)
+	tag, err := d.auto.ExecWaiting(ctx, `INSERT INTO `+d.t.markers+` (handler_id, message_key, payload_hash)
 SELECT $1, k, ''::bytea FROM unnest($2::bytea[]) AS u(k)
 ON CONFLICT DO NOTHING`, hid, byteaArray(keys))
 	if err != nil {

@@ -464,3 +464,126 @@ func TestSessionTimeoutsSpareMarkerWaits(t *testing.T) {
 		t.Fatalf("a handler statement longer than statement_timeout: %v, want SQLSTATE 57014", err)
 	}
 }
+
+// TestSessionTimeoutsSpareImportWaits runs an import of markers on
+// sessions with a lock_timeout or a statement_timeout (under either
+// default isolation) while a delivery holds the uncommitted marker of
+// one of the IDs. The import waits on that marker, as a redelivery does,
+// longer than either timeout; it must not fail with SQLSTATE 55P03 or
+// 57014 but, once the delivery ends, count the ID as existing (the
+// delivery committed) or import it (the delivery rolled back). The
+// sessions keep their timeouts after it.
+func TestSessionTimeoutsSpareImportWaits(t *testing.T) {
+	t.Parallel()
+	sessions := []struct {
+		name   string
+		params map[string]string
+	}{
+		{"lock_timeout", map[string]string{"lock_timeout": "100ms", "statement_timeout": "300ms"}},
+		{"statement_timeout/repeatable read", map[string]string{"statement_timeout": "150ms", "default_transaction_isolation": "repeatable read"}},
+	}
+	for _, s := range sessions {
+		for _, commit := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/commit=%v", s.name, commit), func(t *testing.T) {
+				t.Parallel()
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				pool := testenv.PostgresPoolWith(t, 4, func(c *pgxpool.Config) {
+					for k, v := range s.params {
+						c.ConnConfig.RuntimeParams[k] = v
+					}
+				})
+				drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := drv.Migrate(ctx); err != nil {
+					t.Fatal(err)
+				}
+				// An ID imported before: the handler is interned and the
+				// sessions' settings read, as in a second import run.
+				if n, err := drv.InsertImportedMarkers(ctx, "h", []string{"old"}); err != nil || n != 1 {
+					t.Fatalf("first import: %d, %v; want 1", n, err)
+				}
+				hash := sha256.Sum256([]byte("x"))
+				tx, res, err := drv.BeginMarkerInsert(ctx, &driver.MarkerInsertParams{Handler: "h", MessageID: "held", PayloadHash: hash[:]})
+				if err != nil || !res.Inserted {
+					t.Fatalf("the delivery's marker: %+v, %v", res, err)
+				}
+				ended := false
+				end := func() error {
+					ended = true
+					if commit {
+						return drv.Commit(ctx, tx)
+					}
+					return drv.Rollback(ctx, tx)
+				}
+				defer func() {
+					if !ended {
+						_ = drv.Rollback(context.Background(), tx)
+					}
+				}()
+				type result struct {
+					n   int64
+					err error
+				}
+				done := make(chan result, 1)
+				go func() {
+					n, err := drv.InsertImportedMarkers(ctx, "h", []string{"held", "new", "old"})
+					done <- result{n, err}
+				}()
+				const hold = 600 * time.Millisecond // longer than either timeout
+				select {
+				case r := <-done:
+					t.Fatalf("the import ended while the delivery held its marker: %d, %v; want it to wait", r.n, r.err)
+				case <-time.After(hold):
+				}
+				if err := end(); err != nil {
+					t.Fatal(err)
+				}
+				r := <-done
+				want := int64(1) // new
+				if !commit {
+					want = 2 // held and new
+				}
+				if r.err != nil || r.n != want {
+					t.Fatalf("the import after the delivery ended (commit %v): %d, %v; want %d", commit, r.n, r.err, want)
+				}
+				// Either way held has its marker now: a redelivery is a
+				// duplicate.
+				proc, err := idem.NewProcessor(drv, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				h := &idem.Handler[postgres.Tx]{Name: "h", Apply: func(context.Context, postgres.Tx, *idem.Message) error { return nil }}
+				if out, err := proc.Process(ctx, h, &idem.Message{ID: "held", Payload: []byte("x")}); err != nil || out != idem.Duplicate {
+					t.Fatalf("a redelivery of held: %v, %v; want Duplicate", out, err)
+				}
+				// Every session keeps its timeouts.
+				conns := make([]*pgxpool.Conn, 0, pool.Config().MaxConns)
+				defer func() {
+					for _, c := range conns {
+						c.Release()
+					}
+				}()
+				for range pool.Config().MaxConns {
+					c, err := pool.Acquire(ctx)
+					if err != nil {
+						t.Fatal(err)
+					}
+					conns = append(conns, c)
+					var lock, stmt string
+					if err := c.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&lock, &stmt); err != nil {
+						t.Fatal(err)
+					}
+					if want := s.params["lock_timeout"]; want != "" && lock != want {
+						t.Errorf("a session's lock_timeout is %s after the import, want %s", lock, want)
+					}
+					if want := s.params["statement_timeout"]; stmt != want {
+						t.Errorf("a session's statement_timeout is %s after the import, want %s", stmt, want)
+					}
+				}
+			})
+		}
+	}
+}
