@@ -3,6 +3,7 @@ package redisstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -179,6 +180,106 @@ func TestMarkerKeyOfAnotherType(t *testing.T) {
 	_, err = proc.Process(cctx, h, &idem.Message{ID: "a", Payload: []byte("x")})
 	if err == nil || errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "not an idem marker") {
 		t.Fatalf("a hash at the marker's key: %v; want an error saying it is not an idem marker", err)
+	}
+}
+
+// TestMarkerKeyOfAnInvalidString: a string at a marker's key that is no
+// marker's value (empty, a pending value without a token, text of
+// another writer) is reported at once with ErrNotMarker naming the key,
+// as a key of another type is, on every path that takes a marker: not
+// waited on until the context ends, and not applied over. A marker that
+// another delivery holds is still waited on.
+func TestMarkerKeyOfAnInvalidString(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	c, prefix := testenv.Redis(t)
+	applied := 0
+	h := &idem.Handler[*redisstore.Tx]{Name: "h", Apply: func(context.Context, *redisstore.Tx, *idem.Message) error {
+		applied++
+		return nil
+	}}
+	msg := func(id string) *idem.Message { return &idem.Message{ID: id, Payload: []byte("x")} }
+	for _, writeOnly := range []bool{false, true} {
+		drv, err := redisstore.New(c, &redisstore.Config{Prefix: prefix, WriteOnly: writeOnly})
+		if err != nil {
+			t.Fatal(err)
+		}
+		proc, err := idem.NewProcessor(drv, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		paths := map[string]func(ctx context.Context, id string) error{
+			"process": func(ctx context.Context, id string) error {
+				_, err := proc.Process(ctx, h, msg(id))
+				return err
+			},
+			// Two markers: taken by the batch's script, the bad one first
+			// and last.
+			"batch": func(ctx context.Context, id string) error {
+				_, err := proc.ProcessBatch(ctx, h, []*idem.Message{msg(id), msg(id + "-0"), msg("0-" + id)})
+				return err
+			},
+		}
+		for path, run := range paths {
+			for i, bad := range []string{"", "p:", "d", "text"} {
+				id := fmt.Sprintf("%s-%v-%d", path, writeOnly, i)
+				key := drv.MarkerKey("h", id)
+				if err := c.Set(ctx, key, bad, 0).Err(); err != nil {
+					t.Fatal(err)
+				}
+				before := applied
+				cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+				start := time.Now()
+				err := run(cctx, id)
+				cancel()
+				if !errors.Is(err, redisstore.ErrNotMarker) || errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), key) {
+					t.Errorf("%s (WriteOnly %v), %q at the marker's key: %v after %v; want ErrNotMarker naming the key", path, writeOnly, bad, err, time.Since(start).Round(time.Millisecond))
+				}
+				// (A write-only handler runs before the commit looks at the
+				// marker; its writes are dropped.)
+				if applied != before && (!writeOnly || path != "process") {
+					t.Errorf("%s (WriteOnly %v), %q at the marker's key: the handler ran", path, writeOnly, bad)
+				}
+				if v, err := c.Get(ctx, key).Result(); err != nil || v != bad {
+					t.Errorf("%s (WriteOnly %v): the key holds %q (%v) after, want %q left alone", path, writeOnly, v, err, bad)
+				}
+			}
+		}
+		// A key of another type: the same error. The markers the batch
+		// took with it (IDs before and after) are let go of at once, not
+		// left to expire: letting go skips the hash.
+		for path, run := range paths {
+			id := fmt.Sprintf("hash-%s-%v", path, writeOnly)
+			key := drv.MarkerKey("h", id)
+			if err := c.HSet(ctx, key, "f", "v").Err(); err != nil {
+				t.Fatal(err)
+			}
+			cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			err := run(cctx, id)
+			cancel()
+			if !errors.Is(err, redisstore.ErrNotMarker) || !strings.Contains(err.Error(), key) {
+				t.Errorf("%s (WriteOnly %v), a hash at the marker's key: %v; want ErrNotMarker naming the key", path, writeOnly, err)
+			}
+			for _, other := range []string{"0-" + id, id + "-0"} {
+				if n, err := c.Exists(ctx, drv.MarkerKey("h", other)).Result(); err != nil || n != 0 {
+					t.Errorf("%s (WriteOnly %v), a hash at the marker's key: the marker of %s is still held (%v)", path, writeOnly, other, err)
+				}
+			}
+		}
+		// Another delivery's hold is waited on: until the context ends
+		// here, since it does not end.
+		id := fmt.Sprint("held-", writeOnly)
+		if err := c.Set(ctx, drv.MarkerKey("h", id), "p:0123456789abcdef0123456789abcdef", time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
+		for path, run := range paths {
+			cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			err := run(cctx, id)
+			cancel()
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Errorf("%s (WriteOnly %v), a marker another delivery holds: %v; want it waited on until the context ended", path, writeOnly, err)
+			}
+		}
 	}
 }
 

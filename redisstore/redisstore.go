@@ -145,6 +145,14 @@ var (
 	// decides the batch's deliveries one by one; a caller of
 	// ProcessBatch splits the batch.
 	ErrTooManyKeys = fmt.Errorf("%w: redisstore: too many keys for one transaction", idem.ErrInvalidConfig)
+	// ErrNotMarker matches a marker insert or commit that found, at a
+	// marker's key, something no transaction of the driver writes there:
+	// a key of another type, or a string that is neither a pending value
+	// ("p:" and a token) nor an applied one ("d:" and a hash), the empty
+	// string included. Another writer shares the prefix, or the key was
+	// set by hand. Nothing is applied and the key is left alone; the
+	// error names it. Delete or fix the key, then retry the delivery.
+	ErrNotMarker = errors.New("redisstore: not an idem marker")
 )
 
 // DefaultMaxWatchedKeys is Config.MaxWatchedKeys's default.
@@ -449,10 +457,19 @@ func (d *Driver) Begin(ctx context.Context) (*Tx, error) {
 
 // A marker's value: pendingPrefix and the holder's token while a
 // transaction holds it, appliedPrefix and the payload hash once applied.
+// Any other value (the empty string included) is not a marker's:
+// ErrNotMarker.
 const (
 	pendingPrefix = "p:"
 	appliedPrefix = "d:"
 )
+
+// pendingValue reports whether v is a transaction's hold of a marker:
+// pendingPrefix and a token, which is never empty. Such a value expires
+// after Config.LockTTL, so it is waited on.
+func pendingValue(v string) bool {
+	return len(v) > len(pendingPrefix) && strings.HasPrefix(v, pendingPrefix)
+}
 
 // lockScript takes the locks in KEYS in order, or extends the ones this
 // transaction holds, and returns how many it holds: all of them, or those
@@ -503,9 +520,12 @@ return 0
 `)
 
 // releaseScript deletes each key in KEYS whose value is the matching ARGV.
+// A key of another type (one a marker insert reported with ErrNotMarker)
+// is not this transaction's: it is left alone, and does not keep the
+// others from being let go of.
 var releaseScript = redis.NewScript(`
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[i] then redis.call('DEL', KEYS[i]) end
+  if redis.pcall('GET', KEYS[i]) == ARGV[i] then redis.call('DEL', KEYS[i]) end
 end
 return 0
 `)
@@ -832,8 +852,10 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 				return false, fmt.Errorf("MGET returned %d values for %d keys", len(vals), len(keys))
 			}
 			gets := make([]string, len(vals))
+			strs := make([]bool, len(vals)) // a string, "" included
 			for k, v := range vals {
-				gets[k], _ = v.(string) // nil: no marker
+				// nil: no marker, or a key of another type.
+				gets[k], strs[k] = v.(string)
 			}
 			blocked := -1
 			for k, v := range gets {
@@ -856,20 +878,22 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 					delete(tx.claims, keys[k])
 					out[i] = driver.MarkerInsertResult{ExistingHash: []byte(v[len(appliedPrefix):])}
 					foreign = true
-				case v == "":
+				case !strs[k]:
 					// Gone since the SET (a hold let go of), or a key of
 					// another type, which SET NX leaves and MGET reads as
 					// nothing: that would be waited on forever.
 					if t, err := tx.conn.Type(ctx, keys[k]).Result(); err != nil {
 						return false, err
 					} else if t != "none" && t != "string" {
-						return false, fmt.Errorf("redisstore: key %q holds a %s, not an idem marker", keys[k], t)
+						return false, fmt.Errorf("key %q holds a %s: %w", keys[k], t, ErrNotMarker)
 					}
 					blocked = k
-				case strings.HasPrefix(v, pendingPrefix):
+				case pendingValue(v):
 					blocked = k
 				default:
-					return false, fmt.Errorf("redisstore: key %q holds %q, not an idem marker", keys[k], v)
+					// The empty string too: it is no hold to wait for,
+					// and SET NX leaves it.
+					return false, fmt.Errorf("key %q holds %q: %w", keys[k], v, ErrNotMarker)
 				}
 			}
 			if blocked < 0 {

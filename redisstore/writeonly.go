@@ -76,7 +76,8 @@ func (tx *Tx) readable() error {
 // marker. ARGV: the marker's applied value, its TTL in milliseconds ("0":
 // none), then per command its argument count and its arguments. It
 // returns {1, hash} for an applied marker, {2} for one a transaction of
-// the WATCH path holds, {3, value} for a key that is not a marker, and
+// the WATCH path holds, {3, value} for a string that is not a marker's
+// value (see pendingValue), {4, type} for a key of another type, and
 // otherwise {0} followed by the position and error of each command that
 // failed.
 //
@@ -84,11 +85,15 @@ func (tx *Tx) readable() error {
 // applies can be without it. A command that fails does not stop the
 // others, as in EXEC (redis.pcall).
 var commitScript = redis.NewScript(`
-local v = redis.call('GET', KEYS[1])
+local v = redis.pcall('GET', KEYS[1])
+if type(v) == 'table' and v.err then
+  if string.sub(v.err, 1, 10) == 'WRONGTYPE ' then return {4, redis.call('TYPE', KEYS[1])['ok']} end
+  return v
+end
 if v then
   local kind = string.sub(v, 1, 2)
   if kind == 'd:' then return {1, string.sub(v, 3)} end
-  if kind == 'p:' then return {2} end
+  if kind == 'p:' and #v > 2 then return {2} end
   return {3, v}
 end
 if ARGV[2] == '0' then
@@ -160,8 +165,14 @@ func (d *Driver) commitAt(ctx context.Context, tx *Tx) error {
 			case <-t.C:
 			}
 			wait = min(2*wait, 50*time.Millisecond)
+		case 3:
+			v, _ := res[1].(string)
+			return fmt.Errorf("redisstore: commit: key %q holds %q: %w", tx.at.key, v, ErrNotMarker)
+		case 4:
+			t, _ := res[1].(string)
+			return fmt.Errorf("redisstore: commit: key %q holds a %s: %w", tx.at.key, t, ErrNotMarker)
 		default:
-			return fmt.Errorf("redisstore: commit: key %q holds %v, not an idem marker", tx.at.key, res[1:])
+			return fmt.Errorf("redisstore: commit: key %q: the script answered %v", tx.at.key, res)
 		}
 	}
 }
