@@ -42,6 +42,31 @@ func NewPublisher(js jetstream.JetStream) (*Publisher, error) {
 // it, so it would be lost. Give it a payload, or another header name.
 var ErrStatusHeader = errors.New("jetstream: an empty message with a Status header never reaches a consumer")
 
+// Unavailable reports whether err, returned by Publish, may come from the
+// server being out of reach rather than from a message or the stream's
+// refusal (an invalid message, ErrStatusHeader, or an answer of the
+// server's JetStream API, such as a full stream): the outbox relay then
+// probes the server (Probe) and, if the probe fails too, pauses its
+// publishes without counting an attempt on the rows (outbox.BrokerProber).
+func (p *Publisher) Unavailable(err error) bool {
+	var api *jetstream.APIError
+	return err != nil && !errors.Is(err, idem.ErrInvalidMessage) && !errors.Is(err, ErrStatusHeader) && !errors.As(err, &api)
+}
+
+// Probe returns nil when the connection is up and JetStream answers (an
+// account info request); see Unavailable.
+func (p *Publisher) Probe(ctx context.Context) error {
+	if nc := p.js.Conn(); nc != nil {
+		if s := nc.Status(); s != nats.CONNECTED {
+			return fmt.Errorf("jetstream: probe: connection %s", s)
+		}
+	}
+	if _, err := p.js.AccountInfo(ctx); err != nil {
+		return fmt.Errorf("jetstream: probe: %w", err)
+	}
+	return nil
+}
+
 // Publish sends msgs in order, each once the previous one is stored. It
 // refuses the call, publishing nothing, if any message is invalid
 // (Message.ValidatePublish; Stream is the subject) or has an empty payload

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/sqlfilter"
@@ -35,7 +36,7 @@ func (d *Driver) OutboxAdd(ctx context.Context, tx *sql.Tx, rows []driver.Outbox
 		args := make([]any, 0, 9*len(chunk))
 		for i := range chunk {
 			r := &chunk[i]
-			args = append(args, r.Destination, r.MessageID, r.OrderingKey, r.AggregateID, r.Seq, r.Type, r.Headers, payloadOf(r), hashOf(r.PayloadHash))
+			args = append(args, r.Destination, r.MessageID, fitKey(r.OrderingKey), r.AggregateID, r.Seq, r.Type, r.Headers, payloadOf(r), hashOf(r.PayloadHash))
 		}
 		row := `(?, ?, ?, ?, ?, ?, ?, ?, ?, ` + nowMicros + `)`
 		if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.t.outbox+
@@ -45,6 +46,25 @@ func (d *Driver) OutboxAdd(ctx context.Context, tx *sql.Tx, rows []driver.Outbox
 		}
 	}
 	return nil
+}
+
+// maxKeyLen is the width of the ordering_key columns, in bytes.
+const maxKeyLen = 255
+
+// fitKey returns key cut to the ordering_key columns' 255 bytes, at a
+// character boundary. Only a message without an aggregate ID has a longer
+// key ("msg:" and an ID of up to 255 bytes): two such messages whose IDs
+// share their first 251 bytes then share a key, and are only published
+// one after the other, never out of order.
+func fitKey(key string) string {
+	if len(key) <= maxKeyLen {
+		return key
+	}
+	n := maxKeyLen
+	for n > 0 && !utf8.RuneStart(key[n]) {
+		n--
+	}
+	return key[:n]
 }
 
 func payloadOf(r *driver.OutboxRow) []byte {

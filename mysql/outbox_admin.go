@@ -24,6 +24,7 @@ func (d *Driver) OutboxList(ctx context.Context, f driver.OutboxFilter) (driver.
 	if err != nil {
 		return page, fmt.Errorf("mysql: list outbox: %w", err)
 	}
+	f.OrderingKey = fitKey(f.OrderingKey) // as OutboxAdd stored it
 	where, args := sqlfilter.OutboxScope(f, idsIn)
 	err = d.db.QueryRowContext(ctx, `SELECT COALESCE(SUM(`+sqlfilter.OutboxState[driver.OutboxPending]+`), 0),
 COALESCE(SUM(`+sqlfilter.OutboxState[driver.OutboxFailing]+`), 0), COALESCE(SUM(`+sqlfilter.OutboxState[driver.OutboxParked]+`), 0)

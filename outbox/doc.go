@@ -17,6 +17,12 @@
 // rows, so one aggregate's rows go out in order, one relay at a time, and
 // different aggregates spread across relays.
 //
+// An outage is not a failure of the rows. When the store is down, a relay
+// whose driver can probe it pauses until it answers; when the broker is
+// down, a relay whose Publisher implements BrokerProber does the same,
+// counting no attempt on the rows and holding no key. Either way one log
+// line marks the outage and one its end.
+//
 // Admin lists the rows not yet published, with their state and last
 // error, and lets an operator retry one now, park one the broker will
 // never take (it then holds its aggregate's later rows, so order is never

@@ -11,9 +11,11 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -32,6 +34,29 @@ type Publisher interface {
 	Publish(ctx context.Context, msgs []*idem.Message) error
 }
 
+// BrokerProber is implemented by a Publisher that can tell its broker
+// being out of reach from the refusal of a message. A relay whose
+// Publisher implements it treats a broker outage as no failure of the
+// rows: a failed publish that Unavailable suspects and a Probe confirms
+// counts no attempt, records no error on the row and holds no key; the
+// relay stops publishing, logs one line, probes the broker with a backoff
+// capped at a second, logs one line when it answers again, and goes on.
+// Without it, each key whose publish fails counts an attempt and waits
+// out its own backoff, outage or not.
+type BrokerProber interface {
+	// Unavailable reports whether err, returned by Publish, looks like
+	// the broker being out of reach. It is only a hint: Probe confirms.
+	Unavailable(err error) bool
+	// Probe returns nil when the broker answers.
+	Probe(ctx context.Context) error
+}
+
+// ErrBrokerUnavailable matches the error of a relay cycle (RunOnce) that
+// left rows unpublished because the broker was out of reach, as the
+// Publisher's BrokerProber confirmed. Those rows did not fail: no attempt
+// is counted on them and their keys are not held.
+var ErrBrokerUnavailable = errors.New("outbox: broker unavailable")
+
 // Fault points of RelayConfig.FaultHook, in the order a relay cycle
 // reaches them.
 const (
@@ -48,7 +73,8 @@ const (
 // RelayConfig configures a Relay. The zero value is valid.
 type RelayConfig struct {
 	// Owner names this relay in its claims; it must differ between
-	// relays. Default "hostname:pid:" plus a random suffix.
+	// relays, and be text (valid UTF-8, no NUL byte) of at most 255
+	// bytes. Default "hostname:pid:" plus a random suffix.
 	Owner string
 	// BatchSize bounds the rows claimed per cycle. Default 100.
 	BatchSize int
@@ -99,11 +125,17 @@ type Relay struct {
 	notifier driver.OutboxNotifier
 	pub      Publisher
 	cfg      RelayConfig
-	watch    *outage.Watch    // nil: the store cannot be probed
-	logs     *lograte.Limiter // summarizes repeated failure lines
-	hooks    []HookCycle
-	mu       sync.Mutex // one cycle at a time
-	holdMu   sync.Mutex // guards retries
+	watch    *outage.Watch // nil: the store cannot be probed
+	broker   BrokerProber  // nil: the Publisher cannot probe its broker
+	// brokerDown is set when a probe confirmed a broker outage, at
+	// brokerSince (Unix nanoseconds), and cleared once a probe succeeds
+	// again.
+	brokerDown  atomic.Bool
+	brokerSince atomic.Int64
+	logs        *lograte.Limiter // summarizes repeated failure lines
+	hooks       []HookCycle
+	mu          sync.Mutex // one cycle at a time
+	holdMu      sync.Mutex // guards retries
 	// retries are when the keys this relay held after a failed publish
 	// become claimable again (with a margin): Run's wait ends at the
 	// first rather than after PollInterval, since no commit would wake it
@@ -162,6 +194,7 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 	}
 	r := &Relay{store: store, pub: pub}
 	r.notifier, _ = drv.(driver.OutboxNotifier)
+	r.broker, _ = pub.(BrokerProber)
 	if cfg != nil {
 		r.cfg = *cfg
 	}
@@ -171,6 +204,11 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 	}
 	if c.Owner == "" {
 		c.Owner = defaultOwner()
+	}
+	// The owner is written into every claim: one a store cannot hold
+	// would fail every claim, for ever, as a failing store does.
+	if reason := checkOwner(c.Owner); reason != "" {
+		return nil, fmt.Errorf("%w: outbox relay Owner %q %s", idem.ErrInvalidConfig, c.Owner, reason)
 	}
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
@@ -207,6 +245,21 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 		r.watch = outage.New(p, outage.Config{Component: "outbox relay " + strconv.Quote(c.Owner), Logger: c.Logger})
 	}
 	return r, nil
+}
+
+// checkOwner returns why owner cannot name a relay in its claims, or "":
+// it must be text (valid UTF-8, no NUL byte) of at most idem.MaxIDLen
+// bytes, as the stores' claim columns hold.
+func checkOwner(owner string) string {
+	switch {
+	case len(owner) > idem.MaxIDLen:
+		return fmt.Sprintf("is %d bytes; the maximum is %d", len(owner), idem.MaxIDLen)
+	case !utf8.ValidString(owner):
+		return "is not valid UTF-8"
+	case strings.IndexByte(owner, 0) >= 0:
+		return "has a NUL byte"
+	}
+	return ""
 }
 
 func defaultOwner() string {
@@ -258,6 +311,14 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 			}
 		}()
 	}
+	if r.brokerDown.Load() {
+		// A broker outage is under way: claim nothing (which would keep
+		// the keys from other relays) until a probe finds it back.
+		if perr := r.probeBroker(ctx); perr != nil {
+			return res, false, 0, fmt.Errorf("outbox: %w: %w", ErrBrokerUnavailable, perr)
+		}
+		r.brokerUp()
+	}
 	r.holdMu.Lock()
 	r.retries = slices.DeleteFunc(r.retries, func(at time.Time) bool { return !start.Before(at) }) // claimable now
 	r.holdMu.Unlock()
@@ -287,6 +348,7 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		wg        sync.WaitGroup
 		sem       = make(chan struct{}, r.cfg.Concurrency)
 		noHold    atomic.Bool // a failure's hold was not recorded
+		down      int         // keys left unpublished by a broker outage
 	)
 	for _, g := range groups {
 		sem <- struct{}{}
@@ -300,6 +362,8 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 				published = append(published, row.ID)
 			}
 			switch {
+			case errors.Is(err, ErrBrokerUnavailable):
+				down++ // no failure of the key: counted, not listed
 			case errors.Is(err, errLate):
 				// Counted, not listed: a claim of thousands of keys
 				// would otherwise log each.
@@ -314,8 +378,14 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	if late > 0 {
 		errs = append(errs, fmt.Errorf("outbox: %d of %d keys: %w", late, len(groups), errLate))
 	}
+	if down > 0 {
+		errs = append(errs, fmt.Errorf("outbox: %d of %d keys left for later: %w", down, len(groups), ErrBrokerUnavailable))
+	}
 	r.fault(FaultAfterPublish)
-	r.adaptLimit(limit, len(rows), len(published), late, claimTook)
+	if down == 0 {
+		// Keys a broker outage left late say nothing of the claim's size.
+		r.adaptLimit(limit, len(rows), len(published), late, claimTook)
+	}
 	// The marks must land even if ctx just ended: the broker has the rows.
 	sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), markBudget(len(published)))
 	defer scancel()
@@ -377,6 +447,9 @@ var errLate = errors.New("claim half gone before their turn; left for the next c
 // how many of them (a prefix) the broker acknowledged. It sets noHold when
 // a failure's hold could not be recorded.
 func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.OutboxRow, noHold *atomic.Bool) (int, error) {
+	if r.brokerDown.Load() {
+		return 0, ErrBrokerUnavailable // the outage began during this cycle
+	}
 	if time.Now().After(startBy) {
 		return 0, fmt.Errorf("outbox: key %q: %w", g[0].OrderingKey, errLate)
 	}
@@ -403,6 +476,10 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 				// reason to keep the next relay off it.
 				return 0, err
 			}
+			if r.brokerOutage(ctx, perr) {
+				// Not the key's failure either: no attempt, no hold.
+				return 0, fmt.Errorf("%w: %w", ErrBrokerUnavailable, err)
+			}
 		} else {
 			n = len(msgs)
 		}
@@ -424,6 +501,68 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 		r.held(time.Now().Add(hold + hold/20 + 10*time.Millisecond))
 	}
 	return n, err
+}
+
+// brokerOutage reports whether perr, a failed publish, came from the
+// broker being out of reach: an outage is already under way, or the
+// Publisher's BrokerProber suspects perr and a probe fails too, which
+// starts one (and logs its one line).
+func (r *Relay) brokerOutage(ctx context.Context, perr error) bool {
+	if r.broker == nil {
+		return false
+	}
+	if r.brokerDown.Load() {
+		return true
+	}
+	if !r.broker.Unavailable(perr) && !outage.Network(perr) {
+		return false
+	}
+	probeErr := r.probeBroker(ctx)
+	if probeErr == nil {
+		return false
+	}
+	if r.brokerDown.CompareAndSwap(false, true) {
+		r.brokerSince.Store(time.Now().UnixNano())
+		r.cfg.Logger.Warn("outbox: broker unreachable; pausing publishes until it answers (no attempt is counted on the rows)",
+			slog.String("owner", r.cfg.Owner), slog.Any("error", perr), slog.Any("probe", probeErr))
+	}
+	return true
+}
+
+// probeBroker runs one probe of the broker, for at most 2 s whatever
+// ctx's state.
+func (r *Relay) probeBroker(ctx context.Context) error {
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	return r.broker.Probe(pctx)
+}
+
+// brokerUp ends a broker outage, logging its one line.
+func (r *Relay) brokerUp() {
+	if r.brokerDown.CompareAndSwap(true, false) {
+		r.cfg.Logger.Info("outbox: broker answers again; resuming publishes", slog.String("owner", r.cfg.Owner),
+			slog.Duration("outage", time.Since(time.Unix(0, r.brokerSince.Load())).Round(time.Millisecond)))
+	}
+}
+
+// waitBroker waits until a probe finds the broker back, probing with a
+// backoff from Backoff.Base capped at a second, and ends the outage. It
+// returns ctx's error if ctx ends first.
+func (r *Relay) waitBroker(ctx context.Context) error {
+	for i := 0; ; i++ {
+		t := time.NewTimer(min(r.cfg.Backoff.Delay(i), time.Second))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+		if err := r.probeBroker(ctx); err == nil {
+			break
+		}
+	}
+	r.brokerUp()
+	return nil
 }
 
 // held records that a key is held until at, for Run's wait.
@@ -494,6 +633,15 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		var wait time.Duration
 		switch {
+		case err != nil && !storeFailed && r.brokerDown.Load():
+			// The broker is down: no cycle until a probe finds it back
+			// (one line marks the outage, one its end). The rows wait,
+			// pending, no attempt counted.
+			if werr := r.waitBroker(ctx); werr != nil {
+				return ctx.Err()
+			}
+			failures = 0
+			continue
 		case err != nil && storeFailed && r.watch.Check(ctx, err):
 			// The store is down: no cycle until a probe finds it back
 			// (one line marks the outage, one its end). Rows published
