@@ -7,6 +7,7 @@ import (
 	"math"
 	"strconv"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
@@ -89,6 +90,27 @@ func (p *Publisher) checkSize(id string, r *kgo.Record) error {
 	}
 	if p.bufMax > 0 && user > p.bufMax {
 		return fmt.Errorf("%w: message %q: %d bytes, over the buffer limit of %d", ErrRecordTooLarge, id, user, p.bufMax)
+	}
+	return nil
+}
+
+// Unavailable reports whether err, returned by Publish, may come from the
+// cluster being out of reach rather than from a message (an invalid one,
+// ErrRecordTooLarge) or a broker's answer about it (a Kafka error code:
+// an unknown topic, a record the broker finds too large, a denied
+// write): the outbox relay then probes the cluster (Probe) and, if the
+// probe fails too, pauses its publishes without counting an attempt on
+// the rows (outbox.BrokerProber).
+func (p *Publisher) Unavailable(err error) bool {
+	var ke *kerr.Error
+	return err != nil && !errors.Is(err, idem.ErrInvalidMessage) && !errors.Is(err, ErrRecordTooLarge) && !errors.As(err, &ke)
+}
+
+// Probe returns nil when a broker of the cluster answers (the client's
+// Ping); see Unavailable.
+func (p *Publisher) Probe(ctx context.Context) error {
+	if err := p.cl.Ping(ctx); err != nil {
+		return fmt.Errorf("kafka: probe: %w", err)
 	}
 	return nil
 }

@@ -150,6 +150,36 @@ func (p *Publisher) release(pc *pubChannel, failed bool) {
 	p.idle = append(p.idle, pc)
 }
 
+// Unavailable reports whether err, returned by Publish, may come from the
+// broker being out of reach rather than from a message (an invalid one)
+// or the broker's answer about it (ErrUnroutable, ErrNacked, access
+// refused, a missing exchange, a failed precondition): the outbox relay
+// then probes the broker (Probe) and, if the probe fails too, pauses its
+// publishes without counting an attempt on the rows
+// (outbox.BrokerProber).
+func (p *Publisher) Unavailable(err error) bool {
+	var ae *amqp.Error
+	if errors.As(err, &ae) && (ae.Code == amqp.AccessRefused || ae.Code == amqp.NotFound || ae.Code == amqp.PreconditionFailed) {
+		return false // the broker answered, with a refusal
+	}
+	return err != nil && !errors.Is(err, idem.ErrInvalidMessage) && !errors.Is(err, ErrUnroutable) && !errors.Is(err, ErrNacked)
+}
+
+// Probe returns nil when the broker answers: it takes a channel as
+// Publish does (connecting first if need be, then opening one in confirm
+// mode) and keeps it for the next Publish; see Unavailable.
+func (p *Publisher) Probe(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	pc, err := p.channel()
+	if err != nil {
+		return fmt.Errorf("rabbitmq: probe: %w", err)
+	}
+	p.release(pc, false)
+	return nil
+}
+
 // Publish sends msgs in order and returns nil once the broker confirmed
 // them all. It refuses the call, sending nothing, if any message is
 // invalid (Message.ValidatePublish; Stream is the routing key). A message
