@@ -388,7 +388,9 @@ type LeaseProcessor struct {
 // lost only its answer (a connection cut, a server crash). That row is
 // then running under an owner name no other claim ever used, so the next
 // claim of the message by this processor, seeing it, knows it for its
-// own and takes it up, instead of waiting out a lease no one holds.
+// own and takes it up, instead of waiting out a lease no one holds. It
+// also remembers claims whose closing write failed (see uncalled and
+// failCall): their rows are left running the same way.
 type lostClaims struct {
 	mu     sync.Mutex
 	owners map[string]lostClaim
@@ -397,23 +399,39 @@ type lostClaims struct {
 type lostClaim struct {
 	owner string
 	until time.Time // when its lease would have run out anyway
+	// fail, when set, is the failed call of this claim whose record the
+	// store did not take: taking the lease up writes it instead of
+	// calling the handler again.
+	fail *pendingFail
+}
+
+// pendingFail is a failed call's record: what failCall writes.
+type pendingFail struct {
+	token     int64
+	herr      error
+	retryIn   time.Duration
+	permanent bool // a Permanent error, or the attempts used up
+	exhausted bool // the attempts used up
+	called    bool
+	attempt   int
 }
 
 // maxLostClaims bounds what lostClaims remembers; past it the expired
 // entries go, then the oldest.
 const maxLostClaims = 10000
 
-// take removes and returns the owner name of key's lost claim, if any.
-func (lc *lostClaims) take(key string, now time.Time) (string, bool) {
+// take removes and returns key's lost claim, and whether there is one
+// whose lease may still run.
+func (lc *lostClaims) take(key string, now time.Time) (lostClaim, bool) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	c, ok := lc.owners[key]
 	delete(lc.owners, key)
-	return c.owner, ok && now.Before(c.until)
+	return c, ok && now.Before(c.until)
 }
 
-// put remembers owner as key's lost claim until until.
-func (lc *lostClaims) put(key, owner string, until time.Time) {
+// put remembers c as key's lost claim.
+func (lc *lostClaims) put(key string, c lostClaim) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	if lc.owners == nil {
@@ -432,7 +450,7 @@ func (lc *lostClaims) put(key, owner string, until time.Time) {
 			delete(lc.owners, oldest)
 		}
 	}
-	lc.owners[key] = lostClaim{owner: owner, until: until}
+	lc.owners[key] = c
 }
 
 // claimOwner is the owner name of a new claim: Owner and a random suffix
@@ -559,24 +577,38 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	hash := msg.PayloadHash()
 	sent := time.Now()
 	key := h.Name + "\x00" + msg.ID
-	owner, retry := p.unanswered.take(key, sent)
+	lost, retry := p.unanswered.take(key, sent)
+	owner := lost.owner
 	if !retry {
-		owner = p.claimOwner()
+		owner, lost = p.claimOwner(), lostClaim{}
 	}
 	res, err := p.drv.LeaseClaim(ctx, &driver.LeaseClaimParams{
 		Handler: h.Name, MessageID: msg.ID, PayloadHash: hash, Owner: owner, TTL: p.cfg.TTL,
 	})
 	if err != nil {
-		p.unanswered.put(key, owner, sent.Add(p.cfg.TTL))
+		// A failure still to record stays remembered with the claim.
+		p.unanswered.put(key, lostClaim{owner: owner, until: sent.Add(p.cfg.TTL), fail: lost.fail})
 		return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: claim lease: %w", h.Name, msg.ID, err)
 	}
 	if row := res.Existing; !res.Claimed && retry && row != nil && row.Status == driver.LeaseRunning && row.Owner == owner && row.LeaseUntil.After(row.Now) {
-		// This processor's own claim, whose answer was lost: no call
-		// ran under it, and no other claim took the row since (it would
-		// have changed the owner). Take it up, lease and token.
+		// This processor's own claim, whose answer was lost or whose
+		// closing write failed, and no other claim took the row since
+		// (it would have changed the owner). Take it up, lease and
+		// token. What is left of the lease counts from when this claim
+		// was sent, not from its answer: the store read the row after
+		// that instant, so the local deadline is never later than the
+		// store's, however long the answer took.
 		left := row.LeaseUntil.Sub(row.Now)
+		l := &Lease{Token: row.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: row.Attempts}
+		if f := lost.fail; f != nil && f.token == row.Token {
+			// Its call ran and failed: record that, as failCall
+			// would have, rather than call again.
+			p.cfg.Logger.Info("idem: recording a failed attempt the store could not take before", slog.String("handler", h.Name),
+				slog.String("message_id", msg.ID), slog.Duration("lease_left", left))
+			return p.writeFail(ctx, h, msg, l, owner, f, due)
+		}
 		res = driver.LeaseClaimResult{Claimed: true, Token: row.Token, Attempt: row.Attempts, LeaseUntil: row.LeaseUntil}
-		sent = time.Now().Add(left - p.cfg.TTL)
+		sent = sent.Add(left - p.cfg.TTL)
 		p.cfg.Logger.Info("idem: took up a lease claimed before the store failed to answer", slog.String("handler", h.Name),
 			slog.String("message_id", msg.ID), slog.Duration("lease_left", left))
 	}
@@ -588,7 +620,7 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	l := &Lease{Token: res.Token, IdempotencyKey: IdempotencyKey(h.Name, msg.ID), Owner: p.cfg.Owner, Attempt: res.Attempt}
 	var advance *driver.LeaseAdvance
 	if guarded {
-		if out, done, err := p.guard(ctx, h, msg, l, agg); done {
+		if out, done, err := p.guard(ctx, h, msg, l, agg, owner); done {
 			return out, err
 		}
 		advance = &driver.LeaseAdvance{AggregateID: agg, Seq: msg.Seq}
@@ -600,18 +632,18 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		// failed, and a wait behind a gap uses no attempt.)
 		// This claim calls nothing, so it gives its attempt back: the row
 		// records the attempts that ran.
-		return p.failCall(ctx, h, msg, l, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)), false, nil)
+		return p.failCall(ctx, h, msg, l, owner, Permanent(fmt.Errorf("idem: gave up after %d attempts, the last of which ended without a verdict", l.Attempt-1)), false, nil)
 	}
 	if !time.Now().Before(sent.Add(p.cfg.TTL)) {
 		// The lease ran out before the call (a slow ordering read, say):
 		// another worker may hold the message by now, and a call would
 		// overlap its call. This claim calls nothing.
-		return OutcomeNone, p.release(ctx, h, msg, l, fmt.Errorf("idem: handler %q, message %q: %w before the call", h.Name, msg.ID, ErrLeaseExpired))
+		return OutcomeNone, p.release(ctx, h, msg, l, owner, fmt.Errorf("idem: handler %q, message %q: %w before the call", h.Name, msg.ID, ErrLeaseExpired))
 	}
 	if err := ctx.Err(); err != nil {
 		// Stopping: a call would start cancelled, and its failure would
 		// count an attempt. This claim calls nothing.
-		return OutcomeNone, p.release(ctx, h, msg, l, fmt.Errorf("idem: handler %q, message %q: stopped before the call: %w", h.Name, msg.ID, err))
+		return OutcomeNone, p.release(ctx, h, msg, l, owner, fmt.Errorf("idem: handler %q, message %q: stopped before the call: %w", h.Name, msg.ID, err))
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -622,7 +654,7 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 	if herr == nil {
 		return p.complete(ctx, h, msg, l, advance, until)
 	}
-	return p.failCall(ctx, h, msg, l, herr, true, due)
+	return p.failCall(ctx, h, msg, l, owner, herr, true, due)
 }
 
 // notClaimed decides the outcome of a claim that found a row it could not
@@ -689,15 +721,19 @@ func (p *LeaseProcessor) guardKey(h *LeaseHandler, msg *Message) (string, bool, 
 // (the lease is marked done), or a gap under GapFail or GapWait (the lease
 // is released for an immediate retry, like atomic mode's rollback, and a
 // *GapError returned), or an error reading the guard.
-func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, agg string) (out Outcome, done bool, err error) {
+//
+// owner is the claim's owner name, kept for take-up when the write that
+// ends the claim fails (see uncalled).
+func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, agg, owner string) (out Outcome, done bool, err error) {
 	last, err := p.seq.SequenceLast(ctx, h.Name, agg)
 	if err != nil {
-		return OutcomeNone, true, p.release(ctx, h, msg, l, fmt.Errorf("idem: ordering guard: %w", err))
+		return OutcomeNone, true, p.release(ctx, h, msg, l, owner, fmt.Errorf("idem: ordering guard: %w", err))
 	}
 	o := h.Ordering
 	switch {
 	case msg.Seq <= last:
 		if out, err := p.complete(ctx, h, msg, l, nil, time.Time{}); err != nil { // no effect to lose: no retry
+			p.uncalled(h, msg, owner, err)
 			return out, true, err
 		}
 		return Stale, true, nil
@@ -708,7 +744,7 @@ func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Messag
 	if o.Gap == GapWait {
 		r, serr := p.seq.GapSighting(ctx, &driver.GapSightingParams{Handler: h.Name, AggregateID: agg, Seq: msg.Seq})
 		if serr != nil {
-			return OutcomeNone, true, p.release(ctx, h, msg, l, fmt.Errorf("idem: record gap sighting: %w (while handling: %w)", serr, ge))
+			return OutcomeNone, true, p.release(ctx, h, msg, l, owner, fmt.Errorf("idem: record gap sighting: %w (while handling: %w)", serr, ge))
 		}
 		wait := o.WaitFor
 		if wait <= 0 {
@@ -718,20 +754,21 @@ func (p *LeaseProcessor) guard(ctx context.Context, h *LeaseHandler, msg *Messag
 		ge.Remaining = ge.Deadline.Sub(r.Now)
 		ge.Final = ge.Remaining <= 0
 	}
-	return OutcomeNone, true, p.release(ctx, h, msg, l, ge)
+	return OutcomeNone, true, p.release(ctx, h, msg, l, owner, ge)
 }
 
 // release gives a claimed lease up without a call, so the next delivery
 // may claim it at once, and returns cause (or cause joined with the write's
 // failure). The claim's attempt is given back: no call, no attempt, so a
 // message waiting behind a gap does not use up MaxAttempts.
-func (p *LeaseProcessor) release(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, cause error) error {
+func (p *LeaseProcessor) release(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, owner string, cause error) error {
 	wctx, cancel := p.writeContext(ctx)
 	defer cancel()
 	res, err := p.drv.LeaseFail(wctx, &driver.LeaseFailParams{
 		Handler: h.Name, MessageID: msg.ID, Token: l.Token, LastError: lastErrorText(cause), NotCalled: true,
 	})
 	if err != nil {
+		p.uncalled(h, msg, owner, err)
 		return fmt.Errorf("%w (and releasing the lease: %w)", cause, err)
 	}
 	if !res.OK {
@@ -740,6 +777,22 @@ func (p *LeaseProcessor) release(ctx context.Context, h *LeaseHandler, msg *Mess
 		return fmt.Errorf("%w (and releasing the lease: %w)", cause, fe)
 	}
 	return cause
+}
+
+// uncalled remembers a claim that called nothing and whose closing write
+// (a release, a stale message's done) failed with err, as a claim whose
+// answer was lost is remembered: the row is still running under the
+// claim's owner name, and the store is likely down. The next delivery of
+// the message to this processor takes the lease up at once and decides
+// again, with the claim's attempt, instead of finding its own lease in
+// flight until the TTL runs out and claiming it with one more attempt
+// (under MaxAttempts 1, a permanent failure that never called the
+// handler; on a broker's last delivery, a dead letter).
+func (p *LeaseProcessor) uncalled(h *LeaseHandler, msg *Message, owner string, err error) {
+	if errors.Is(err, ErrFenced) {
+		return // the row is another claim's now
+	}
+	p.unanswered.put(h.Name+"\x00"+msg.ID, lostClaim{owner: owner, until: time.Now().Add(p.cfg.TTL)})
 }
 
 // complete marks the row done, advancing the aggregate's sequence when
@@ -781,8 +834,8 @@ func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Mes
 // failCall marks the row failed with a retry time, or permanently; called
 // says whether this claim called the handler (its attempt counts). The
 // retry time goes to due, when set: a delivery before it would only find
-// the message in flight.
-func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, herr error, called bool, due *time.Duration) (Outcome, error) {
+// the message in flight. owner is the claim's owner name (see writeFail).
+func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, owner string, herr error, called bool, due *time.Duration) (Outcome, error) {
 	permanent := IsPermanent(herr)
 	// A worker stopping (its context cancelled) hands the message on at
 	// once; a caller's deadline that ran out is the attempt's failure,
@@ -795,27 +848,42 @@ func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Mes
 		retryIn = p.backoff(l.Attempt)
 	}
 	p.fault(FaultBeforeFail)
+	return p.writeFail(ctx, h, msg, l, owner, &pendingFail{token: l.Token, herr: herr, retryIn: retryIn,
+		permanent: permanent || exhausted, exhausted: exhausted, called: called, attempt: l.Attempt}, due)
+}
+
+// writeFail records the failed call f of the claim l, and returns what
+// failCall does. A record the store does not take (it is down) leaves the
+// row running under this claim until its lease runs out; for a failure
+// to be retried, the next delivery of the message to this processor
+// takes the lease up and writes the record then, so that the retry waits
+// for the backoff, not the TTL. (A permanent failure is dead-lettered at
+// once; a replay of it must call the handler again.)
+func (p *LeaseProcessor) writeFail(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, owner string, f *pendingFail, due *time.Duration) (Outcome, error) {
 	wctx, cancel := p.writeContext(ctx)
 	defer cancel()
 	res, err := p.drv.LeaseFail(wctx, &driver.LeaseFailParams{
-		Handler: h.Name, MessageID: msg.ID, Token: l.Token,
-		LastError: lastErrorText(herr), RetryIn: retryIn, Permanent: permanent || exhausted, NotCalled: !called,
+		Handler: h.Name, MessageID: msg.ID, Token: f.token,
+		LastError: lastErrorText(f.herr), RetryIn: f.retryIn, Permanent: f.permanent, NotCalled: !f.called,
 	})
 	if err != nil {
-		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", herr, err)
+		if !f.permanent {
+			p.unanswered.put(h.Name+"\x00"+msg.ID, lostClaim{owner: owner, until: time.Now().Add(p.cfg.TTL), fail: f})
+		}
+		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", f.herr, err)
 	}
 	if !res.OK {
-		fe := fencedError("failed", h.Name, msg.ID, l.Token, res.Current)
+		fe := fencedError("failed", h.Name, msg.ID, f.token, res.Current)
 		p.fenced(ctx, l, fe)
-		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", herr, fe)
+		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", f.herr, fe)
 	}
-	if exhausted {
-		return OutcomeNone, &PermanentError{Err: fmt.Errorf("idem: gave up after %d attempts: %w", l.Attempt, herr)}
+	if f.exhausted {
+		return OutcomeNone, &PermanentError{Err: fmt.Errorf("idem: gave up after %d attempts: %w", f.attempt, f.herr)}
 	}
-	if due != nil && !permanent {
-		*due = retryIn
+	if due != nil && !f.permanent {
+		*due = f.retryIn
 	}
-	return OutcomeNone, &recordedFailure{herr}
+	return OutcomeNone, &recordedFailure{f.herr}
 }
 
 // recordedFailure is a lease handler's error once the store recorded the
@@ -917,11 +985,18 @@ type keeper struct {
 	stopc   chan struct{}
 	done    chan struct{}
 	expired chan struct{} // closed when expire has cancelled and reported
+
+	// beat bounds the heartbeats; stop cancels it, so that a heartbeat
+	// hung on a dead connection does not hold the done or failed write
+	// back until what is left of the lease has passed.
+	beat     context.Context
+	stopBeat context.CancelFunc
 }
 
 func (p *LeaseProcessor) keep(ctx context.Context, cancel context.CancelCauseFunc, handler, id string, l *Lease, sent time.Time) *keeper {
 	k := &keeper{p: p, ctx: ctx, cancel: cancel, handler: handler, id: id, lease: l, sent: sent,
 		deadline: sent.Add(p.cfg.TTL), stopc: make(chan struct{}), done: make(chan struct{}), expired: make(chan struct{})}
+	k.beat, k.stopBeat = context.WithCancel(context.WithoutCancel(ctx))
 	k.mu.Lock()
 	k.timer = time.AfterFunc(time.Until(k.deadline), k.expire)
 	k.mu.Unlock()
@@ -957,11 +1032,16 @@ func (k *keeper) run() {
 		// A slow heartbeat is still worth waiting for while the lease
 		// lasts: bound it by the local deadline, and by at least one
 		// interval once that has passed.
-		hctx, cancel := context.WithTimeout(context.WithoutCancel(k.ctx), max(k.remaining(), k.p.cfg.Heartbeat))
+		hctx, cancel := context.WithTimeout(k.beat, max(k.remaining(), k.p.cfg.Heartbeat))
 		res, err := k.p.drv.LeaseHeartbeat(hctx, &driver.LeaseHeartbeatParams{
 			Handler: k.handler, MessageID: k.id, Token: k.lease.Token, TTL: k.p.cfg.TTL,
 		})
 		cancel()
+		select {
+		case <-k.stopc:
+			return // given up by stop: the call is over, its lease no concern
+		default:
+		}
 		switch {
 		case err != nil:
 			// Every worker's heartbeat fails while the store is down:
@@ -1015,11 +1095,15 @@ func (k *keeper) expire() {
 }
 
 // stop ends the heartbeats and the expiry timer and waits for the heartbeat
-// goroutine, so that no heartbeat races the done or failed write. If the
-// lease already expired it also waits for the expiry to be reported, so the
-// report always precedes Process returning.
+// goroutine, so that no heartbeat races the done or failed write; one in
+// flight is cancelled, not waited out. (Should it land all the same, it
+// changes nothing: the done or failed write that follows ends the
+// running lease it would extend.) If the lease already expired it also
+// waits for the expiry to be reported, so the report always precedes
+// Process returning.
 func (k *keeper) stop() {
 	close(k.stopc)
+	k.stopBeat()
 	<-k.done
 	k.mu.Lock()
 	k.over = true

@@ -25,8 +25,8 @@ import (
 // LeaseConfig.MaxAttempts counts claims. A message that failed for good
 // (a Permanent error, or LeaseConfig.MaxAttempts reached) is
 // dead-lettered; replaying its dead letter makes it claimable once more
-// when the driver implements driver.LeaseRearmer (the SQLite and Postgres
-// drivers do).
+// when the driver implements driver.LeaseRearmer (the SQLite, Postgres
+// and MySQL drivers do).
 type LeaseConsumer struct {
 	*deliveries
 }
