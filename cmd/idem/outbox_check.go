@@ -330,7 +330,9 @@ func runOutboxCheck(ctx context.Context, w io.Writer, s *store, consumers []*sto
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "STREAM\tAGGREGATE\tSEQUENCE\tISSUED UP TO\tFOUND IN")
 		for _, k := range behind {
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\n", k.stream, k.aggregate, c.versions[k], c.highest[k].seq, c.highest[k].where)
+			// The aggregate comes from a consumer's message ID, so from the
+			// broker: every stored string is escaped for the terminal.
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\n", termText(k.stream), termText(k.aggregate), c.versions[k], c.highest[k].seq, termText(c.highest[k].where))
 		}
 		tw.Flush()
 	}
@@ -347,7 +349,7 @@ func runOutboxCheck(ctx context.Context, w io.Writer, s *store, consumers []*sto
 		}
 		fmt.Fprintf(w, "%s in the outbox issued before with another payload (consumers dead-letter them as conflicts; see docs/outbox.md):\n", plural(len(ids), "message ID"))
 		for _, id := range ids {
-			fmt.Fprintf(w, "  %s  (%s)\n", id, strings.Join(where[id], "; "))
+			fmt.Fprintf(w, "  %s  (%s)\n", termText(id), termText(strings.Join(where[id], "; ")))
 		}
 	}
 	switch {

@@ -215,8 +215,12 @@ type loginPage struct {
 }
 
 // safeNext returns next when it is a path on this server, else "/dlq".
+// A browser drops every tab and newline in a Location before it reads it,
+// and treats a backslash as a slash, so "/\t/evil.example" would go to
+// //evil.example: next may hold no control character at all.
 func safeNext(next string) string {
-	if strings.HasPrefix(next, "/") && !strings.HasPrefix(next, "//") && !strings.ContainsAny(next, "\\\r\n") {
+	if strings.HasPrefix(next, "/") && !strings.HasPrefix(next, "//") && !strings.ContainsAny(next, "\\") &&
+		!strings.ContainsFunc(next, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
 		return next
 	}
 	return "/dlq"

@@ -180,7 +180,9 @@ func (l *liveRing) snapshot() liveJSON {
 	}
 	sort.Strings(names)
 	for _, h := range names {
-		lh := liveHandler{Name: h, Applied: make([]*int64, len(samples)), Duplicates: make([]*int64, len(samples)), DeadLetters: make([]*int64, len(samples))}
+		// The script writes the name with textContent: escaped here as
+		// the pages escape it, a bidi override or an ESC shows as such.
+		lh := liveHandler{Name: termText(h), Applied: make([]*int64, len(samples)), Duplicates: make([]*int64, len(samples)), DeadLetters: make([]*int64, len(samples))}
 		for i := 1; i < len(samples); i++ {
 			cur, prev := samples[i], samples[i-1]
 			if !cur.up || !prev.up {

@@ -1,0 +1,227 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/url"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/outbox"
+)
+
+// browserLocation resolves a Location header against base as a browser
+// does: the WHATWG URL parser drops every ASCII tab and newline first.
+func browserLocation(t *testing.T, base, loc string) *url.URL {
+	t.Helper()
+	loc = strings.NewReplacer("\t", "", "\n", "", "\r", "").Replace(loc)
+	b, err := url.Parse(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, err := b.Parse(loc)
+	if err != nil {
+		t.Fatalf("Location %q: %v", loc, err)
+	}
+	return u
+}
+
+// TestConsoleLoginNextStaysOnServer: the page a login returns to (next)
+// is a path of the console, whatever a link to /login put there. A tab or
+// newline a browser drops would otherwise turn "/\t/evil.example" into the
+// scheme-relative "//evil.example": an open redirect from a genuine login.
+func TestConsoleLoginNextStaysOnServer(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	for _, next := range []string{"/\t/evil.example", "/\t\\evil.example", "/\r/evil.example", "/\x00/evil.example", "/\x0b/evil.example", "/dlq\x7f"} {
+		c := client(t)
+		code, body := do(t, c, "GET", srv.URL+"/login?next="+url.QueryEscape(next), nil, nil)
+		m := csrfField.FindStringSubmatch(body)
+		if code != http.StatusOK || m == nil {
+			t.Fatalf("/login: %d\n%s", code, body)
+		}
+		req, err := http.NewRequest("POST", srv.URL+"/login", strings.NewReader(url.Values{"csrf": {m[1]}, "name": {"alice"}, "token": {testToken}, "next": {next}}.Encode()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		srvURL, _ := url.Parse(srv.URL)
+		for _, ck := range c.Jar.Cookies(&url.URL{Scheme: "http", Host: srvURL.Host, Path: "/login"}) {
+			req.AddCookie(ck)
+		}
+		// The transport itself: a client would refuse to parse the
+		// Location a browser follows.
+		resp, err := http.DefaultTransport.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusSeeOther {
+			t.Fatalf("login with next %q: %d", next, resp.StatusCode)
+		}
+		loc := resp.Header.Get("Location")
+		if u := browserLocation(t, srv.URL, loc); u.Host != srvURL.Host {
+			t.Errorf("login with next %q redirects to %q: a browser goes to %s", next, loc, u)
+		}
+		if strings.ContainsFunc(loc, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
+			t.Errorf("login with next %q: Location %q holds a control character", next, loc)
+		}
+	}
+}
+
+// TestConsoleLiveEscapesHandlerNames: the charts' handler names in
+// /api/live are escaped as every page escapes them: a bidi override or an
+// ESC in a stored handler name shows as \u202e, \x1b.
+func TestConsoleLiveEscapesHandlerNames(t *testing.T) {
+	seed := seedConsoleStore(t)
+	hostile := "\u202egnp.exe\x1b[2J"
+	addMarkers(t, seed.db, hostile, 0, 3)
+	srv, _ := consoleServer(t, seed.path, "", 50*time.Millisecond)
+	var names []string
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		code, body := do(t, client(t), "GET", srv.URL+"/api/live", nil, nil)
+		if code != http.StatusOK {
+			t.Fatalf("/api/live: %d\n%s", code, body)
+		}
+		var j struct {
+			Handlers []struct{ Name string } `json:"handlers"`
+		}
+		if err := json.Unmarshal([]byte(body), &j); err != nil {
+			t.Fatal(err)
+		}
+		names = names[:0]
+		for _, h := range j.Handlers {
+			names = append(names, h.Name)
+		}
+		if len(names) >= 3 {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	found := false
+	for _, n := range names {
+		if strings.ContainsAny(n, "\u202e\x1b") {
+			t.Errorf("/api/live names a handler %q: want its control and format characters escaped", n)
+		}
+		found = found || n == termText(hostile)
+	}
+	if !found {
+		t.Errorf("/api/live's handlers %q: want %q among them", names, termText(hostile))
+	}
+}
+
+// TestOutboxCheckEscapesStoredIDs: outbox check prints the aggregates it
+// finds in a consumer's message IDs, which come from the broker: an ESC
+// or a bidi override among them reaches the terminal escaped.
+func TestOutboxCheckEscapesStoredIDs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dir := t.TempDir()
+	producer, consumer := filepath.Join(dir, "producer.db"), filepath.Join(dir, "consumer.db")
+	db, drv := testenv.SQLite(t, producer, nil)
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ob.AddNext(ctx, tx, "orders", "o-1", "OrderPlaced", []byte("{}")); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	cdb, _ := testenv.SQLite(t, consumer, nil)
+	hostileAgg := "\x1b]0;pwned\x07\x1b[2J\u202eevil"
+	if _, err := cdb.Exec(`INSERT INTO idem_processed (handler, message_id, payload_hash, processed_at) VALUES ('billing', $1, x'00', $2)`,
+		outbox.MessageID("orders", hostileAgg, 9), time.Now().UnixMicro()); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := runCLI(t, "outbox", "check", "--dsn", producer, "--consumer", consumer)
+	if code != exitFailed || !strings.Contains(out, termText(hostileAgg)) {
+		t.Fatalf("outbox check: exit %d, want %d and the aggregate %q escaped\n%s%s", code, exitFailed, termText(hostileAgg), out, errOut)
+	}
+	if strings.ContainsAny(out+errOut, "\x1b\x07\u202e") {
+		t.Errorf("outbox check printed a stored control or format character raw:\n%q", out+errOut)
+	}
+}
+
+// TestConsoleCookiesSecureBehindTLSProxy: behind the TLS proxy
+// docs/console.md recommends, the console itself speaks plain HTTP; the
+// proxy's X-Forwarded-Proto (or Forwarded) still marks the login and
+// session cookies Secure, so a browser never sends them in clear. Without
+// such a header they are not Secure (the loopback console over HTTP must
+// keep working).
+func TestConsoleCookiesSecureBehindTLSProxy(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	for _, c := range []struct {
+		header, value string
+		secure        bool
+	}{
+		{"", "", false},
+		{"X-Forwarded-Proto", "https", true},
+		{"X-Forwarded-Proto", "http", false},
+		{"Forwarded", `for=192.0.2.60;proto=https;by=203.0.113.43`, true},
+		{"Forwarded", `for=192.0.2.60;proto=http`, false},
+	} {
+		header := func(req *http.Request) {
+			if c.header != "" {
+				req.Header.Set(c.header, c.value)
+			}
+		}
+		req, err := http.NewRequest("GET", srv.URL+"/login", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		header(req)
+		resp, err := http.DefaultTransport.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := new(strings.Builder)
+		_, _ = io.Copy(body, resp.Body)
+		resp.Body.Close()
+		m := csrfField.FindStringSubmatch(body.String())
+		if len(resp.Cookies()) != 1 || m == nil {
+			t.Fatalf("%s: %s: GET /login set %d cookies", c.header, c.value, len(resp.Cookies()))
+		}
+		login := resp.Cookies()[0]
+		if login.Secure != c.secure {
+			t.Errorf("%s: %s: the login form's cookie Secure=%v, want %v", c.header, c.value, login.Secure, c.secure)
+		}
+		req, err = http.NewRequest("POST", srv.URL+"/login", strings.NewReader(url.Values{"csrf": {m[1]}, "name": {"alice"}, "token": {testToken}}.Encode()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		req.Header.Set("Origin", srv.URL)
+		header(req)
+		req.AddCookie(&http.Cookie{Name: login.Name, Value: login.Value})
+		resp, err = http.DefaultTransport.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		var session *http.Cookie
+		for _, ck := range resp.Cookies() {
+			if ck.Value != "" && ck.MaxAge >= 0 {
+				session = ck
+			}
+		}
+		if resp.StatusCode != http.StatusSeeOther || session == nil {
+			t.Fatalf("%s: %s: login answered %d with cookies %v", c.header, c.value, resp.StatusCode, resp.Cookies())
+		}
+		if session.Secure != c.secure {
+			t.Errorf("%s: %s: the session cookie Secure=%v, want %v", c.header, c.value, session.Secure, c.secure)
+		}
+	}
+}
