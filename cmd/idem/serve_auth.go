@@ -234,7 +234,28 @@ func cleanActor(s string) string {
 // setSessionCookie sets (or with maxAge < 0 clears) the session cookie.
 func setSessionCookie(w http.ResponseWriter, r *http.Request, id string, maxAge int) {
 	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: id, Path: "/", MaxAge: maxAge,
-		HttpOnly: true, Secure: r.TLS != nil, SameSite: http.SameSiteStrictMode})
+		HttpOnly: true, Secure: overTLS(r), SameSite: http.SameSiteStrictMode})
+}
+
+// overTLS reports whether the browser reached the console over TLS: the
+// connection itself, or a proxy in front that says so (X-Forwarded-Proto
+// or Forwarded's proto), as docs/console.md's deployment has it. The
+// header is trusted from anyone, since all it does is mark the cookies
+// Secure, which a browser then sends over TLS only: a client that lies
+// only keeps its own session from working over plain HTTP.
+func overTLS(r *http.Request) bool {
+	if r.TLS != nil || strings.EqualFold(strings.TrimSpace(r.Header.Get("X-Forwarded-Proto")), "https") {
+		return true
+	}
+	for _, f := range r.Header.Values("Forwarded") {
+		for _, part := range strings.FieldsFunc(f, func(c rune) bool { return c == ';' || c == ',' }) {
+			k, v, _ := strings.Cut(strings.TrimSpace(part), "=")
+			if strings.EqualFold(k, "proto") && strings.EqualFold(strings.Trim(v, `"`), "https") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // loginCSRF returns the login form's CSRF value, setting its cookie when
@@ -245,7 +266,7 @@ func loginCSRF(w http.ResponseWriter, r *http.Request) string {
 		return c.Value
 	}
 	v := newToken()
-	http.SetCookie(w, &http.Cookie{Name: loginCookie, Value: v, Path: "/login", HttpOnly: true, Secure: r.TLS != nil, SameSite: http.SameSiteStrictMode})
+	http.SetCookie(w, &http.Cookie{Name: loginCookie, Value: v, Path: "/login", HttpOnly: true, Secure: overTLS(r), SameSite: http.SameSiteStrictMode})
 	return v
 }
 
