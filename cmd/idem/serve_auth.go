@@ -99,6 +99,18 @@ type consoleAuth struct {
 
 	mu       sync.Mutex
 	sessions map[string]*session
+
+	// wrong is held by each answer to a wrong token for loginFailDelay:
+	// wrong guesses, through the form or as a bearer, in parallel or
+	// not, are answered one after another, a few a second at most.
+	wrong sync.Mutex
+}
+
+// refuseToken waits before a wrong token is answered (see wrong).
+func (a *consoleAuth) refuseToken() {
+	a.wrong.Lock()
+	defer a.wrong.Unlock()
+	time.Sleep(loginFailDelay)
 }
 
 // newConsoleAuth returns the checker for token, or nil (read-only) when
@@ -184,6 +196,7 @@ func (a *consoleAuth) authorize(r *http.Request) (string, error) {
 	}
 	if tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); ok {
 		if !a.tokenOK(strings.TrimSpace(tok)) {
+			a.refuseToken()
 			return "", errNoCredentials
 		}
 		actor := cleanActor(r.Header.Get("X-Idem-Actor"))

@@ -234,7 +234,8 @@ func (c *console) loginForm(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, http.StatusOK, "login", "Log in", loginPage{CSRF: loginCSRF(w, r), Next: safeNext(r.URL.Query().Get("next"))})
 }
 
-// loginFailDelay slows down guessing the token through the form.
+// loginFailDelay slows down guessing the token: each wrong one, through
+// the form or as a bearer, is answered after it, one at a time.
 const loginFailDelay = 300 * time.Millisecond
 
 func (c *console) login(w http.ResponseWriter, r *http.Request) {
@@ -253,7 +254,7 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 	case !sameOrigin(r) || !loginCSRFOK(r):
 		p.Err = errBadCSRF.Error()
 	case !c.auth.tokenOK(r.PostFormValue("token")):
-		time.Sleep(loginFailDelay)
+		c.auth.refuseToken()
 		p.Err = "wrong token"
 	case actor == "":
 		p.Err = "give your name: it is recorded with each of your actions"

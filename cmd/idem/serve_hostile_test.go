@@ -3,11 +3,13 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/url"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -223,5 +225,31 @@ func TestConsoleCookiesSecureBehindTLSProxy(t *testing.T) {
 		if session.Secure != c.secure {
 			t.Errorf("%s: %s: the session cookie Secure=%v, want %v", c.header, c.value, session.Secure, c.secure)
 		}
+	}
+}
+
+// TestConsoleWrongTokensAnsweredOneAtATime: guesses of the token, as a
+// bearer or through the login form, sent in parallel, are answered one
+// after another, each after loginFailDelay: no more than a few a second,
+// however many connections a guesser opens. The right token is not held
+// up by them.
+func TestConsoleWrongTokensAnsweredOneAtATime(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	one := url.Values{"action": {"replay"}, "scope": {"ids"}, "id": {fmt.Sprint(seed.tmpl[0])}}
+	const guesses = 6
+	start := time.Now()
+	var wg sync.WaitGroup
+	for i := range guesses {
+		wg.Go(func() {
+			hdr := map[string]string{"Authorization": fmt.Sprintf("Bearer %s-%d", testToken, i)}
+			if code, _ := do(t, client(t), "POST", srv.URL+"/dlq/apply", one, hdr); code != http.StatusUnauthorized {
+				t.Errorf("guess %d: %d, want 401", i, code)
+			}
+		})
+	}
+	wg.Wait()
+	if took, least := time.Since(start), guesses*loginFailDelay; took < least {
+		t.Errorf("%d wrong bearer tokens in parallel answered in %s; one at a time takes at least %s", guesses, took, least)
 	}
 }
