@@ -44,7 +44,9 @@ type Config struct {
 	// With Concurrency above 1 it does not apply: see there.
 	MaxPoll int
 	// Batch, above 1, hands a poll's records to the Handler's
-	// HandleDeliveries in chunks of up to that many; the Handler must be
+	// HandleDeliveries in chunks of up to that many, each of one
+	// partition's records (to the Handler all keyless records are of one
+	// aggregate, which a retry holds); the Handler must be
 	// an idem.BatchDeliveryHandler (idem.Consumer is, a LeaseConsumer is
 	// not), else New refuses it. Their effects commit in one transaction.
 	// A record the batch did not settle holds its partition for a retry,
@@ -439,6 +441,10 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		done    []*kgo.Record
 		retries []retry
 		skip    = map[partition]bool{} // retrying: the rest waits
+		// gaps holds, per partition, the aggregates (as the ordering
+		// guard keys them) with a record held for a sequence gap, and
+		// the highest sequence held.
+		gaps = map[partition]map[string]int64{}
 	)
 	for len(recs) > 0 {
 		if ctx.Err() != nil {
@@ -449,9 +455,14 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 			// come again from the first, or go to its next owner.
 			return done, append(retries, rewinds(recs, skip)...), false
 		}
-		// chunk is the next records in order; those decided durably
-		// behind an earlier retry are settled as they were, the others
-		// (handled) go to the handler, up to Batch of them.
+		// chunk is the next records in order, of one partition; those
+		// decided durably behind an earlier retry are settled as they
+		// were, the others (handled) go to the handler, up to Batch of
+		// them. One partition's: the Consumer holds a batch's later
+		// records of an aggregate behind one to be retried, and to it
+		// every keyless record is of one aggregate, so a batch mixing
+		// partitions made another partition's keyless records wait for
+		// this one's retry, and held that partition too.
 		var (
 			chunk   []*kgo.Record
 			ahead   []bool
@@ -459,11 +470,15 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		)
 		for len(recs) > 0 && (len(handled) == 0 || batched && len(handled) < m.cfg.Batch) {
 			r := recs[0]
-			recs = recs[1:]
 			p := partition{r.Topic, r.Partition}
-			if skip[p] {
+			if skip[p] && !m.fillsGap(gaps[p], r) {
+				recs = recs[1:]
 				continue
 			}
+			if len(chunk) > 0 && (chunk[0].Topic != r.Topic || chunk[0].Partition != r.Partition) {
+				break
+			}
+			recs = recs[1:]
 			a := m.isAhead(p, r)
 			if !a {
 				handled = append(handled, len(chunk))
@@ -472,6 +487,7 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		}
 		vs := make([]idem.Verdict, len(chunk))
 		attempts := make([]int, len(chunk))
+		msgs := make([]*idem.Message, len(chunk))
 		for i := range chunk {
 			vs[i].Ack = ahead[i]
 		}
@@ -484,7 +500,7 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 				// its partition is not committed past it. Without it,
 				// Run returned only once the store answered again.
 				ds[j].Stopping = ctx.Done()
-				attempts[i] = ds[j].Attempt
+				attempts[i], msgs[i] = ds[j].Attempt, ds[j].Msg
 			}
 			for j, v := range m.decide(ctx, bh, batched, ds) {
 				vs[handled[j]] = v
@@ -492,6 +508,15 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		}
 		for i, r := range chunk {
 			p := partition{r.Topic, r.Partition}
+			if msg := msgs[i]; !vs[i].Ack && msg != nil && msg.Seq > 0 && errors.Is(vs[i].Err, idem.ErrGap) {
+				// Held for a gap: the events it waits for come later in
+				// this partition, if at all (a key has one partition).
+				if gaps[p] == nil {
+					gaps[p] = map[string]int64{}
+				}
+				k := m.aggregateKey(msg.AggregateID)
+				gaps[p][k] = max(gaps[p][k], msg.Seq)
+			}
 			switch {
 			case skip[p]:
 				// After a record of its partition that is to be retried:
@@ -524,6 +549,45 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		}
 	}
 	return done, retries, false
+}
+
+// fillsGap reports whether r, a record behind a retry of its partition,
+// may fill a gap held there (see gaps in handleRecords): it is of an
+// aggregate held for a gap and has a lower sequence than the one held, so
+// it is due before it. It is then decided at once rather than after the
+// gapped record, which would otherwise wait for it until the gap policy's
+// deadline and be dead-lettered, and the aggregate's later events with
+// it. Deciding it ahead of the partition's order keeps the aggregate's
+// order: the guard applies its events in sequence order. A record of such
+// an aggregate without a sequence is not ordered by the guard, only by
+// the partition: once one is passed, nothing more of its aggregate goes
+// ahead.
+func (m *member) fillsGap(held map[string]int64, r *kgo.Record) bool {
+	if len(held) == 0 {
+		return false
+	}
+	msg, err := m.cfg.Map(r)
+	if err != nil || msg == nil {
+		return false
+	}
+	k := m.aggregateKey(msg.AggregateID)
+	top, ok := held[k]
+	switch {
+	case !ok:
+		return false
+	case msg.Seq == 0:
+		delete(held, k)
+		return false
+	}
+	return msg.Seq < top
+}
+
+// aggregateKey is id as the Handler's ordering guard keys it.
+func (m *member) aggregateKey(id string) string {
+	if k, ok := m.cfg.Handler.(idem.AggregateKeyer); ok {
+		return k.AggregateKey(id)
+	}
+	return id
 }
 
 // rewinds returns, for each partition of recs not in skip, a retry at
@@ -672,7 +736,7 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		switch h.Key {
 		case HeaderID, HeaderType, HeaderSeq:
 			if v, ok := seen[h.Key]; ok && !bytes.Equal(v, h.Value) {
-				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d has two %s headers, %q and %q", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, h.Key, v, h.Value)
+				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d has two %s headers, %s and %s", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, h.Key, quoted(v), quoted(h.Value))
 			}
 			seen[h.Key] = h.Value
 		}
@@ -684,7 +748,7 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		case HeaderSeq:
 			seq, err := strconv.ParseInt(string(h.Value), 10, 64)
 			if err != nil || seq < 1 {
-				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d: %s header %q is not a positive integer", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderSeq, h.Value)
+				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d: %s header %s is not a positive integer", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderSeq, quoted(h.Value))
 			}
 			msg.Seq = seq
 		default:
@@ -698,8 +762,8 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		return nil, fmt.Errorf("%w: kafka: record %s/%d@%d has no %s header", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderID)
 	}
 	if msg.Seq > 0 && len(r.Key) == 0 {
-		return nil, fmt.Errorf("%w: kafka: record %s/%d@%d (%s %q) has a %s header but no key: the aggregate a sequence counts in is the record key",
-			idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderID, msg.ID, HeaderSeq)
+		return nil, fmt.Errorf("%w: kafka: record %s/%d@%d (%s %s) has a %s header but no key: the aggregate a sequence counts in is the record key",
+			idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderID, quoted([]byte(msg.ID)), HeaderSeq)
 	}
 	err := msg.Validate()
 	if ve := (*idem.ValidationError)(nil); msg.Seq == 0 && errors.As(err, &ve) && ve.Field == "AggregateID" {
@@ -710,4 +774,17 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		return nil, err
 	}
 	return msg, nil
+}
+
+// maxQuoted bounds the bytes of a header value an error quotes.
+const maxQuoted = 80
+
+// quoted is v quoted for an error, cut after maxQuoted bytes: a header's
+// value is bounded only by the record's size, and the error is logged
+// and stored with the dead letter.
+func quoted(v []byte) string {
+	if len(v) <= maxQuoted {
+		return strconv.Quote(string(v))
+	}
+	return fmt.Sprintf("%q… (%d bytes)", v[:maxQuoted], len(v))
 }

@@ -132,3 +132,25 @@ func TestDefaultMapSequenceWithoutKey(t *testing.T) {
 		t.Fatalf("%+v, %v; want an error naming the missing key and the message", m, err)
 	}
 }
+
+// A decode error quotes a header's value only in part: a value has no
+// bound but the record's size (a megabyte by default), and a binary one
+// quotes to four times that, so the error, logged and stored with the
+// dead letter, would otherwise carry megabytes.
+func TestDefaultMapErrorQuotesHeadersInPart(t *testing.T) {
+	huge := make([]byte, 256<<10) // NUL bytes: \x00 each, quoted
+	for name, hs := range map[string][]kgo.RecordHeader{
+		"a sequence that is no integer": {{Key: kafka.HeaderID, Value: []byte("evt-1")}, {Key: kafka.HeaderSeq, Value: huge}},
+		"two IDs":                       {{Key: kafka.HeaderID, Value: huge}, {Key: kafka.HeaderID, Value: append([]byte("x"), huge...)}},
+		"a sequence and no key":         {{Key: kafka.HeaderID, Value: huge}, {Key: kafka.HeaderSeq, Value: []byte("3")}},
+		"an ID too long":                {{Key: kafka.HeaderID, Value: huge}},
+	} {
+		m, err := kafka.DefaultMap(&kgo.Record{Topic: "credits", Value: []byte("10"), Headers: hs})
+		if err == nil || !errors.Is(err, idem.ErrInvalidMessage) {
+			t.Fatalf("%s: %+v, %v; want a decode error", name, m, err)
+		}
+		if n := len(err.Error()); n > 1024 {
+			t.Errorf("%s: the error is %d bytes (%.60q…); want the values cut", name, n, err.Error())
+		}
+	}
+}

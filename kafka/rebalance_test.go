@@ -2,8 +2,11 @@ package kafka_test
 
 import (
 	"context"
+	"database/sql"
+	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,6 +16,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/adaptertest"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
 )
 
@@ -158,5 +163,137 @@ func waitFor(t *testing.T, d time.Duration, what string, ok func() bool) {
 		if time.Now().After(deadline) {
 			t.Fatalf("not within %s: %s", d, what)
 		}
+	}
+}
+
+// In batches, a keyless record that keeps failing holds its own partition
+// only. Records without a key are all of aggregate "" to the Consumer,
+// which holds the later ones of an aggregate behind the one being retried:
+// a batch mixing partitions (one poll's records, Concurrency 1) made the
+// keyless records of the other partitions wait for the failing one, and
+// held their partitions for its delay.
+func TestBatchKeylessRetryHoldsOnlyItsPartition(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	var recs []*kgo.Record
+	for p := range int32(4) {
+		for i := range 5 {
+			id := fmt.Sprintf("p%d-%03d", p, i)
+			recs = append(recs, &kgo.Record{Partition: p, Value: []byte(id), Headers: []kgo.RecordHeader{{Key: kafka.HeaderID, Value: []byte(id)}}})
+		}
+	}
+	if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	var waited atomic.Int64
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
+		if m.ID == "p0-000" {
+			return errors.New("dependency down")
+		}
+		return nil
+	}}
+	c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Logger: testenv.Logger(t),
+		Backoff: idem.Backoff{Base: 50 * time.Millisecond, Max: 50 * time.Millisecond},
+		Hooks: []idem.Hook{idem.HookVerdict(verdictFunc(func(ev *idem.VerdictEvent) {
+			if !strings.HasPrefix(ev.MessageID, "p0-") && errors.Is(ev.Verdict.Err, idem.ErrWaitsForAggregate) {
+				waited.Add(1)
+			}
+		}))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.StartBatched(t, c, 100)
+	e.WaitMarkers(3 * 5)
+	if n := waited.Load(); n > 0 {
+		t.Fatalf("%d verdicts of records of partitions 1–3 waited for p0-000 (keyless, so of one aggregate to the Consumer): a batch mixed partitions", n)
+	}
+}
+
+// Under GapWait the event that fills a gap can only come later in the
+// gapped record's own partition (a key has one partition), behind the
+// record that is held for the retry: a partition holding a2 before a1
+// (a producer's retry, a relay that republished) waited out the whole
+// WaitFor, a2 was dead-lettered, and with it every later event of the
+// aggregate. The record filling the gap is decided while the gapped one
+// waits, so both apply at once, in sequence order; the partition's other
+// records stay behind the retry, in order.
+func TestGapFilledFromLaterInThePartition(t *testing.T) {
+	t.Parallel()
+	for _, batch := range []int{1, 3} {
+		t.Run(fmt.Sprintf("batch-%d", batch), func(t *testing.T) {
+			t.Parallel()
+			b, e := newBroker(t).(*broker), adaptertest.NewEnv(t)
+			cl, err := kgo.NewClient(kgo.SeedBrokers(b.addrs...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cl.Close()
+			rec := func(key, id string, seq int) *kgo.Record {
+				return &kgo.Record{Partition: 0, Key: []byte(key), Value: []byte(id), Headers: []kgo.RecordHeader{
+					{Key: kafka.HeaderID, Value: []byte(id)}, {Key: kafka.HeaderSeq, Value: []byte(strconv.Itoa(seq))}}}
+			}
+			// One batch (Batch 3) of a1 b1 a3, then b2 a2 a4 in another: a3
+			// is behind a gap its own batch cannot fill.
+			recs := []*kgo.Record{rec("a", "a1", 1), rec("b", "b1", 1), rec("a", "a3", 3)}
+			if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+			recs = []*kgo.Record{rec("b", "b2", 2), rec("a", "a2", 2), rec("a", "a4", 4)}
+			if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+			var mu sync.Mutex
+			var applied []string
+			h := &idem.Handler[*sql.Tx]{Name: "balances", Ordering: &idem.Ordering{Gap: idem.GapWait, WaitFor: time.Minute},
+				Apply: func(_ context.Context, _ *sql.Tx, m *idem.Message) error {
+					mu.Lock()
+					defer mu.Unlock()
+					applied = append(applied, m.ID)
+					return nil
+				}}
+			c, err := idem.NewConsumer(e.Proc, h, e.Drv, &idem.ConsumerConfig{Logger: testenv.Logger(t),
+				Backoff: idem.Backoff{Base: 50 * time.Millisecond, Max: 100 * time.Millisecond}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.StartBatched(t, c, batch)
+			start := time.Now()
+			for {
+				var n int
+				if err := e.DB.QueryRow(`SELECT count(*) FROM idem_processed WHERE handler = 'balances'`).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				if n == 6 {
+					break
+				}
+				if time.Since(start) > 10*time.Second {
+					mu.Lock()
+					defer mu.Unlock()
+					t.Fatalf("after 10 s %d of 6 applied (%v): a3 waits for a2, which is behind it in its partition (WaitFor is a minute)", n, applied)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			var a, bs []string
+			for _, id := range applied {
+				if id[0] == 'a' {
+					a = append(a, id)
+				} else {
+					bs = append(bs, id)
+				}
+			}
+			if !slices.Equal(a, []string{"a1", "a2", "a3", "a4"}) || !slices.Equal(bs, []string{"b1", "b2"}) {
+				t.Fatalf("applied %v; want each aggregate in sequence order", applied)
+			}
+			if dls, err := e.Drv.DeadLetterList(context.Background(), nil); err != nil || len(dls) != 0 {
+				t.Fatalf("dead letters %v, %v; want none", dls, err)
+			}
+		})
 	}
 }
