@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/verdicts"
 )
 
@@ -788,14 +789,14 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 	if s := h.Get(HeaderSeq); s != "" {
 		seq, err := strconv.ParseInt(s, 10, 64)
 		if err != nil || seq < 1 {
-			return nil, fmt.Errorf("%w: jetstream: message %q: %s header %q is not a positive integer", idem.ErrInvalidMessage, id, HeaderSeq, s)
+			return nil, fmt.Errorf("%w: jetstream: message %s: %s header %s is not a positive integer", idem.ErrInvalidMessage, errtext.Quote(id), HeaderSeq, errtext.Quote(s))
 		}
 		msg.Seq = seq
 	}
 	if s := h.Get(HeaderTime); s != "" {
 		t, err := time.Parse(time.RFC3339Nano, s)
 		if err != nil {
-			return nil, fmt.Errorf("%w: jetstream: message %q: %s header %q is not an RFC 3339 time", idem.ErrInvalidMessage, id, HeaderTime, s)
+			return nil, fmt.Errorf("%w: jetstream: message %s: %s header %s is not an RFC 3339 time", idem.ErrInvalidMessage, errtext.Quote(id), HeaderTime, errtext.Quote(s))
 		}
 		msg.Time = t
 	}

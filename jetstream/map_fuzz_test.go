@@ -3,6 +3,7 @@ package jetstream
 import (
 	"errors"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/nats-io/nats.go"
@@ -84,5 +85,24 @@ func TestDefaultMapKeepsOtherHeaders(t *testing.T) {
 	only.Set(HeaderID, "evt-2")
 	if m, err := mapMessage("s", only, nil); err != nil || m.Headers != nil {
 		t.Errorf("message with idem's headers only: Headers %v, %v; want nil", m, err)
+	}
+}
+
+// A hostile header is quoted in part: the error is logged and stored
+// with the dead letter, and a header value is bounded only by the
+// message's size.
+func TestMapErrorQuotesHeadersInPart(t *testing.T) {
+	huge := strings.Repeat("9x", 128<<10)
+	for _, k := range []string{HeaderSeq, HeaderTime} {
+		h := nats.Header{}
+		h.Set(HeaderID, strings.Repeat("i", 255))
+		h.Set(k, huge)
+		_, err := mapMessage("s", h, []byte("v"))
+		if !errors.Is(err, idem.ErrInvalidMessage) {
+			t.Fatalf("%s of %d bytes: %v", k, len(huge), err)
+		}
+		if n := len(err.Error()); n > 600 || !strings.Contains(err.Error(), "(262144 bytes)") {
+			t.Errorf("%s of %d bytes: an error of %d bytes: %.300s", k, len(huge), n, err)
+		}
 	}
 }

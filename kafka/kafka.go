@@ -15,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/verdicts"
 )
 
@@ -736,7 +737,7 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		switch h.Key {
 		case HeaderID, HeaderType, HeaderSeq:
 			if v, ok := seen[h.Key]; ok && !bytes.Equal(v, h.Value) {
-				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d has two %s headers, %s and %s", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, h.Key, quoted(v), quoted(h.Value))
+				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d has two %s headers, %s and %s", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, h.Key, errtext.Quote(v), errtext.Quote(h.Value))
 			}
 			seen[h.Key] = h.Value
 		}
@@ -748,7 +749,7 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		case HeaderSeq:
 			seq, err := strconv.ParseInt(string(h.Value), 10, 64)
 			if err != nil || seq < 1 {
-				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d: %s header %s is not a positive integer", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderSeq, quoted(h.Value))
+				return nil, fmt.Errorf("%w: kafka: record %s/%d@%d: %s header %s is not a positive integer", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderSeq, errtext.Quote(h.Value))
 			}
 			msg.Seq = seq
 		default:
@@ -763,7 +764,7 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 	}
 	if msg.Seq > 0 && len(r.Key) == 0 {
 		return nil, fmt.Errorf("%w: kafka: record %s/%d@%d (%s %s) has a %s header but no key: the aggregate a sequence counts in is the record key",
-			idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderID, quoted([]byte(msg.ID)), HeaderSeq)
+			idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset, HeaderID, errtext.Quote(msg.ID), HeaderSeq)
 	}
 	err := msg.Validate()
 	if ve := (*idem.ValidationError)(nil); msg.Seq == 0 && errors.As(err, &ve) && ve.Field == "AggregateID" {
@@ -774,17 +775,4 @@ func DefaultMap(r *kgo.Record) (*idem.Message, error) {
 		return nil, err
 	}
 	return msg, nil
-}
-
-// maxQuoted bounds the bytes of a header value an error quotes.
-const maxQuoted = 80
-
-// quoted is v quoted for an error, cut after maxQuoted bytes: a header's
-// value is bounded only by the record's size, and the error is logged
-// and stored with the dead letter.
-func quoted(v []byte) string {
-	if len(v) <= maxQuoted {
-		return strconv.Quote(string(v))
-	}
-	return fmt.Sprintf("%q… (%d bytes)", v[:maxQuoted], len(v))
 }
