@@ -173,8 +173,8 @@ func inList(n int) string { return "(?" + strings.Repeat(", ?", n-1) + ")" }
 // SequenceLockMany implements driver.SequenceBatchStore: a locking read of
 // the existing rows (in key order, as every batch), then the missing rows
 // inserted at 0, which locks them too. Should another transaction create
-// one of those first, the insert waits for it and skips the row, which is
-// then locked by a second read.
+// one of those first, the insert waits for it and locks the row, whose
+// value a second read takes.
 func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
 	if len(p.AggregateIDs) == 0 {
 		return nil, nil
@@ -197,23 +197,23 @@ func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.Seq
 		for _, a := range missing {
 			args = append(args, p.Handler, a)
 		}
-		r, err := tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)`+
-			strings.Repeat(", (?, ?, 0)", len(missing)-1), args...)
-		if err != nil {
+		// ON DUPLICATE KEY UPDATE, not INSERT IGNORE: on a row another
+		// transaction created meanwhile, IGNORE takes a shared lock, and
+		// the exclusive one the batch needs next was an upgrade two
+		// batches deadlocked on; this takes the exclusive lock at once.
+		if _, err := tx.ExecContext(ctx, `INSERT INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)`+
+			strings.Repeat(", (?, ?, 0)", len(missing)-1)+` ON DUPLICATE KEY UPDATE last_seq = last_seq`, args...); err != nil {
 			return nil, notMigrated(err)
 		}
-		if n, err := r.RowsAffected(); err != nil {
+		// Read what the rows hold (0, or what a transaction that created
+		// one meanwhile committed), locked already. Rows affected cannot
+		// tell: a DSN with clientFoundRows counts a found row as changed.
+		again, err := d.lockSequences(ctx, tx, p.Handler, missing)
+		if err != nil {
 			return nil, err
-		} else if int(n) < len(missing) {
-			// Created meanwhile by another transaction: lock the rows it
-			// committed.
-			again, err := d.lockSequences(ctx, tx, p.Handler, missing)
-			if err != nil {
-				return nil, err
-			}
-			for a, v := range again {
-				last[a] = v
-			}
+		}
+		for a, v := range again {
+			last[a] = v
 		}
 	}
 	out := make([]int64, len(p.AggregateIDs))
