@@ -90,6 +90,9 @@ type Driver struct {
 	handlerIDs sync.Map
 	// versionRows remembers the version rows known to exist, committed.
 	versionRows seenRows
+	// sequenceRows remembers the ordering guard's rows known to exist,
+	// committed (see createSequenceRows).
+	sequenceRows seenRows
 	// noSetStatement: the server has no SET STATEMENT (MySQL 8); see
 	// execNoWait.
 	noSetStatement atomic.Bool

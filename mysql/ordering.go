@@ -170,14 +170,19 @@ func (d *Driver) BeginSequenceAdvance(ctx context.Context, p *driver.SequenceAdv
 // inList returns "(?, ?, …)" for n values.
 func inList(n int) string { return "(?" + strings.Repeat(", ?", n-1) + ")" }
 
-// SequenceLockMany implements driver.SequenceBatchStore: a locking read of
-// the existing rows (in key order, as every batch), then the missing rows
-// inserted at 0, which locks them too. Should another transaction create
+// SequenceLockMany implements driver.SequenceBatchStore: rows this driver
+// has not seen created at 0 first, outside the transaction (see
+// createSequenceRows), then a locking read of the rows (in key order, as
+// every batch), then any still missing inserted at 0, which locks them
+// too. Should another transaction create
 // one of those first, the insert waits for it and locks the row, whose
 // value a second read takes.
 func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.SequenceLockManyParams) ([]int64, error) {
 	if len(p.AggregateIDs) == 0 {
 		return nil, nil
+	}
+	if err := d.createSequenceRows(ctx, p.Handler, p.AggregateIDs); err != nil {
+		return nil, err
 	}
 	last := make(map[string]int64, len(p.AggregateIDs))
 	found, err := d.lockSequences(ctx, tx, p.Handler, p.AggregateIDs)
@@ -188,6 +193,7 @@ func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.Seq
 	for _, a := range p.AggregateIDs {
 		if v, ok := found[a]; ok {
 			last[a] = v
+			d.sequenceRows.add([2]string{p.Handler, a}) // committed: a locking read waits for its creator
 		} else {
 			missing = append(missing, a)
 		}
@@ -358,7 +364,7 @@ func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionP
 	}
 	// No row: createVersionRow could not create it, or the row it saw
 	// once is gone.
-	d.versionRows.forget(p)
+	d.versionRows.forget([2]string{p.Stream, p.AggregateID})
 	r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
 ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.AggregateID)
 	if err != nil {
@@ -390,14 +396,34 @@ const versionRowWait = 500 * time.Millisecond
 // has not checked any yet. The error is that check's refusal, wrapping
 // idem.ErrInvalidConfig; whatever else fails leaves the row to the caller.
 func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) error {
-	if d.noSetStatement.Load() || d.versionRows.has(p) || !d.spareConn() {
+	k := [2]string{p.Stream, p.AggregateID}
+	if d.noSetStatement.Load() || d.versionRows.has(k) || !d.spareConn() {
 		return nil
 	}
+	return d.autocommitNoWait(ctx, func(ctx context.Context, e execer) {
+		if d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
+			p.Stream, p.AggregateID) == nil {
+			// The row exists, committed: the INSERT made it, or met it
+			// without waiting.
+			d.versionRows.add(k)
+		}
+	})
+}
+
+// execer runs a statement: the pool, or one of its connections.
+type execer interface {
+	ExecContext(context.Context, string, ...any) (sql.Result, error)
+}
+
+// autocommitNoWait runs f, within versionRowWait, on what a statement that
+// commits by itself may run on: the pool, or, when the driver has checked
+// no connection's session settings yet, a connection it checks first. The
+// error is that check's refusal, wrapping idem.ErrInvalidConfig; when no
+// connection comes, f does not run and the caller goes on without.
+func (d *Driver) autocommitNoWait(ctx context.Context, f func(context.Context, execer)) error {
 	ctx, cancel := context.WithTimeout(ctx, versionRowWait)
 	defer cancel()
-	var e interface {
-		ExecContext(context.Context, string, ...any) (sql.Result, error)
-	} = d.db
+	var e execer = d.db
 	if !d.sessionOK.Load() {
 		c, err := d.db.Conn(ctx)
 		if err != nil {
@@ -411,13 +437,45 @@ func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) 
 		}
 		e = c
 	}
-	if d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
-		p.Stream, p.AggregateID) == nil {
-		// The row exists, committed: the INSERT made it, or met it
-		// without waiting.
-		d.versionRows.add(p)
-	}
+	f(ctx, e)
 	return nil
+}
+
+// createSequenceRows creates, at 0, the sequence rows of aggs (sorted) this
+// driver has not seen, with one INSERT IGNORE committed by itself and
+// never waiting on a lock, as createVersionRow creates version rows, so
+// that SequenceLockMany then finds every row and locks them all in key
+// order. Created inside the batch's transaction, a row came after rows of
+// the batch found existing that sort behind it: two batches over the same
+// new aggregates could each hold a row the other waited for. A row at 0
+// means what a missing one does. Whenever the rows are not created (a
+// lock met, no connection to spare, a server without SET STATEMENT),
+// SequenceLockMany creates the missing ones inside the transaction.
+func (d *Driver) createSequenceRows(ctx context.Context, handler string, aggs []string) error {
+	if d.noSetStatement.Load() || !d.spareConn() {
+		return nil
+	}
+	var unseen []string
+	for _, a := range aggs {
+		if !d.sequenceRows.has([2]string{handler, a}) {
+			unseen = append(unseen, a)
+		}
+	}
+	if len(unseen) == 0 {
+		return nil
+	}
+	return d.autocommitNoWait(ctx, func(ctx context.Context, e execer) {
+		args := make([]any, 0, 2*len(unseen))
+		for _, a := range unseen {
+			args = append(args, handler, a)
+		}
+		if d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)`+
+			strings.Repeat(", (?, ?, 0)", len(unseen)-1), args...) == nil {
+			for _, a := range unseen {
+				d.sequenceRows.add([2]string{handler, a})
+			}
+		}
+	})
 }
 
 // errNoSetStatement is execNoWait's error on a server without SET
@@ -442,7 +500,8 @@ func (d *Driver) execNoWait(ctx context.Context, e interface {
 	return err
 }
 
-// seenRows remembers, boundedly, the version rows known to exist.
+// seenRows remembers, boundedly, the version or sequence rows known to
+// exist.
 type seenRows struct {
 	mu sync.Mutex
 	m  map[[2]string]struct{}
@@ -451,26 +510,26 @@ type seenRows struct {
 // seenRowsMax bounds seenRows; past it, the set starts afresh.
 const seenRowsMax = 1 << 14
 
-func (s *seenRows) has(p *driver.VersionParams) bool {
+func (s *seenRows) has(k [2]string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	_, ok := s.m[[2]string{p.Stream, p.AggregateID}]
+	_, ok := s.m[k]
 	return ok
 }
 
-func (s *seenRows) forget(p *driver.VersionParams) {
+func (s *seenRows) forget(k [2]string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	delete(s.m, [2]string{p.Stream, p.AggregateID})
+	delete(s.m, k)
 }
 
-func (s *seenRows) add(p *driver.VersionParams) {
+func (s *seenRows) add(k [2]string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.m == nil || len(s.m) >= seenRowsMax {
 		s.m = make(map[[2]string]struct{})
 	}
-	s.m[[2]string{p.Stream, p.AggregateID}] = struct{}{}
+	s.m[k] = struct{}{}
 }
 
 // VersionAdvance implements driver.VersionStore with one conditional
