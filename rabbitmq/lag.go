@@ -17,7 +17,9 @@ func (c *Consumer) Lag(ctx context.Context) (int64, error) {
 	conn := c.conn.Load()
 	if conn == nil || conn.IsClosed() {
 		var err error
-		if conn, err = dial(c.cfg.URL, c.cfg.AMQP); err != nil {
+		sock := &socket{}
+		defer context.AfterFunc(ctx, sock.close)()
+		if conn, err = dialContext(ctx, c.cfg.URL, c.cfg.AMQP, sock); err != nil {
 			return 0, fmt.Errorf("rabbitmq: lag of queue %q: %w", c.cfg.Queue, err)
 		}
 		defer conn.Close()

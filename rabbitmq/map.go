@@ -207,15 +207,23 @@ func scalar(v any) (string, bool) {
 // attemptOf returns the attempt a delivery is: its idem-attempt header (1
 // without one) plus the times the queue returned it since (x-delivery-count
 // on quorum queues; on classic queues only the redelivered flag is known,
-// counted as one).
-func attemptOf(h amqp.Table, redelivered bool) int {
+// counted as one). A delivery not flagged redelivered was never returned,
+// whatever x-delivery-count it carries; and only a quorum queue writes that
+// header: on a classic queue it is the producer's (a message moved from a
+// quorum queue, by a shovel or by hand from a dead-letter queue, keeps the
+// count it had there), which would make a first delivery a late attempt,
+// or the last.
+func attemptOf(h amqp.Table, redelivered, quorum bool) int {
 	attempt := int64(1)
 	if n, ok := intValue(h[HeaderAttempt]); ok && n > 1 {
 		attempt = n
 	}
-	if n, ok := intValue(h[headerDeliveryCount]); ok && n > 0 {
+	if !redelivered {
+		return int(min(attempt, math.MaxInt32))
+	}
+	if n, ok := intValue(h[headerDeliveryCount]); ok && n > 0 && quorum {
 		attempt += n
-	} else if redelivered {
+	} else {
 		attempt++
 	}
 	return int(min(attempt, math.MaxInt32))

@@ -144,24 +144,30 @@ func TestRetryTiers(t *testing.T) {
 
 // A delivery's attempt is its idem-attempt header (1 without one) plus the
 // returns the queue counted: x-delivery-count on quorum queues, or one for
-// a classic queue's redelivered flag.
+// a classic queue's redelivered flag. A delivery not redelivered was never
+// returned, and a classic queue's x-delivery-count is the producer's.
 func TestAttemptCountsCopiesAndReturns(t *testing.T) {
 	for _, c := range []struct {
 		h           amqp.Table
 		redelivered bool
+		quorum      bool
 		want        int
 	}{
-		{nil, false, 1},
-		{nil, true, 2},
-		{amqp.Table{rabbitmq.HeaderAttempt: int64(3)}, false, 3},
-		{amqp.Table{rabbitmq.HeaderAttempt: int64(3)}, true, 4},
-		{amqp.Table{"x-delivery-count": int64(2)}, true, 3},
-		{amqp.Table{rabbitmq.HeaderAttempt: int32(4), "x-delivery-count": int64(1)}, true, 5},
-		{amqp.Table{rabbitmq.HeaderAttempt: "garbage"}, false, 1},
-		{amqp.Table{rabbitmq.HeaderAttempt: int64(-7)}, false, 1},
+		{nil, false, true, 1},
+		{nil, true, true, 2},
+		{nil, true, false, 2},
+		{amqp.Table{rabbitmq.HeaderAttempt: int64(3)}, false, true, 3},
+		{amqp.Table{rabbitmq.HeaderAttempt: int64(3)}, true, false, 4},
+		{amqp.Table{"x-delivery-count": int64(2)}, true, true, 3},
+		{amqp.Table{rabbitmq.HeaderAttempt: int32(4), "x-delivery-count": int64(1)}, true, true, 5},
+		{amqp.Table{rabbitmq.HeaderAttempt: "garbage"}, false, true, 1},
+		{amqp.Table{rabbitmq.HeaderAttempt: int64(-7)}, false, true, 1},
+		{amqp.Table{"x-delivery-count": int64(7)}, false, false, 1},
+		{amqp.Table{"x-delivery-count": int64(7)}, true, false, 2},
+		{amqp.Table{"x-delivery-count": int64(7)}, false, true, 1},
 	} {
-		if got := rabbitmq.AttemptOf(c.h, c.redelivered); got != c.want {
-			t.Errorf("attempt of %v (redelivered %v) = %d, want %d", c.h, c.redelivered, got, c.want)
+		if got := rabbitmq.AttemptOf(c.h, c.redelivered, c.quorum); got != c.want {
+			t.Errorf("attempt of %v (redelivered %v, quorum %v) = %d, want %d", c.h, c.redelivered, c.quorum, got, c.want)
 		}
 	}
 }

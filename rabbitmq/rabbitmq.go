@@ -8,6 +8,7 @@ import (
 	"hash/maphash"
 	"log/slog"
 	"maps"
+	"net"
 	"slices"
 	"strconv"
 	"sync"
@@ -110,8 +111,10 @@ type Config struct {
 	// Reconnect spaces the attempts to connect again after the
 	// connection was lost (and the first one, when the broker is down at
 	// start): Base doubling up to Max, jittered. Defaults 100 ms and 5 s.
-	// Its Retries is not used: the consumer tries until Run's context
-	// ends.
+	// A connection that ends before it settled a delivery or lasted Max
+	// counts as a failed attempt: the backoff goes on growing, with one
+	// warning for the streak. Its Retries is not used: the consumer tries
+	// until Run's context ends.
 	Reconnect idem.Backoff
 	// Logger receives lost connections, reconnections and failures to
 	// settle. Default slog.Default().
@@ -213,14 +216,14 @@ func New(cfg *Config) (*Consumer, error) {
 func (c *Consumer) Run(ctx context.Context) error {
 	failures := 0
 	for {
-		connected, err := c.session(ctx)
+		healthy, err := c.session(ctx)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
 		if errors.Is(err, ErrConsumerCancelled) || errors.Is(err, ErrTopology) || errors.Is(err, ErrRefused) {
 			return err
 		}
-		if connected {
+		if healthy {
 			failures = 0
 		}
 		if failures == 0 {
@@ -256,10 +259,92 @@ func dial(url string, cfg amqp.Config) (*amqp.Connection, error) {
 	return amqp.DialConfig(url, cfg)
 }
 
+// connectTimeout bounds a TCP connect and the AMQP handshake after it, as
+// amqp091's own default dialer does.
+const connectTimeout = 30 * time.Second
+
+// cancelWait bounds the wait for the broker's answer to the consumer's
+// cancel on a stop: a broker that does not answer (a network partition)
+// would hold the stop until the heartbeats time out.
+const cancelWait = 5 * time.Second
+
+// socket is the network connection under an AMQP connection, so that it
+// can be closed when amqp091 would wait: a handshake or a declare on a
+// broker that does not answer is not cut short by Connection.Close, which
+// waits for the broker's close-ok.
+type socket struct {
+	mu     sync.Mutex
+	nc     net.Conn
+	closed bool
+}
+
+// set records nc, closing it at once if the socket was closed meanwhile.
+func (s *socket) set(nc net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.nc = nc
+	if s.closed {
+		_ = nc.Close()
+	}
+}
+
+// close closes the network connection: amqp091 then shuts the AMQP
+// connection down, and the broker returns what it had not acknowledged.
+func (s *socket) close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	if s.nc != nil {
+		_ = s.nc.Close()
+	}
+}
+
+// dialContext is dial that ctx's end interrupts: the TCP connect (unless
+// cfg has a Dial of its own) and, through sock, the handshake and any
+// call until the caller stops watching ctx.
+func dialContext(ctx context.Context, url string, cfg amqp.Config, sock *socket) (*amqp.Connection, error) {
+	inner := cfg.Dial
+	if inner == nil {
+		inner = func(network, addr string) (net.Conn, error) {
+			d := net.Dialer{Timeout: connectTimeout}
+			nc, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			// Cleared by amqp091 once the handshake is done.
+			if err := nc.SetDeadline(time.Now().Add(connectTimeout)); err != nil {
+				_ = nc.Close()
+				return nil, err
+			}
+			return nc, nil
+		}
+	}
+	cfg.Dial = func(network, addr string) (net.Conn, error) {
+		nc, err := inner(network, addr)
+		if err == nil {
+			sock.set(nc)
+		}
+		return nc, err
+	}
+	return dial(url, cfg)
+}
+
 // session runs one connection until ctx ends or the connection, channel
-// or consumer does. connected reports whether it got as far as consuming.
-func (c *Consumer) session(ctx context.Context) (connected bool, err error) {
-	conn, err := dial(c.cfg.URL, c.cfg.AMQP)
+// or consumer does. healthy reports whether it got as far as consuming and
+// then settled a delivery or lasted Reconnect.Max: a session that ends at
+// once, again and again, is a failure streak like a refused connection (one
+// warning, the backoff growing), not a new outage each time. A message
+// whose header table the client library cannot parse (nested deeper than
+// it reads, or with more entries than it takes, which the broker accepts)
+// closes the connection as soon as it is delivered, and reconnecting at
+// the base delay would spin on it.
+func (c *Consumer) session(ctx context.Context) (healthy bool, err error) {
+	// Until it consumes, ctx's end cuts the session short, even on a
+	// broker that does not answer; from then on a stop is graceful.
+	sock := &socket{}
+	unwatch := context.AfterFunc(ctx, sock.close)
+	defer unwatch()
+	conn, err := dialContext(ctx, c.cfg.URL, c.cfg.AMQP, sock)
 	var ae *amqp.Error
 	if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
 		return false, fmt.Errorf("%w: %w", ErrRefused, err)
@@ -286,14 +371,25 @@ func (c *Consumer) session(ctx context.Context) (connected bool, err error) {
 	tag := "idem-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	cancelled := ch.NotifyCancel(make(chan string, 1))
 	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+	// The retry copies' channel too: the server closes it when it refuses
+	// a retry queue (PRECONDITION_FAILED: one declared with other
+	// arguments), and a session going on without it could never retry
+	// again, returning each failure to the queue after its delay, one
+	// attempt more, until the process restarts.
+	rtClosed := rt.ch.NotifyClose(make(chan *amqp.Error, 1))
 	msgs, err := ch.Consume(c.cfg.Queue, tag, false, false, false, false, nil)
 	if err != nil {
 		return false, refused("consume "+c.cfg.Queue, err)
 	}
+	unwatch()
 	c.sessions.Add(1)
+	started := time.Now()
 
 	s := &session{c: c, ch: ch, rt: rt, stopping: make(chan struct{})}
-	// The first of ctx's end, the consumer's cancel and the channel's
+	defer func() {
+		healthy = s.settled.Load() > 0 || time.Since(started) >= c.cfg.Reconnect.Max
+	}()
+	// The first of ctx's end, the consumer's cancel and a channel's
 	// close stops the session: stopping is closed, so that a lane held
 	// by a store outage gives up, and a full lane stops taking more.
 	var (
@@ -308,6 +404,8 @@ func (c *Consumer) session(ctx context.Context) (connected bool, err error) {
 			end = fmt.Errorf("%w: queue %q (deleted?)", ErrConsumerCancelled, c.cfg.Queue)
 		case e := <-closed:
 			end = fmt.Errorf("rabbitmq: channel closed: %w", amqpErr(e))
+		case e := <-rtClosed:
+			end = refused("retry channel closed", amqpErr(e))
 		}
 		close(s.stopping)
 	}()
@@ -330,9 +428,22 @@ loop:
 	if stopped {
 		// Stop the broker pushing more; what it pushed meanwhile is
 		// put back with the rest.
-		if err := ch.Cancel(tag, false); err != nil {
-			c.cfg.Logger.Debug("rabbitmq: cancel consumer on stop", slog.Any("error", err))
+		cancelled := make(chan error, 1)
+		go func() { cancelled <- ch.Cancel(tag, false) }()
+		t := time.NewTimer(cancelWait)
+		select {
+		case err := <-cancelled:
+			if err != nil {
+				c.cfg.Logger.Debug("rabbitmq: cancel consumer on stop", slog.Any("error", err))
+			}
+		case <-t.C:
+			// Nothing gets through: give the connection up. The broker
+			// returns what it had not acknowledged; a decided delivery
+			// comes back as a Duplicate.
+			c.cfg.Logger.Warn("rabbitmq: the broker did not answer the consumer's cancel on stop; closing the connection", slog.String("queue", c.cfg.Queue), slog.Duration("waited", cancelWait))
+			sock.close()
 		}
+		t.Stop()
 		for m := range msgs {
 			s.putBack(&m)
 		}
@@ -386,8 +497,22 @@ type session struct {
 	lanes    []chan pending
 	wg       sync.WaitGroup
 	mu       sync.Mutex
-	leftover []pending // received, not started when the session stopped
-	held     bool      // a delivery was held by a store outage when the session stopped
+	leftover []pending    // received, not started when the session stopped
+	held     bool         // a delivery was held by a store outage when the session stopped
+	settled  atomic.Int64 // deliveries settled (acked, or retried)
+	ackLost  atomic.Bool  // an ack failed: its channel is gone
+}
+
+// ackFailed logs an ack that failed: its channel or connection is gone,
+// and so are the acks of every delivery decided with it (a batch, the
+// other lanes). The first is a warning, the rest of the session's Debug.
+func (s *session) ackFailed(msg string, p pending, err error) {
+	level := slog.LevelDebug
+	if s.ackLost.CompareAndSwap(false, true) {
+		level = slog.LevelWarn
+		msg += " (further failed acks of this connection are logged at debug level)"
+	}
+	s.c.cfg.Logger.Log(context.Background(), level, msg, slog.String("source", p.d.Source), slog.Any("error", err))
 }
 
 // startLanes starts Concurrency lanes.
@@ -511,10 +636,11 @@ func (s *session) fill(in chan pending, batch []pending) []pending {
 func (s *session) settle(p pending, v idem.Verdict) {
 	log := s.c.cfg.Logger
 	if v.Ack {
+		s.settled.Add(1)
 		if err := p.m.Ack(false); err != nil {
 			// The message comes back when the channel closes; its
 			// outcome is durable, so that delivery is a Duplicate.
-			log.Warn("rabbitmq: ack failed; the message will be delivered again", slog.String("source", p.d.Source), slog.Any("error", err))
+			s.ackFailed("rabbitmq: ack failed; the message will be delivered again", p, err)
 		}
 		return
 	}
@@ -530,11 +656,12 @@ func (s *session) settle(p pending, v idem.Verdict) {
 	}
 	err := s.rt.republish(p.m, p.d.Attempt+1, v.RetryAfter)
 	if err == nil {
+		s.settled.Add(1)
 		if err := p.m.Ack(false); err != nil {
 			// The copy is in the retry queue and the original comes
 			// back when the channel closes: two deliveries of one
 			// message, which idem tells apart (a Duplicate).
-			log.Warn("rabbitmq: ack after the retry copy failed; the message will be delivered again", slog.String("source", p.d.Source), slog.Any("error", err))
+			s.ackFailed("rabbitmq: ack after the retry copy failed; the message will be delivered again", p, err)
 		}
 		return
 	}
@@ -621,7 +748,7 @@ func (s *session) requeue(p pending) {
 
 // delivery maps m; stopping is closed when its session ends.
 func (c *Consumer) delivery(m *amqp.Delivery, stopping <-chan struct{}) *idem.Delivery {
-	d := &idem.Delivery{Raw: m.Body, Stopping: stopping, Attempt: attemptOf(m.Headers, m.Redelivered)}
+	d := &idem.Delivery{Raw: m.Body, Stopping: stopping, Attempt: attemptOf(m.Headers, m.Redelivered, c.cfg.QueueType == QueueQuorum)}
 	d.Source = "rabbitmq:" + c.cfg.Queue + "/" + m.RoutingKey
 	if rk, _ := textHeader(m.Headers, HeaderRoutingKey); rk != "" {
 		d.Source = "rabbitmq:" + c.cfg.Queue + "/" + rk

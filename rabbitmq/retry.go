@@ -167,7 +167,7 @@ func (r *retrier) putBack(ms []*amqp.Delivery) error {
 	defer cancel()
 	dcs := make([]*amqp.DeferredConfirmation, 0, len(ms))
 	for _, m := range ms {
-		dc, err := r.ch.PublishWithDeferredConfirmWithContext(ctx, "", r.queue, true, false, copyOf(m, attemptOf(m.Headers, m.Redelivered)))
+		dc, err := r.ch.PublishWithDeferredConfirmWithContext(ctx, "", r.queue, true, false, copyOf(m, attemptOf(m.Headers, m.Redelivered, r.queueType == QueueQuorum)))
 		if err != nil {
 			return fmt.Errorf("rabbitmq: publish a copy to %s: %w", r.queue, err)
 		}

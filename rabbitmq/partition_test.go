@@ -1,0 +1,181 @@
+package rabbitmq_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemtest"
+	"github.com/idemhq/idem/internal/adaptertest"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/rabbitmq"
+)
+
+// proxy forwards TCP connections to the broker of IDEM_RABBITMQ_URL until
+// partition is called: from then on it forwards nothing either way, and
+// answers nothing, while it keeps the sockets open, as a network
+// partition does. A proxy made silent answers nothing from the start.
+type proxy struct {
+	ln     net.Listener
+	target string
+	mu     sync.Mutex
+	silent bool
+	conns  []net.Conn
+}
+
+func newProxy(t testing.TB, silent bool) *proxy {
+	t.Helper()
+	u, err := amqp.ParseURI(testenv.RabbitMQURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxy{ln: ln, target: net.JoinHostPort(u.Host, strconv.Itoa(u.Port)), silent: silent}
+	t.Cleanup(p.close)
+	go p.accept()
+	return p
+}
+
+func (p *proxy) accept() {
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, c)
+		silent := p.silent
+		p.mu.Unlock()
+		if silent {
+			go func() { _, _ = io.Copy(io.Discard, c) }()
+			continue
+		}
+		u, err := net.Dial("tcp", p.target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, u)
+		p.mu.Unlock()
+		go p.pipe(c, u)
+		go p.pipe(u, c)
+	}
+}
+
+// pipe copies from to to, dropping what it reads once the proxy is silent.
+func (p *proxy) pipe(from, to net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := from.Read(buf)
+		if err != nil {
+			return
+		}
+		p.mu.Lock()
+		silent := p.silent
+		p.mu.Unlock()
+		if silent {
+			continue
+		}
+		if _, err := to.Write(buf[:n]); err != nil {
+			return
+		}
+	}
+}
+
+func (p *proxy) partition() {
+	p.mu.Lock()
+	p.silent = true
+	p.mu.Unlock()
+}
+
+// close ends the partition the hard way: every socket closed, so that the
+// broker returns what the cut connections had not acknowledged.
+func (p *proxy) close() {
+	p.ln.Close()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.conns = nil
+}
+
+func (p *proxy) url() string { return "amqp://guest:guest@" + p.ln.Addr().String() + "/" }
+
+// A stop while Run connects to a broker that accepts the TCP connection
+// but answers nothing returns at once: before, it waited for amqp091's
+// handshake timeout (30 s), since the dial did not watch Run's context.
+func TestStopWhileConnectingToASilentBroker(t *testing.T) {
+	t.Parallel()
+	p := newProxy(t, true)
+	c, err := rabbitmq.New(&rabbitmq.Config{URL: p.url(), Queue: "q", Logger: testenv.Logger(t),
+		Handler: idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err = c.Run(ctx)
+	took := time.Since(start)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Run returned %v, want the context's deadline", err)
+	}
+	if took > 3*time.Second {
+		t.Fatalf("Run returned %s after it was started, %s after its context ended: the stop waited for the handshake to time out", took, took-300*time.Millisecond)
+	}
+	// Lag too answers within its context.
+	lagCtx, lagCancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer lagCancel()
+	start = time.Now()
+	if _, err := c.Lag(lagCtx); err == nil || time.Since(start) > 3*time.Second {
+		t.Fatalf("Lag on a silent broker returned %v after %s, want an error within its 300 ms context", err, time.Since(start))
+	}
+}
+
+// A stop during a network partition (the proxy between the consumer and
+// the broker forwards nothing any more) returns within the bound of the
+// consumer's cancel (5 s), not once the heartbeats time out (here 3 × 20
+// s): the connection is given up. Once the partition ends, a new consumer
+// finishes the balances exactly.
+func TestStopDuringPartitionIsBounded(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t, rabbitmq.QueueQuorum), adaptertest.NewEnv(t)
+	p := newProxy(t, false)
+	events := idemtest.Events(300)
+	b.Publish(t, adaptertest.Messages(events), 0)
+	inner := e.Consumer(false)
+	cfg := b.config(t, idem.DeliveryHandlerFunc(func(ctx context.Context, d *idem.Delivery) idem.Verdict {
+		time.Sleep(5 * time.Millisecond)
+		return inner.HandleDelivery(ctx, d)
+	}))
+	cfg.URL = p.url()
+	cfg.AMQP.Heartbeat = 20 * time.Second
+	_, stop := run(t, cfg)
+	e.WaitMarkers(50)
+	p.partition()
+	time.Sleep(100 * time.Millisecond)
+	start := time.Now()
+	if err := stop(false); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run returned %v, want context.Canceled", err)
+	}
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("the stop took %s during the partition, want about 5 s", took)
+	}
+	p.close()
+	b.Start(t, e.Consumer(false))
+	e.WaitMarkers(len(events))
+	e.CheckBalances(events)
+}
