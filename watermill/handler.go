@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"time"
@@ -55,9 +56,9 @@ const (
 
 // Config configures a Handler. The zero value is valid.
 type Config struct {
-	// Map turns a Watermill message into an idem message; an error makes
-	// the delivery a decode failure, dead-lettered with the reason, never
-	// dropped. Default: DefaultMap.
+	// Map turns a Watermill message into an idem message; an error, or a
+	// panic, makes the delivery a decode failure, dead-lettered with the
+	// reason, never dropped. Default: DefaultMap.
 	Map func(msg *message.Message) (*idem.Message, error)
 	// Retry says how a retry verdict goes back to Watermill. Default
 	// NackAfterDelay.
@@ -94,6 +95,10 @@ type Config struct {
 // messages being retried at once. Past it the oldest entries go, and those
 // messages count from their MetadataAttempt again.
 const maxTracked = 8192
+
+// maxAttempt bounds the attempt count a Handler takes from MetadataAttempt
+// and Config.Attempt, so that counting on never overflows.
+const maxAttempt = 1 << 30
 
 // Handler decides Watermill messages through an idem.DeliveryHandler (an
 // idem.Consumer in atomic mode, an idem.LeaseConsumer in lease mode) and
@@ -189,7 +194,7 @@ func (h *Handler) Handle(msg *message.Message) error {
 	stopping, release := h.stopping(ctx)
 	defer release()
 	d := &idem.Delivery{Raw: msg.Payload, Source: source(msg), Stopping: stopping}
-	d.Msg, d.DecodeErr = h.cfg.Map(msg)
+	d.Msg, d.DecodeErr = h.mapMessage(msg)
 	if d.DecodeErr != nil {
 		d.Msg = nil
 	}
@@ -200,7 +205,9 @@ func (h *Handler) Handle(msg *message.Message) error {
 	d.Attempt = h.nextAttempt(key, msg)
 	msg.Metadata.Set(MetadataAttempt, strconv.Itoa(d.Attempt))
 
-	v := h.dh.HandleDelivery(withMessage(ctx, msg), d)
+	dctx, cancel := decideContext(ctx)
+	defer cancel()
+	v := h.dh.HandleDelivery(withMessage(dctx, msg), d)
 	if v.Ack {
 		h.forget(key)
 		if v.DeadLettered {
@@ -232,11 +239,43 @@ func (h *Handler) Handle(msg *message.Message) error {
 	return rerr
 }
 
+// mapMessage is Config.Map, a panic in which (a hostile payload meeting
+// a bug in a custom Map) is a decode failure: dead-lettered with the
+// reason, like an error, rather than a panic out of Handle that every
+// redelivery would repeat.
+func (h *Handler) mapMessage(msg *message.Message) (m *idem.Message, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			h.cfg.Logger.Error("watermill: Config.Map panicked; the message is a decode failure",
+				slog.String("uuid", msg.UUID), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
+			m, err = nil, fmt.Errorf("%w: watermill: mapping message %q panicked: %v", idem.ErrInvalidMessage, msg.UUID, r)
+		}
+	}()
+	return h.cfg.Map(msg)
+}
+
 // HandlerFunc is Handle with the shape of message.HandlerFunc: it never
 // produces messages (publish them through idem's outbox, in the handler's
 // transaction).
 func (h *Handler) HandlerFunc(msg *message.Message) ([]*message.Message, error) {
 	return nil, h.Handle(msg)
+}
+
+// decideContext is the context a delivery is decided with: ctx, the
+// message's, without its cancellation but with its deadline. Router.Close
+// cancels the context of the messages in flight (GoChannel, watermill-amqp,
+// watermill-sql); a transaction under way then commits within the router's
+// CloseTimeout, as the other adapters let it, instead of failing as an
+// attempt of the message (dead-lettered as exhausted on its last one). A
+// stop still ends a wait for the store (Delivery.Stopping is ctx's end).
+// A deadline (Watermill's Timeout middleware) still cuts the transaction
+// short: the message took too long, a failed attempt.
+func decideContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	dctx := context.WithoutCancel(ctx)
+	if dl, ok := ctx.Deadline(); ok {
+		return context.WithDeadline(dctx, dl)
+	}
+	return dctx, func() {}
 }
 
 // stopping returns the channel closed when the delivery with context ctx
@@ -271,8 +310,13 @@ func (h *Handler) nextAttempt(key string, msg *message.Message) int {
 		}
 	}
 	if h.cfg.Attempt != nil {
-		seen = max(seen, h.cfg.Attempt(msg)-1)
+		if a := h.cfg.Attempt(msg); a > 1 {
+			seen = max(seen, a-1)
+		}
 	}
+	// A count counted on from metadata the producer wrote must not
+	// overflow into a negative attempt, which no MaxAttempts reaches.
+	seen = min(seen, maxAttempt)
 	if key == "" {
 		return seen + 1
 	}
@@ -367,12 +411,17 @@ func DefaultMap(msg *message.Message) (*idem.Message, error) {
 
 // Poisonable is a filter for Watermill's PoisonQueueWithFilter: false for
 // the errors of a Handler, which idem decides itself (a retry it asked
-// for, a delivery held while the store was down), true for any other. A
-// plain PoisonQueue would acknowledge what idem asked to retry, or could
-// not record, and give up on it outside idem's dead-letter store.
+// for, a delivery held while the store was down), and for a delivery
+// whose context ended (context.Canceled or context.DeadlineExceeded: the
+// router closing, or a Timeout middleware); true for any other. A plain
+// PoisonQueue would acknowledge what idem asked to retry, or could not
+// record, and give up on it outside idem's dead-letter store. Watermill's
+// Retry middleware returns the context's error, not the Handler's, when
+// the message's context ends while it waits its backoff: that delivery
+// is stopping, and is Nacked, not poisoned.
 func Poisonable(err error) bool {
 	var re *RetryError
-	return !errors.As(err, &re)
+	return !errors.As(err, &re) && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
 }
 
 // ShouldRetry is for the ShouldRetry field of Watermill's Retry
