@@ -3,6 +3,7 @@ package metrics
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -98,11 +99,23 @@ func NewSampler(reg prometheus.Registerer, cfg *SamplerConfig) (*Sampler, error)
 }
 
 // ConsumerLag samples l as idem_consumer_lag{handler, source}. The
-// adapters' Consumers name their source with LagSource.
+// adapters' Consumers name their source with LagSource. Consumers of one
+// handler on one source (two consumers of a queue, two members of a group
+// in one process) read the same broker count: sampling a second one
+// replaces the first, so that the series is collected once. A source
+// that is not valid UTF-8 has its invalid bytes replaced by U+FFFD in the
+// label.
 func (s *Sampler) ConsumerLag(handler, source string, l LagSampler) {
+	ls := lagSource{handlerLabel(handler), strings.ToValidUTF8(source, "\uFFFD"), l}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.lags = append(s.lags, lagSource{handlerLabel(handler), source, l})
+	for i, o := range s.lags {
+		if o.handler == ls.handler && o.source == ls.source {
+			s.lags[i] = ls
+			return
+		}
+	}
+	s.lags = append(s.lags, ls)
 }
 
 // Outbox samples o (an outbox relay) as idem_outbox_lag_seconds and
@@ -140,7 +153,12 @@ func (s *Sampler) Collect(ch chan<- prometheus.Metric) {
 				s.failures.WithLabelValues("consumer_lag").Inc()
 				return
 			}
-			ch <- prometheus.MustNewConstMetric(s.lag, prometheus.GaugeValue, float64(n), l.handler, l.source)
+			m, err := prometheus.NewConstMetric(s.lag, prometheus.GaugeValue, float64(n), l.handler, l.source)
+			if err != nil {
+				s.failures.WithLabelValues("consumer_lag").Inc()
+				return
+			}
+			ch <- m
 		}()
 	}
 	if ob != nil {
