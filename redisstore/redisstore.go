@@ -98,6 +98,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -652,7 +653,11 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 // takes two aggregates' versions in either order, say) would otherwise
 // wait until their contexts end, renewing their locks.
 func lockWaitLimit(lockTTL time.Duration) time.Duration {
-	return lockTTL + rand.N(lockTTL/2+1)
+	extra := rand.N(lockTTL/2 + 1)
+	if lockTTL > math.MaxInt64-extra {
+		return math.MaxInt64 // a LockTTL near "never": do not wrap around
+	}
+	return lockTTL + extra
 }
 
 // verifyArgs returns verifyScript's keys and arguments for the claims
@@ -741,6 +746,10 @@ func loadScripts(ctx context.Context, c redis.Scripter) error {
 // after their locks are taken and read after that, so a write by a holder
 // whose lock expired either shows in the value read or aborts the commit.
 func (tx *Tx) lockValues(ctx context.Context, keys, locks []string) error {
+	if err := tx.readable(); err != nil {
+		// Nothing was sent: no key is in doubt.
+		return err
+	}
 	if err := tx.checkKeys(len(keys), "locking "+plural(len(keys), "key")); err != nil {
 		return err
 	}
@@ -1071,7 +1080,9 @@ func (d *Driver) finish(ctx context.Context, tx *Tx, release bool) error {
 	var errs []error
 	held := tx.held()
 	release = release && len(held)+len(tx.unsure) > 0
-	if release || tx.watching {
+	// A transaction of the write-only path has no connection unless its
+	// handler asked for one, and then holds and watches nothing.
+	if tx.conn != nil && (release || tx.watching) {
 		pipe := tx.conn.Pipeline()
 		var (
 			keys []string

@@ -34,9 +34,12 @@ var ErrReadInWriteOnly = idem.Permanent(fmt.Errorf("%w: redisstore: a handler re
 var ErrNotScriptable = idem.Permanent(fmt.Errorf("%w: redisstore: a queued command cannot run inside a script; use a driver without WriteOnly for this handler", idem.ErrInvalidConfig))
 
 // maxScriptArgs bounds the arguments of one queued command on the
-// write-only path: the script hands them to redis.call with Lua's unpack,
-// which takes at most 8,000 values.
-const maxScriptArgs = 7999
+// write-only path, its name included: the script hands them to
+// redis.pcall with Lua's unpack, which needs room for them on a stack of
+// 8,000 slots (LUAI_MAXCSTACK) that already holds its own 3 arguments.
+// One more and unpack fails inside the script, where the marker and the
+// commands before it were already written.
+const maxScriptArgs = 8000 - 3
 
 // atCommit is the marker of a write-only transaction: the commit's script
 // checks it and writes it, with the queued commands.
@@ -82,8 +85,9 @@ func (tx *Tx) readable() error {
 // failed.
 //
 // The marker is written before the commands, so that nothing the script
-// applies can be without it. A command that fails does not stop the
-// others, as in EXEC (redis.pcall).
+// applies can be without it, and only once every command's arguments
+// unpacked (a script that fails midway keeps what it wrote). A command
+// that fails does not stop the others, as in EXEC (redis.pcall).
 var commitScript = redis.NewScript(`
 local v = redis.pcall('GET', KEYS[1])
 if type(v) == 'table' and v.err then
@@ -96,13 +100,22 @@ if v then
   if kind == 'p:' and #v > 2 then return {2} end
   return {3, v}
 end
+-- Every command must unpack before anything is written: an unpack that
+-- fails below would leave the marker and the commands before it.
+local a = 3
+while a <= #ARGV do
+  local n = tonumber(ARGV[a])
+  select('#', unpack(ARGV, a + 1, a + n))
+  a = a + n + 1
+end
 if ARGV[2] == '0' then
   redis.call('SET', KEYS[1], ARGV[1])
 else
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
 local out = {0}
-local a, c = 3, 0
+local c = 0
+a = 3
 while a <= #ARGV do
   local n = tonumber(ARGV[a])
   c = c + 1
