@@ -72,6 +72,13 @@ func (d *Driver) Probe(ctx context.Context) error {
 		return fmt.Errorf("sqlite: probe: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	if d.waitForLocks.Load() {
+		// As Begin does: a lock held a moment by another connection of
+		// the pool is no outage.
+		if _, err := tx.ExecContext(ctx, setBusyTimeout); err != nil {
+			return fmt.Errorf("sqlite: probe: %w", err)
+		}
+	}
 	var pageSize int64
 	if err := tx.QueryRowContext(ctx, `PRAGMA page_size`).Scan(&pageSize); err != nil {
 		return fmt.Errorf("sqlite: probe: %w", err)
