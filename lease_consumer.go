@@ -9,8 +9,8 @@ import (
 )
 
 // LeaseConsumer is Consumer for lease mode: it decides the fate of broker
-// deliveries for one LeaseHandler, so that the Kafka and JetStream adapters
-// drive handlers whose effect lives outside the database (an email, an
+// deliveries for one LeaseHandler, so that the broker adapters (Kafka,
+// JetStream, RabbitMQ, the Watermill bridge) drive handlers whose effect lives outside the database (an email, an
 // HTTP call). It implements DeliveryHandler. It is safe for concurrent use.
 //
 // Besides what Consumer does, it maps InFlight: another worker holds the

@@ -4,7 +4,7 @@
 // Add writes messages into the outbox table inside the caller's business
 // transaction, so an event exists if and only if the transaction that raised
 // it committed. A Relay publishes pending rows through a Publisher (the
-// kafka and jetstream packages provide one each), waits for the broker's
+// kafka, jetstream and rabbitmq packages provide one each), waits for the broker's
 // acknowledgement and only then marks the rows published. A relay that
 // crashes between publishing and marking publishes those rows again on
 // restart: delivery is at-least-once, and the consumer's idem.Processor

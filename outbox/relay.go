@@ -23,8 +23,8 @@ import (
 	"github.com/idemhq/idem/internal/outage"
 )
 
-// Publisher sends messages to a broker. The kafka and jetstream packages
-// implement it.
+// Publisher sends messages to a broker. The kafka, jetstream and rabbitmq
+// packages implement it, as does the Watermill bridge's NewPublisher.
 type Publisher interface {
 	// Publish sends msgs, the pending rows of one ordering key in order,
 	// and returns nil only once the broker has acknowledged every one of

@@ -86,8 +86,8 @@
 //
 // The driver implements atomic mode with batches, the ordering guard
 // (version-only mode included), write-side versions, the dead-letter store
-// and the stats counters, so an idem.Consumer (and the Kafka and JetStream
-// adapters) can run on Redis alone. It has no lease mode or outbox.
+// and the stats counters, so an idem.Consumer (and the broker adapters) can
+// run on Redis alone. It has no lease mode or outbox.
 //
 // Read the guide at https://github.com/idemhq/idem/blob/main/docs/redis.md
 package redisstore

@@ -39,8 +39,8 @@
 // producer's span is the parent. Otherwise, and for every message of a
 // batch (ProcessBatch, even of one message), the producer's span is a
 // link. A call that panics (a bug in another hook or a driver) still ends
-// its span, with an error status. The Kafka and JetStream adapters'
-// default mappings copy the headers they do not read into Message.Headers,
+// its span, with an error status. The broker adapters' default
+// mappings copy the headers they do not read into Message.Headers,
 // so the context arrives without further work.
 //
 // Read the guide at https://github.com/idemhq/idem/blob/main/docs/operations.md#tracing
