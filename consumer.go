@@ -576,10 +576,17 @@ func (c *deliveries) aggregateKey(aggregateID string) string {
 //
 // The claim does not stop a dead letter's state from changing while its
 // message runs: a delivery of the same message that fails parks it again,
-// and an operator may then discard it. If the message then applies, the
-// dead letter is marked replayed (its history shows the discard, then the
-// replay); if it fails, it is parked again, as any message failing again
-// is.
+// and an operator may then discard it or request its replay again. If the
+// message then applies, the dead letter is marked replayed (its history
+// shows the discard or request, then the replay); if it fails, it is
+// parked again, as any message failing again is. The result of a run
+// that ended is recorded even when ctx ends just then.
+//
+// With an Ordering, a run leaves alone the aggregates another run is
+// replaying (a dead letter of theirs is claimed, or this run's claim of
+// one failed): their later sequences, run here meanwhile, would meet the
+// gap the other run has not closed yet and be parked again. The next run
+// takes what is left.
 //
 // Memory is bounded by one dead letter's body: the run lists summaries
 // (without envelope and payload) a page at a time, and reads each body
@@ -607,17 +614,33 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 	if err != nil {
 		return res, fmt.Errorf("idem: list dead letters to replay: %w", err)
 	}
+	var (
+		keys []replayKey
+		busy map[string]bool // aggregates another run is replaying
+	)
 	if c.ordering != nil {
 		// Each aggregate's messages run in sequence order: in the order
 		// they were parked, a later sequence would meet the gap an
 		// earlier one leaves until it is replayed too.
-		if ids, err = c.inSeqOrder(ctx, ids); err != nil {
+		if ids, keys, err = c.inSeqOrder(ctx, ids); err != nil {
+			return res, err
+		}
+		// And in one run at a time: another consumer's run (every
+		// replica runs Replay) may be running an earlier sequence of an
+		// aggregate; a later one run here meanwhile would meet the gap
+		// it has not closed yet, and be parked again. Read after the
+		// list, so that a claim taken since the list was read is seen
+		// here, or makes this run's claim of it fail (below).
+		if busy, err = c.aggregatesReplaying(ctx); err != nil {
 			return res, err
 		}
 	}
-	for _, id := range ids {
+	for i, id := range ids {
 		if err := ctx.Err(); err != nil {
 			return res, err
+		}
+		if keys != nil && keys[i].guarded && busy[keys[i].agg] {
+			continue // left to the run replaying the aggregate, or to the next run
 		}
 		// The list is as old as this run: another consumer may be
 		// replaying a dead letter, or have replayed it since, and an
@@ -629,6 +652,11 @@ func (c *deliveries) replay(ctx context.Context) (ReplayResult, error) {
 			return res, fmt.Errorf("idem: claim dead letter %d for its replay: %w", id, err)
 		}
 		if n == 0 {
+			if keys != nil && keys[i].guarded {
+				// Most likely another run claimed it: its aggregate's
+				// later sequences are that run's to replay.
+				busy[keys[i].agg] = true
+			}
 			continue
 		}
 		if err := c.replayClaimed(ctx, id, &res); err != nil {
@@ -660,7 +688,9 @@ func (c *deliveries) replayClaimed(ctx context.Context, id int64, res *ReplayRes
 	}
 	if msg == nil {
 		// Nothing to run: park it again, it needs a person.
-		if _, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
+		wctx, cancel := settleContext(ctx)
+		defer cancel()
+		if _, err := c.dl.DeadLetterSetState(wctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
 			To: driver.DeadLetterParked, Actor: c.actor(), Outcome: why}); err != nil {
 			return err
 		}
@@ -692,23 +722,33 @@ func (c *deliveries) replayClaimed(ctx context.Context, id int64, res *ReplayRes
 		}
 		return ctx.Err()
 	}
-	n, err := c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
+	// The message ran: its result is recorded even when ctx ended just
+	// now (a consumer stopping), or the dead letter would stay claimed
+	// until ReplayClaimTimeout, and the replay then run would log an
+	// applied message as a duplicate.
+	wctx, cancel := settleContext(ctx)
+	defer cancel()
+	n, err := c.dl.DeadLetterSetState(wctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
 		To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String()})
 	if err != nil {
 		return err
 	}
 	if n == 0 && v.Outcome == Applied {
 		// It left replaying while it ran (a failed delivery of the same
-		// message parked it, and an operator may have discarded it),
-		// and its effect was applied all the same: say so in its state
-		// and history.
-		n, err = c.dl.DeadLetterSetState(ctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterParked, driver.DeadLetterDiscarded},
-			To: driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String() + " (the replay was running when its state changed)"})
+		// message parked it, and an operator may have discarded it, or
+		// requested its replay again), and its effect was applied all
+		// the same: say so in its state and history. A replay requested
+		// again is done: run again it would only be a duplicate.
+		n, err = c.dl.DeadLetterSetState(wctx, &driver.DeadLetterStateChange{IDs: []int64{id},
+			From: []string{driver.DeadLetterParked, driver.DeadLetterDiscarded, driver.DeadLetterReplayRequested},
+			To:   driver.DeadLetterReplayed, Actor: c.actor(), Outcome: v.Outcome.String() + " (the replay was running when its state changed)"})
 		if err != nil {
 			return err
 		}
-		c.cfg.Logger.Warn("idem: dead letter left replaying while its replay ran and applied; marked replayed", slog.String("handler", c.name),
-			slog.Int64("dead_letter", id), slog.String("message_id", msg.ID))
+		if n > 0 {
+			c.cfg.Logger.Warn("idem: dead letter left replaying while its replay ran and applied; marked replayed", slog.String("handler", c.name),
+				slog.Int64("dead_letter", id), slog.String("message_id", msg.ID))
+		}
 	}
 	if n == 0 {
 		// It changed state while it ran, and nothing applied here: its
@@ -722,11 +762,17 @@ func (c *deliveries) replayClaimed(ctx context.Context, id int64, res *ReplayRes
 	return nil
 }
 
+// settleContext is the context of a write that records how a claimed
+// replay ended: it outlives ctx's cancellation, bounded on its own.
+func settleContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+}
+
 // unclaim requests dead letter id again, for the next run, after a
 // replay that did not finish: written even when ctx is done (the reason
 // it stopped), bounded on its own.
 func (c *deliveries) unclaim(ctx context.Context, id int64, reason string) error {
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	wctx, cancel := settleContext(ctx)
 	defer cancel()
 	if _, err := c.dl.DeadLetterSetState(wctx, &driver.DeadLetterStateChange{IDs: []int64{id}, From: []string{driver.DeadLetterReplaying},
 		To: driver.DeadLetterReplayRequested, Actor: c.actor(), Outcome: reason}); err != nil {
@@ -766,30 +812,82 @@ func (c *deliveries) requestStaleClaims(ctx context.Context) error {
 	return nil
 }
 
+// replayKey is the ordering guard's key of a dead letter's message;
+// guarded is false when the guard does not apply to it (no sequence, no
+// readable envelope).
+type replayKey struct {
+	agg     string
+	guarded bool
+}
+
+// replayMessage reads dead letter id's message, with only its ordering
+// fields, so that memory holds one body at most; nil when it has none that
+// can be read.
+func (c *deliveries) replayMessage(ctx context.Context, id int64) (*Message, error) {
+	dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{IDs: []int64{id}})
+	if err != nil || len(dls) != 1 || dls[0].Envelope == nil {
+		return nil, err
+	}
+	m, err := unmarshalEnvelope(dls[0].Envelope)
+	if err != nil {
+		return nil, nil
+	}
+	return &Message{ID: m.ID, AggregateID: m.AggregateID, Seq: m.Seq}, nil
+}
+
+// keyOf returns msg's replayKey.
+func (c *deliveries) keyOf(msg *Message) replayKey {
+	if msg == nil {
+		return replayKey{}
+	}
+	agg, ok, err := orderingKey(c.name, c.ordering, msg)
+	return replayKey{agg: agg, guarded: ok && err == nil}
+}
+
 // inSeqOrder returns ids with each aggregate's messages in sequence
-// order. It reads the dead letters one at a time and keeps only each
-// message's ordering key, so that memory holds one body at most.
-func (c *deliveries) inSeqOrder(ctx context.Context, ids []int64) ([]int64, error) {
+// order, and the aggregate key of each. It reads the dead letters one at
+// a time and keeps only each message's ordering key, so that memory holds
+// one body at most.
+func (c *deliveries) inSeqOrder(ctx context.Context, ids []int64) ([]int64, []replayKey, error) {
 	msgs := make([]*Message, len(ids))
 	order := make([]int, len(ids))
 	for k, id := range ids {
 		order[k] = k
-		dls, err := c.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{IDs: []int64{id}})
+		m, err := c.replayMessage(ctx, id)
 		if err != nil {
-			return nil, fmt.Errorf("idem: read dead letter %d to order its replay: %w", id, err)
+			return nil, nil, fmt.Errorf("idem: read dead letter %d to order its replay: %w", id, err)
 		}
-		if len(dls) == 1 && dls[0].Envelope != nil {
-			if m, err := unmarshalEnvelope(dls[0].Envelope); err == nil {
-				msgs[k] = &Message{ID: m.ID, AggregateID: m.AggregateID, Seq: m.Seq}
-			}
-		}
+		msgs[k] = m
 	}
 	orderBySeq(c.name, c.ordering, msgs, order)
 	out := make([]int64, len(ids))
+	keys := make([]replayKey, len(ids))
 	for i, k := range order {
-		out[i] = ids[k]
+		out[i], keys[i] = ids[k], c.keyOf(msgs[k])
 	}
-	return out, nil
+	return out, keys, nil
+}
+
+// aggregatesReplaying returns the aggregates of this handler's dead
+// letters that a replay has claimed now (replaying).
+func (c *deliveries) aggregatesReplaying(ctx context.Context) (map[string]bool, error) {
+	busy := map[string]bool{}
+	err := deadLetterPages(ctx, c.dl, &driver.DeadLetterFilter{Handler: c.name, State: driver.DeadLetterReplaying}, func(page []driver.DeadLetter) error {
+		for _, d := range page {
+			m, err := c.replayMessage(ctx, d.ID)
+			if err != nil {
+				return err
+			}
+			if k := c.keyOf(m); k.guarded {
+				busy[k.agg] = true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("idem: read the dead letters being replayed: %w", err)
+	}
+	return busy, nil
 }
 
 // deadLetterPages lists the summaries of the dead letters f selects, a
