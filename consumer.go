@@ -91,8 +91,8 @@ const defaultReplayClaimTimeout = 15 * time.Minute
 // processes each through a Processor, asks for a retry with a backoff when
 // the failure may pass, and dead-letters it otherwise, acknowledging only
 // once the outcome or the dead letter is committed. It implements
-// DeliveryHandler, which the Kafka and JetStream adapters drive. It is safe
-// for concurrent use.
+// DeliveryHandler, which the broker adapters (Kafka, JetStream, RabbitMQ,
+// the Watermill bridge) drive. It is safe for concurrent use.
 type Consumer[TTx any] struct {
 	*deliveries
 	proc *Processor[TTx]
