@@ -330,6 +330,10 @@ type confirmPage struct {
 	IDs                  []int64
 	Count                int64
 	Back                 string
+	// Until is when the group was counted, in Unix microseconds of the
+	// store's clock: the action applies to the group's dead letters that
+	// failed before it, those the operator confirmed.
+	Until int64
 }
 
 // resultPage says what an action did.
@@ -587,13 +591,28 @@ func (c *console) confirm(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusServiceUnavailable, err)
 		return
 	}
+	// Taken before the count: a dead letter that fails while the count
+	// runs is in neither or, at worst, counted and spared.
+	until := c.storeNow(ctx).Add(time.Microsecond)
 	n, err := c.count(ctx, dl, f)
 	if err != nil {
 		c.fail(w, r, http.StatusServiceUnavailable, err)
 		return
 	}
 	c.render(w, r, http.StatusOK, "confirm", "Confirm", confirmPage{Action: f.Action, Scope: f.Scope, Handler: f.Handler,
-		Fingerprint: f.Fingerprint, IDs: f.IDs, Count: n, Back: f.Back})
+		Fingerprint: f.Fingerprint, IDs: f.IDs, Count: n, Back: f.Back, Until: until.UnixMicro()})
+}
+
+// storeNow returns the store's time (driver.Clock) where the driver has
+// one, else this process's: dead letters carry the time of their last
+// failure as the store or the consumer stamped it.
+func (c *console) storeNow(ctx context.Context) time.Time {
+	if clk, ok := c.s.idemDriver().(driver.Clock); ok {
+		if t, err := clk.Now(ctx); err == nil {
+			return t
+		}
+	}
+	return time.Now()
 }
 
 func (c *console) apply(w http.ResponseWriter, r *http.Request) {
@@ -612,11 +631,18 @@ func (c *console) apply(w http.ResponseWriter, r *http.Request) {
 	if v, err := strconv.ParseInt(r.PostFormValue("count"), 10, 64); err == nil {
 		p.Asked = v
 	}
+	sel := f.filter()
+	if v, err := strconv.ParseInt(r.PostFormValue("until"), 10, 64); err == nil && f.Scope == "group" {
+		// Only the group the operator confirmed: a dead letter that
+		// failed since (an incident going on) was not counted, and is
+		// left parked for a look of its own.
+		sel.Until = time.UnixMicro(v)
+	}
 	var n int
 	if f.Action == "replay" {
-		n, err = idem.RequestReplay(ctx, dl, f.filter(), actor)
+		n, err = idem.RequestReplay(ctx, dl, sel, actor)
 	} else {
-		n, err = idem.Discard(ctx, dl, f.filter(), actor)
+		n, err = idem.Discard(ctx, dl, sel, actor)
 	}
 	p.Moved = int64(n)
 	code := http.StatusOK

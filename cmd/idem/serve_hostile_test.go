@@ -3,16 +3,21 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"html"
 	"io"
 	"net/http"
 	"net/url"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/outbox"
 )
@@ -251,5 +256,44 @@ func TestConsoleWrongTokensAnsweredOneAtATime(t *testing.T) {
 	wg.Wait()
 	if took, least := time.Since(start), guesses*loginFailDelay; took < least {
 		t.Errorf("%d wrong bearer tokens in parallel answered in %s; one at a time takes at least %s", guesses, took, least)
+	}
+}
+
+// TestConsoleGroupActionAppliesToWhatWasConfirmed: a group's action
+// applies to the dead letters the confirmation counted. One of the group
+// that failed after the operator read "Discard 62 dead letters?" (an
+// incident going on) stays parked for a look of its own; before, the
+// action took every parked letter of the group at apply time, unseen.
+func TestConsoleGroupActionAppliesToWhatWasConfirmed(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	c := client(t)
+	csrf := login(t, c, srv.URL, "alice", testToken)
+	code, body := do(t, c, "POST", srv.URL+"/dlq/confirm", withCSRF(url.Values{"action": {"discard"}, "scope": {"group"}, "handler": {"mailer"}, "fp": {seed.smtpFP}}, csrf), nil)
+	if code != 200 || !strings.Contains(body, `<strong id="confirm-count">62</strong>`) {
+		t.Fatalf("confirm the group's discard: %d\n%s", code, body)
+	}
+	form := url.Values{}
+	for _, m := range regexp.MustCompile(`<input type="hidden" name="([a-z]+)" value="([^"]*)">`).FindAllStringSubmatch(body, -1) {
+		form.Add(m[1], html.UnescapeString(m[2]))
+	}
+	if form.Get("until") == "" || form.Get("fp") != seed.smtpFP {
+		t.Fatalf("the confirmation's form: %v", form)
+	}
+	time.Sleep(2 * time.Millisecond)
+	e := fmt.Sprintf("idem: handler %q, message %q: permanent: smtp: 550 5.1.1 <u%d@example.com>: mailbox unknown", "mailer", "m-late", 999)
+	late := putDeadLetter(t, seed.drv, "mailer", "m-late", e, idem.DeadLetterPermanent, []byte(`{}`), nil)
+	if fp := idem.Fingerprint(errors.New(e)); fp != seed.smtpFP {
+		t.Fatalf("the late dead letter's group %s, want %s", fp, seed.smtpFP)
+	}
+	code, body = do(t, c, "POST", srv.URL+"/dlq/apply", form, nil)
+	if code != 200 || !strings.Contains(body, `<strong id="moved">62</strong>`) {
+		t.Fatalf("apply: %d, want 62 moved\n%s", code, body)
+	}
+	if n := countState(t, seed.db, driver.DeadLetterDiscarded, seed.smtp); n != 62 {
+		t.Errorf("%d of the 62 confirmed discarded", n)
+	}
+	if n := countState(t, seed.db, driver.DeadLetterParked, []int64{late}); n != 1 {
+		t.Error("the dead letter that failed after the confirmation was discarded unseen")
 	}
 }
