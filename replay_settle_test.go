@@ -18,6 +18,7 @@ import (
 	"github.com/idemhq/idem/mysql"
 	"github.com/idemhq/idem/postgres"
 	"github.com/idemhq/idem/redisstore"
+	"github.com/idemhq/idem/sqlite"
 )
 
 // onVerdict is a HookVerdict from a function.
@@ -31,28 +32,15 @@ func eachDeadLetterStore(t *testing.T, sqliteFn func(*testing.T, driver.Driver[*
 	pgFn func(*testing.T, driver.Driver[postgres.Tx], driver.DeadLetterStore),
 	redisFn func(*testing.T, driver.Driver[*redisstore.Tx], driver.DeadLetterStore)) {
 	t.Run("sqlite", func(t *testing.T) {
-		_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "idem.db"), nil)
+		drv := freshSQLite(t)
 		sqliteFn(t, drv, drv)
 	})
 	t.Run("postgres", func(t *testing.T) {
-		pool := testenv.PostgresPool(t, 4)
-		drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := drv.Migrate(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		drv := freshPostgres(t, 4)
 		pgFn(t, drv, drv)
 	})
 	t.Run("mysql", func(t *testing.T) {
-		drv, err := mysql.New(testenv.MySQL(t, testenv.MySQLDatabase(t), 4), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := drv.Migrate(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		drv := freshMySQL(t, 4)
 		sqliteFn(t, drv, drv)
 	})
 	t.Run("redis", func(t *testing.T) {
@@ -66,6 +54,36 @@ func eachDeadLetterStore(t *testing.T, sqliteFn func(*testing.T, driver.Driver[*
 		}
 		redisFn(t, drv, drv)
 	})
+}
+
+// freshSQLite, freshPostgres and freshMySQL return a migrated driver on an
+// empty store of their kind (a pool of conns connections).
+func freshSQLite(t *testing.T) *sqlite.Driver {
+	_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "idem.db"), nil)
+	return drv
+}
+
+func freshPostgres(t *testing.T, conns int32) *postgres.Driver {
+	pool := testenv.PostgresPool(t, conns)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return drv
+}
+
+func freshMySQL(t *testing.T, conns int) *mysql.Driver {
+	drv, err := mysql.New(testenv.MySQL(t, testenv.MySQLDatabase(t), conns), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return drv
 }
 
 // TestReplayStoppedAfterItAppliedIsRecorded: a consumer stopped (its
@@ -150,28 +168,15 @@ func replayStoppedAfterApply[TTx any](t *testing.T, drv driver.Driver[TTx], dl d
 // error: an ordered backlog needed a replay request per replica.
 func TestConcurrentReplaysKeepAggregateOrder(t *testing.T) {
 	t.Run("sqlite", func(t *testing.T) {
-		_, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "idem.db"), nil)
+		drv := freshSQLite(t)
 		replaysKeepOrder(t, drv, drv)
 	})
 	t.Run("postgres", func(t *testing.T) {
-		pool := testenv.PostgresPool(t, 8)
-		drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := drv.Migrate(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		drv := freshPostgres(t, 8)
 		replaysKeepOrder(t, drv, drv)
 	})
 	t.Run("mysql", func(t *testing.T) {
-		drv, err := mysql.New(testenv.MySQL(t, testenv.MySQLDatabase(t), 8), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := drv.Migrate(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		drv := freshMySQL(t, 8)
 		replaysKeepOrder(t, drv, drv)
 	})
 }

@@ -28,37 +28,8 @@ func TestStoreDownHoldsDeliveries(t *testing.T) {
 	t.Parallel()
 	b := newBroker(t, rabbitmq.QueueQuorum)
 	b.concurrency = 2
-	path := filepath.Join(t.TempDir(), "idem.db")
-	db, err := sqlite.Open(path, &sqlite.OpenOptions{BusyTimeout: 100 * time.Millisecond, Synchronous: "NORMAL"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	cons, path, e := balancesOnSQLite(t, 2)
 	ctx := context.Background()
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	e := adaptertest.OpenEnv(t, path) // the balances table, and CheckBalances
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
-		acct, amt, err := idemtest.DecodeCredit(m.Payload)
-		if err != nil {
-			return idem.Permanent(err)
-		}
-		_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt)
-		return err
-	}}
-	cons, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{MaxAttempts: 2, ProbeBackoff: idem.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var (
 		applied, retries, deadLetters, maxAttempt atomic.Int64
 	)
@@ -154,37 +125,7 @@ func stopsDuringOutage(t *testing.T, queueType string) {
 	b := newBroker(t, queueType)
 	b.concurrency = 2
 	b.maxDeliver = 3
-	path := filepath.Join(t.TempDir(), "idem.db")
-	db, err := sqlite.Open(path, &sqlite.OpenOptions{BusyTimeout: 100 * time.Millisecond, Synchronous: "NORMAL"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	ctx := context.Background()
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	e := adaptertest.OpenEnv(t, path)
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
-		acct, amt, err := idemtest.DecodeCredit(m.Payload)
-		if err != nil {
-			return idem.Permanent(err)
-		}
-		_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt)
-		return err
-	}}
-	cons, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{MaxAttempts: 3, ProbeBackoff: idem.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	cons, path, e := balancesOnSQLite(t, 3)
 	release := testenv.HoldSQLite(t, path)
 	events := idemtest.Events(60)
 	b.Publish(t, adaptertest.Messages(events), 0)
@@ -255,4 +196,43 @@ func stopsDuringOutage(t *testing.T, queueType string) {
 	if n := applied.Load(); n != int64(len(events)) {
 		t.Fatalf("%d deliveries applied, want %d", n, len(events))
 	}
+}
+
+// balancesOnSQLite returns a Consumer of the balances handler with
+// maxAttempts, on a new SQLite file whose busy timeout (100 ms) makes a
+// lock held by another connection an outage soon; the file's path; and
+// the env that checks the balances.
+func balancesOnSQLite(t *testing.T, maxAttempts int) (*idem.Consumer[*sql.Tx], string, *adaptertest.Env) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	db, err := sqlite.Open(path, &sqlite.OpenOptions{BusyTimeout: 100 * time.Millisecond, Synchronous: "NORMAL"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	drv, err := sqlite.New(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	e := adaptertest.OpenEnv(t, path) // the balances table, and CheckBalances
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*sql.Tx]{Name: "balances", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		acct, amt, err := idemtest.DecodeCredit(m.Payload)
+		if err != nil {
+			return idem.Permanent(err)
+		}
+		_, err = tx.ExecContext(ctx, `INSERT INTO balances VALUES (?, ?) ON CONFLICT (account) DO UPDATE SET amount = amount + excluded.amount`, acct, amt)
+		return err
+	}}
+	cons, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{MaxAttempts: maxAttempts, ProbeBackoff: idem.Backoff{Base: 50 * time.Millisecond, Max: 200 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cons, path, e
 }

@@ -14,15 +14,6 @@ import (
 	"github.com/idemhq/idem/sqlite"
 )
 
-// outages counts a consumer's outages.
-type outages struct{ n atomic.Int64 }
-
-func (o *outages) OnOutage(_ context.Context, ev *idem.OutageEvent) {
-	if ev.Down {
-		o.n.Add(1)
-	}
-}
-
 // TestPoolWithoutBusyTimeout runs four workers on a pool as sql.Open gives
 // it: several connections, no busy timeout, deferred transactions (in the
 // default rollback journal, and in WAL). Each transaction of the driver
@@ -63,7 +54,7 @@ func TestPoolWithoutBusyTimeout(t *testing.T) {
 				_, err := tx.ExecContext(ctx, `INSERT INTO applied (id) VALUES (?)`, m.ID)
 				return err
 			}}
-			down := &outages{}
+			down := &outageHook{}
 			c, err := idem.NewConsumer(p, h, drv, &idem.ConsumerConfig{Hooks: []idem.Hook{down}, Logger: testenv.Logger(t)})
 			if err != nil {
 				t.Fatal(err)
@@ -89,7 +80,7 @@ func TestPoolWithoutBusyTimeout(t *testing.T) {
 			if n := failed.Load(); n > 0 {
 				t.Errorf("%d of %d deliveries not applied on their first attempt", n, workers*each)
 			}
-			if n := down.n.Load(); n > 0 {
+			if n := down.downs.Load(); n > 0 {
 				t.Errorf("%d outages seen; lock waits are no outage", n)
 			}
 			var rows, ids int
