@@ -181,7 +181,8 @@ func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.Seq
 	if len(p.AggregateIDs) == 0 {
 		return nil, nil
 	}
-	if err := d.createSequenceRows(ctx, p.Handler, p.AggregateIDs); err != nil {
+	unseen, err := d.createSequenceRows(ctx, p.Handler, p.AggregateIDs)
+	if err != nil {
 		return nil, err
 	}
 	last := make(map[string]int64, len(p.AggregateIDs))
@@ -193,11 +194,13 @@ func (d *Driver) SequenceLockMany(ctx context.Context, tx *sql.Tx, p *driver.Seq
 	for _, a := range p.AggregateIDs {
 		if v, ok := found[a]; ok {
 			last[a] = v
-			d.sequenceRows.add([2]string{p.Handler, a}) // committed: a locking read waits for its creator
 		} else {
 			missing = append(missing, a)
 		}
 	}
+	// Those found are committed (a locking read waits for their creator):
+	// seen from now on.
+	d.sequenceRows.addFound(p.Handler, unseen, found)
 	if len(missing) > 0 {
 		args := make([]any, 0, 2*len(missing))
 		for _, a := range missing {
@@ -450,32 +453,31 @@ func (d *Driver) autocommitNoWait(ctx context.Context, f func(context.Context, e
 // new aggregates could each hold a row the other waited for. A row at 0
 // means what a missing one does. Whenever the rows are not created (a
 // lock met, no connection to spare, a server without SET STATEMENT),
-// SequenceLockMany creates the missing ones inside the transaction.
-func (d *Driver) createSequenceRows(ctx context.Context, handler string, aggs []string) error {
-	if d.noSetStatement.Load() || !d.spareConn() {
-		return nil
+// SequenceLockMany creates the missing ones inside the transaction. It
+// returns the aggregates it has neither seen nor created, which
+// SequenceLockMany remembers once its locking read finds their rows; rows
+// seen cost one lookup under one lock.
+func (d *Driver) createSequenceRows(ctx context.Context, handler string, aggs []string) (unseen []string, err error) {
+	if d.noSetStatement.Load() {
+		return nil, nil // nothing consults the rows seen
 	}
-	var unseen []string
-	for _, a := range aggs {
-		if !d.sequenceRows.has([2]string{handler, a}) {
-			unseen = append(unseen, a)
-		}
+	if unseen = d.sequenceRows.unseen(handler, aggs); len(unseen) == 0 || !d.spareConn() {
+		return unseen, nil
 	}
-	if len(unseen) == 0 {
-		return nil
-	}
-	return d.autocommitNoWait(ctx, func(ctx context.Context, e execer) {
+	created := false
+	err = d.autocommitNoWait(ctx, func(ctx context.Context, e execer) {
 		args := make([]any, 0, 2*len(unseen))
 		for _, a := range unseen {
 			args = append(args, handler, a)
 		}
-		if d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)`+
-			strings.Repeat(", (?, ?, 0)", len(unseen)-1), args...) == nil {
-			for _, a := range unseen {
-				d.sequenceRows.add([2]string{handler, a})
-			}
-		}
+		created = d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.sequences+` (handler, aggregate_id, last_seq) VALUES (?, ?, 0)`+
+			strings.Repeat(", (?, ?, 0)", len(unseen)-1), args...) == nil
 	})
+	if err != nil || !created {
+		return unseen, err
+	}
+	d.sequenceRows.addAll(handler, unseen)
+	return nil, nil
 }
 
 // errNoSetStatement is execNoWait's error on a server without SET
@@ -521,6 +523,44 @@ func (s *seenRows) forget(k [2]string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	delete(s.m, k)
+}
+
+// unseen returns the aggregates of aggs whose rows of handler have not
+// been seen, under one lock.
+func (s *seenRows) unseen(handler string, aggs []string) []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for _, a := range aggs {
+		if _, ok := s.m[[2]string{handler, a}]; !ok {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+// addAll remembers the rows of handler's aggs.
+func (s *seenRows) addAll(handler string, aggs []string) {
+	s.addFound(handler, aggs, nil)
+}
+
+// addFound remembers the rows of handler's aggs that found holds (all of
+// them when found is nil), under one lock.
+func (s *seenRows) addFound(handler string, aggs []string, found map[string]int64) {
+	if len(aggs) == 0 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, a := range aggs {
+		if _, ok := found[a]; found != nil && !ok {
+			continue
+		}
+		if s.m == nil || len(s.m) >= seenRowsMax {
+			s.m = make(map[[2]string]struct{})
+		}
+		s.m[[2]string{handler, a}] = struct{}{}
+	}
 }
 
 func (s *seenRows) add(k [2]string) {
