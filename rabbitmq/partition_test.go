@@ -143,6 +143,18 @@ func TestStopWhileConnectingToASilentBroker(t *testing.T) {
 	if _, err := c.Lag(lagCtx); err == nil || time.Since(start) > 3*time.Second {
 		t.Fatalf("Lag on a silent broker returned %v after %s, want an error within its 300 ms context", err, time.Since(start))
 	}
+	// And the Publisher's probe, which an outbox relay bounds by 2 s.
+	pub, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: p.url()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	probeCtx, probeCancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer probeCancel()
+	start = time.Now()
+	if err := pub.Probe(probeCtx); err == nil || time.Since(start) > 3*time.Second {
+		t.Fatalf("Probe of a silent broker returned %v after %s, want an error within its 300 ms context", err, time.Since(start))
+	}
 }
 
 // A stop during a network partition (the proxy between the consumer and

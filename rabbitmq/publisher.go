@@ -101,8 +101,9 @@ func (p *Publisher) Close() error {
 }
 
 // channel takes an idle channel, or opens one (connecting first if need
-// be).
-func (p *Publisher) channel() (*pubChannel, error) {
+// be). ctx's end cuts a connect short, even on a broker that does not
+// answer (see dialContext), as the consumer's.
+func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.close {
@@ -116,7 +117,10 @@ func (p *Publisher) channel() (*pubChannel, error) {
 		}
 	}
 	if p.conn == nil || p.conn.IsClosed() {
-		conn, err := dial(p.cfg.URL, p.cfg.AMQP)
+		sock := &socket{}
+		unwatch := context.AfterFunc(ctx, sock.close)
+		conn, err := dialContext(ctx, p.cfg.URL, p.cfg.AMQP, sock)
+		unwatch()
 		if err != nil {
 			return nil, fmt.Errorf("rabbitmq: publisher: connect: %w", err)
 		}
@@ -167,12 +171,13 @@ func (p *Publisher) Unavailable(err error) bool {
 
 // Probe returns nil when the broker answers: it takes a channel as
 // Publish does (connecting first if need be, then opening one in confirm
-// mode) and keeps it for the next Publish; see Unavailable.
+// mode) and keeps it for the next Publish; see Unavailable. ctx bounds a
+// connect.
 func (p *Publisher) Probe(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	pc, err := p.channel()
+	pc, err := p.channel(ctx)
 	if err != nil {
 		return fmt.Errorf("rabbitmq: probe: %w", err)
 	}
@@ -196,7 +201,7 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	pc, err := p.channel()
+	pc, err := p.channel(ctx)
 	if err != nil {
 		return err
 	}
