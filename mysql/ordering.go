@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"time"
@@ -350,25 +351,42 @@ func (d *Driver) PruneGaps(ctx context.Context, before time.Time, limit int) (in
 // own (see createVersionRow). Created inside tx, the row would vanish if
 // tx rolled back, and the allocations queued behind it would deadlock
 // among themselves (1213), losing their transactions, which are the
-// caller's.
+// caller's; concurrent upserts of one new key deadlock even when none
+// rolls back. So when the UPDATE finds no row (the first attempt to create
+// it met another's lock, or had no connection to spare), the row is
+// created outside tx once more, waiting for a connection this time,
+// before tx creates it itself.
 func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (int64, error) {
-	if err := d.createVersionRow(ctx, p); err != nil {
+	k := [2]string{p.Stream, p.AggregateID}
+	if err := d.createVersionRow(ctx, p, false); err != nil {
 		return 0, err
 	}
-	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = LAST_INSERT_ID(version + 1) WHERE stream = ? AND aggregate_id = ?`,
-		p.Stream, p.AggregateID)
-	if err != nil {
-		return 0, notMigrated(err)
+	for again := true; ; again = false {
+		r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = LAST_INSERT_ID(version + 1) WHERE stream = ? AND aggregate_id = ?`,
+			p.Stream, p.AggregateID)
+		if err != nil {
+			return 0, notMigrated(err)
+		}
+		if n, err := r.RowsAffected(); err != nil {
+			return 0, err
+		} else if n == 1 {
+			d.versionRows.add(k)
+			return r.LastInsertId()
+		}
+		// No row: createVersionRow could not create it, or the row it
+		// saw once is gone.
+		d.versionRows.forget(k)
+		if !again {
+			break
+		}
+		if err := d.createVersionRow(ctx, p, true); err != nil {
+			return 0, err
+		}
+		if !d.versionRows.has(k) {
+			break
+		}
 	}
-	if n, err := r.RowsAffected(); err != nil {
-		return 0, err
-	} else if n == 1 {
-		return r.LastInsertId()
-	}
-	// No row: createVersionRow could not create it, or the row it saw
-	// once is gone.
-	d.versionRows.forget([2]string{p.Stream, p.AggregateID})
-	r, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
+	r, err := tx.ExecContext(ctx, `INSERT INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, LAST_INSERT_ID(1))
 ON DUPLICATE KEY UPDATE version = LAST_INSERT_ID(version + 1)`, p.Stream, p.AggregateID)
 	if err != nil {
 		return 0, notMigrated(err)
@@ -388,34 +406,69 @@ const versionRowWait = 500 * time.Millisecond
 // one it needs (a gap lock of REPEATABLE READ, the row itself, updated
 // earlier in the transaction), and nothing would release it. It runs with
 // innodb_lock_wait_timeout 0 (MariaDB's SET STATEMENT), which fails at
-// once instead. Whenever the row is not created (such a lock, a pool with
-// no connection to spare, as a pool of one, none within versionRowWait,
-// a server without SET STATEMENT), the caller creates the row inside its
-// transaction, as idem did before this existed. A server that cannot
-// parse SET STATEMENT (MySQL) is not asked again.
+// once instead. The lock met is most often another delivery's: the same
+// INSERT of the same new row, committed a moment later, or an allocation
+// holding the row. So a lock met is tried again a few times over
+// versionRowRetry, looking first, without a lock, whether the row is
+// there now. Whenever the row is not created (a lock held longer, a pool
+// with no connection to spare, as a pool of one, none within
+// versionRowWait, a server without SET STATEMENT), the caller creates the
+// row inside its transaction, as idem did before this existed. A server
+// that cannot parse SET STATEMENT (MySQL) is not asked again. With wait,
+// a pool without a connection to spare is waited on, within
+// versionRowWait, unless it has only one: the caller's.
 //
 // The INSERT commits by itself, so it runs on a connection whose session
 // settings were checked (see ready), on that connection when the driver
 // has not checked any yet. The error is that check's refusal, wrapping
 // idem.ErrInvalidConfig; whatever else fails leaves the row to the caller.
-func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams) error {
+func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams, wait bool) error {
 	k := [2]string{p.Stream, p.AggregateID}
-	if d.noSetStatement.Load() || d.versionRows.has(k) || !d.spareConn() {
+	if d.noSetStatement.Load() || d.versionRows.has(k) {
+		return nil
+	}
+	if wait && d.db.Stats().MaxOpenConnections == 1 || !wait && !d.spareConn() {
 		return nil
 	}
 	return d.autocommitNoWait(ctx, func(ctx context.Context, e execer) {
-		if d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
-			p.Stream, p.AggregateID) == nil {
-			// The row exists, committed: the INSERT made it, or met it
-			// without waiting.
-			d.versionRows.add(k)
+		deadline := time.Now().Add(versionRowRetry)
+		for {
+			err := d.execNoWait(ctx, e, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 0)`,
+				p.Stream, p.AggregateID)
+			if err == nil {
+				// The row exists, committed: the INSERT made it, or met
+				// it without waiting.
+				d.versionRows.add(k)
+				return
+			}
+			if errNumber(err) != errLockWaitTimeout || !time.Now().Before(deadline) {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Duration(1+rand.IntN(2)) * time.Millisecond):
+			}
+			// A plain read takes no lock: a row committed meanwhile is
+			// seen, held or not.
+			var one int
+			if e.QueryRowContext(ctx, `SELECT 1 FROM `+d.t.versions+` WHERE stream = ? AND aggregate_id = ?`,
+				p.Stream, p.AggregateID).Scan(&one) == nil {
+				d.versionRows.add(k)
+				return
+			}
 		}
 	})
 }
 
+// versionRowRetry bounds how long createVersionRow tries again a row whose
+// INSERT met a lock.
+const versionRowRetry = 20 * time.Millisecond
+
 // execer runs a statement: the pool, or one of its connections.
 type execer interface {
 	ExecContext(context.Context, string, ...any) (sql.Result, error)
+	querier
 }
 
 // autocommitNoWait runs f, within versionRowWait, on what a statement that
@@ -574,25 +627,43 @@ func (s *seenRows) add(k [2]string) {
 
 // VersionAdvance implements driver.VersionStore with one conditional
 // statement. With Expected 0, a new aggregate's row is created at 0 first,
-// as VersionNext creates it.
+// as VersionNext creates it, and created once more, waiting for a
+// connection, when the statement finds no row.
 func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.VersionParams) (bool, int64, error) {
+	k := [2]string{p.Stream, p.AggregateID}
 	if p.Expected == 0 {
-		if err := d.createVersionRow(ctx, p); err != nil {
+		if err := d.createVersionRow(ctx, p, false); err != nil {
 			return false, 0, err
 		}
 	}
-	r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = version + 1 WHERE stream = ? AND aggregate_id = ? AND version = ?`,
-		p.Stream, p.AggregateID, p.Expected)
-	if err != nil {
-		return false, 0, notMigrated(err)
+	advance := func() (int64, error) {
+		r, err := tx.ExecContext(ctx, `UPDATE `+d.t.versions+` SET version = version + 1 WHERE stream = ? AND aggregate_id = ? AND version = ?`,
+			p.Stream, p.AggregateID, p.Expected)
+		if err != nil {
+			return 0, notMigrated(err)
+		}
+		return r.RowsAffected()
 	}
-	n, err := r.RowsAffected()
+	n, err := advance()
 	if err != nil {
 		return false, 0, err
 	}
-	if n == 0 && p.Expected == 0 {
+	if n == 0 && p.Expected == 0 && !d.versionRows.has(k) {
 		// createVersionRow could not create the row, or it exists at
-		// another version.
+		// another version (then the driver has seen it).
+		if err := d.createVersionRow(ctx, p, true); err != nil {
+			return false, 0, err
+		}
+		if d.versionRows.has(k) {
+			if n, err = advance(); err != nil {
+				return false, 0, err
+			}
+		}
+	}
+	if n == 0 && p.Expected == 0 {
+		// Still no row (or one at another version: the INSERT changes
+		// nothing).
+		var r sql.Result
 		if r, err = tx.ExecContext(ctx, `INSERT IGNORE INTO `+d.t.versions+` (stream, aggregate_id, version) VALUES (?, ?, 1)`, p.Stream, p.AggregateID); err != nil {
 			return false, 0, notMigrated(err)
 		}
