@@ -124,30 +124,49 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 	if f == nil {
 		f = &driver.DeadLetterFilter{}
 	}
-	var ids []int64
+	// In chunks, so that a Limit stops the reading early: the ID index
+	// is read a page at a time too, never whole.
+	next := func() ([]int64, error) { return nil, nil }
 	if f.IDs != nil {
-		ids = slices.Clone(f.IDs)
+		ids := slices.Clone(f.IDs)
 		slices.Sort(ids)
 		ids = slices.Compact(ids)
 		ids = slices.DeleteFunc(ids, func(id int64) bool { return id <= f.AfterID })
+		next = func() ([]int64, error) {
+			chunk := ids[:min(len(ids), dlChunk)]
+			ids = ids[len(chunk):]
+			return chunk, nil
+		}
 	} else {
-		all, err := d.client.ZRangeByScore(ctx, d.dlKey("ids"), &redis.ZRangeBy{Min: "(" + strconv.FormatInt(f.AfterID, 10), Max: "+inf"}).Result()
+		after := f.AfterID
+		next = func() ([]int64, error) {
+			page, err := d.client.ZRangeByScore(ctx, d.dlKey("ids"), &redis.ZRangeBy{
+				Min: "(" + strconv.FormatInt(after, 10), Max: "+inf", Count: dlChunk,
+			}).Result()
+			if err != nil {
+				return nil, err
+			}
+			chunk := make([]int64, 0, len(page))
+			for _, s := range page {
+				id, err := strconv.ParseInt(s, 10, 64)
+				if err != nil {
+					return nil, fmt.Errorf("bad ID %q in %s", s, d.dlKey("ids"))
+				}
+				chunk = append(chunk, id)
+				after = max(after, id)
+			}
+			return chunk, nil
+		}
+	}
+	var out []driver.DeadLetter
+	for {
+		chunk, err := next()
 		if err != nil {
 			return nil, fmt.Errorf("redisstore: list dead letters: %w", err)
 		}
-		for _, s := range all {
-			id, err := strconv.ParseInt(s, 10, 64)
-			if err != nil {
-				return nil, fmt.Errorf("redisstore: list dead letters: bad ID %q in %s", s, d.dlKey("ids"))
-			}
-			ids = append(ids, id)
+		if len(chunk) == 0 {
+			break
 		}
-	}
-	// In chunks, so that a Limit stops the reading early.
-	var out []driver.DeadLetter
-	for len(ids) > 0 {
-		chunk := ids[:min(len(ids), 256)]
-		ids = ids[len(chunk):]
 		ms, err := d.readDeadLetters(ctx, chunk, f.Summary)
 		if err != nil {
 			return nil, fmt.Errorf("redisstore: list dead letters: %w", err)
@@ -171,6 +190,9 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 	}
 	return out, nil
 }
+
+// dlChunk is how many dead letters DeadLetterList reads at a time.
+const dlChunk = 256
 
 // readDeadLetters reads the hashes of ids in one round trip: every field,
 // or without the bodies when summary is set. A missing one is empty.
