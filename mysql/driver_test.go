@@ -391,10 +391,7 @@ func TestDeadlockVictimsRetried(t *testing.T) {
 // 5 runs in 60).
 func TestAllocatorNewAggregateNoDeadlock(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		name     string
-		maxConns int
-	}{{"spare connections", 70}, {"busy pool", raceGoroutines + 1}} {
+	for _, tc := range racePools {
 		t.Run(tc.name, func(t *testing.T) {
 			s := storeOn(t, testenv.MySQL(t, testenv.MySQLDatabase(t), tc.maxConns), nil)
 			v, err := idem.NewVersions(s.Driver)
@@ -426,10 +423,7 @@ func TestAllocatorNewAggregateNoDeadlock(t *testing.T) {
 // version read afterwards is the number that did. Both pools, as there.
 func TestAdvanceNewAggregateNoDeadlock(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		name     string
-		maxConns int
-	}{{"spare connections", 70}, {"busy pool", raceGoroutines + 1}} {
+	for _, tc := range racePools {
 		t.Run(tc.name, func(t *testing.T) {
 			s := storeOn(t, testenv.MySQL(t, testenv.MySQLDatabase(t), tc.maxConns), nil)
 			ctx := context.Background()
@@ -460,6 +454,13 @@ func TestAdvanceNewAggregateNoDeadlock(t *testing.T) {
 		})
 	}
 }
+
+// racePools are the pools the races run on: one with connections to
+// spare, and one a connection larger than the transactions begun at once.
+var racePools = []struct {
+	name     string
+	maxConns int
+}{{"spare connections", 70}, {"busy pool", raceGoroutines + 1}}
 
 // raceGoroutines is how many transactions raceNewAggregates starts at once
 // on each aggregate.
