@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/errtext"
 )
 
 // Metadata keys the default mapping reads and Publisher writes. Every other
@@ -248,7 +249,7 @@ func (h *Handler) mapMessage(msg *message.Message) (m *idem.Message, err error) 
 		if r := recover(); r != nil {
 			h.cfg.Logger.Error("watermill: Config.Map panicked; the message is a decode failure",
 				slog.String("uuid", msg.UUID), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
-			m, err = nil, fmt.Errorf("%w: watermill: mapping message %q panicked: %v", idem.ErrInvalidMessage, msg.UUID, r)
+			m, err = nil, fmt.Errorf("%w: watermill: mapping message %s panicked: %v", idem.ErrInvalidMessage, errtext.Quote(msg.UUID), r)
 		}
 	}()
 	return h.cfg.Map(msg)
@@ -371,10 +372,11 @@ func source(msg *message.Message) string {
 // router subscribed to (empty outside a router); every other metadata key
 // not beginning with idem.ReservedHeaderPrefix goes to Headers. A message
 // with an empty UUID, or an ID, sequence or time idem refuses, is a
-// decode failure.
+// decode failure: an error matching idem.ErrInvalidMessage, which quotes
+// the values it names cut short.
 func DefaultMap(msg *message.Message) (*idem.Message, error) {
 	if msg.UUID == "" {
-		return nil, fmt.Errorf("watermill: message on %q has no UUID to serve as its ID", message.SubscribeTopicFromCtx(msg.Context()))
+		return nil, fmt.Errorf("%w: watermill: message on %s has no UUID to serve as its ID", idem.ErrInvalidMessage, errtext.Quote(message.SubscribeTopicFromCtx(msg.Context())))
 	}
 	m := &idem.Message{
 		ID: msg.UUID, Stream: message.SubscribeTopicFromCtx(msg.Context()), Payload: msg.Payload,
@@ -383,14 +385,15 @@ func DefaultMap(msg *message.Message) (*idem.Message, error) {
 	if s := msg.Metadata.Get(MetadataSeq); s != "" {
 		seq, err := strconv.ParseInt(s, 10, 64)
 		if err != nil || seq < 1 {
-			return nil, fmt.Errorf("watermill: message %q: %s %q is not a positive integer", msg.UUID, MetadataSeq, s)
+			return nil, fmt.Errorf("%w: watermill: message %s: %s %s is not a positive integer", idem.ErrInvalidMessage, errtext.Quote(msg.UUID), MetadataSeq, errtext.Quote(s))
 		}
 		m.Seq = seq
 	}
 	if s := msg.Metadata.Get(MetadataTime); s != "" {
 		t, err := time.Parse(time.RFC3339Nano, s)
 		if err != nil {
-			return nil, fmt.Errorf("watermill: message %q: %s %q is not an RFC 3339 time: %w", msg.UUID, MetadataTime, s, err)
+			// time's error quotes the whole value: leave it out.
+			return nil, fmt.Errorf("%w: watermill: message %s: %s %s is not an RFC 3339 time", idem.ErrInvalidMessage, errtext.Quote(msg.UUID), MetadataTime, errtext.Quote(s))
 		}
 		m.Time = t
 	}
@@ -404,7 +407,7 @@ func DefaultMap(msg *message.Message) (*idem.Message, error) {
 		m.Headers[k] = v
 	}
 	if err := m.Validate(); err != nil {
-		return nil, fmt.Errorf("watermill: message %q: %w", msg.UUID, err)
+		return nil, fmt.Errorf("watermill: message %s: %w", errtext.Quote(msg.UUID), err)
 	}
 	return m, nil
 }
