@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/errtext"
 )
 
 var (
@@ -150,7 +151,7 @@ func (d *Driver) DeadLetterList(ctx context.Context, f *driver.DeadLetterFilter)
 			for _, s := range page {
 				id, err := strconv.ParseInt(s, 10, 64)
 				if err != nil {
-					return nil, fmt.Errorf("bad ID %q in %s", s, d.dlKey("ids"))
+					return nil, fmt.Errorf("bad ID %s in %s", errtext.Quote(s), d.dlKey("ids"))
 				}
 				chunk = append(chunk, id)
 				after = max(after, id)
@@ -245,7 +246,7 @@ func decodeDeadLetter(id int64, m map[string]string) (driver.DeadLetter, error) 
 	if v := m["payload_hash"]; v != "" {
 		h, err := hex.DecodeString(v)
 		if err != nil {
-			return dl, fmt.Errorf("dead letter %d: payload hash %q", id, v)
+			return dl, fmt.Errorf("dead letter %d: payload hash %s is not hex", id, errtext.Quote(v))
 		}
 		dl.PayloadHash = h
 	}
@@ -257,7 +258,7 @@ func decodeDeadLetter(id int64, m map[string]string) (driver.DeadLetter, error) 
 	}
 	var err error
 	if dl.Attempts, err = strconv.Atoi(m["attempts"]); err != nil {
-		return dl, fmt.Errorf("dead letter %d: attempts %q", id, m["attempts"])
+		return dl, fmt.Errorf("dead letter %d: attempts %s is not a number", id, errtext.Quote(m["attempts"]))
 	}
 	for _, t := range []struct {
 		field string
@@ -265,7 +266,7 @@ func decodeDeadLetter(id int64, m map[string]string) (driver.DeadLetter, error) 
 	}{{"first", &dl.FirstFailed}, {"last", &dl.LastFailed}} {
 		us, err := strconv.ParseInt(m[t.field], 10, 64)
 		if err != nil {
-			return dl, fmt.Errorf("dead letter %d: %s %q", id, t.field, m[t.field])
+			return dl, fmt.Errorf("dead letter %d: %s %s is not a time in microseconds", id, t.field, errtext.Quote(m[t.field]))
 		}
 		*t.dst = time.UnixMicro(us)
 	}
