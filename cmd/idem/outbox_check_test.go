@@ -249,3 +249,27 @@ func TestOutboxCheckRedisConsumer(t *testing.T) {
 		t.Fatalf("after --fix the outbox issued seq %d, want 3", next[0].Seq)
 	}
 }
+
+// FuzzParseOutboxID: any stored message ID parses without a panic, and
+// parses exactly when it is the ID outbox.MessageID makes of what it
+// parses to; every ID MessageID makes parses back to its parts.
+func FuzzParseOutboxID(f *testing.F) {
+	f.Add("orders", "o-1", int64(3), "5:orders-o-1-3")
+	f.Add("", "", int64(1), "0:-")
+	f.Add("a-b", "c-d-e", int64(9223372036854775807), "3:a-b--1")
+	f.Add("s\x00", "\xff", int64(-1), "99999999999999999999:x")
+	f.Add("x", "y", int64(0), "-1:x-y-1")
+	f.Fuzz(func(t *testing.T, stream, agg string, seq int64, raw string) {
+		if k, n, ok := parseOutboxID(raw); ok && outbox.MessageID(k.stream, k.aggregate, n) != raw {
+			t.Fatalf("%q parsed to (%q, %q, %d), which makes another ID", raw, k.stream, k.aggregate, n)
+		}
+		if seq < 1 {
+			return
+		}
+		id := outbox.MessageID(stream, agg, seq)
+		k, n, ok := parseOutboxID(id)
+		if !ok || k.stream != stream || k.aggregate != agg || n != seq {
+			t.Fatalf("MessageID(%q, %q, %d) = %q parsed to (%q, %q, %d, %v)", stream, agg, seq, id, k.stream, k.aggregate, n, ok)
+		}
+	})
+}
