@@ -24,19 +24,23 @@ func (c *Consumer) Lag(ctx context.Context) (int64, error) {
 		}
 		defer conn.Close()
 	}
-	ch, err := conn.Channel()
-	if err != nil {
-		return 0, fmt.Errorf("rabbitmq: lag of queue %q: %w", c.cfg.Queue, err)
-	}
-	defer ch.Close()
+	// The channel's opening, the declare and the closing each wait for
+	// the broker, on a connection that may be partitioned (no answer until
+	// heartbeats fail): they run aside, and ctx bounds the call.
 	type result struct {
 		q   amqp.Queue
 		err error
 	}
 	done := make(chan result, 1)
 	go func() {
+		ch, err := conn.Channel()
+		if err != nil {
+			done <- result{err: err}
+			return
+		}
 		q, err := ch.QueueDeclarePassive(c.cfg.Queue, false, false, false, false, nil)
 		done <- result{q, err}
+		_ = ch.Close()
 	}()
 	select {
 	case <-ctx.Done():

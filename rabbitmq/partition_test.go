@@ -191,3 +191,41 @@ func TestStopDuringPartitionIsBounded(t *testing.T) {
 	e.WaitMarkers(len(events))
 	e.CheckBalances(events)
 }
+
+// TestLagDuringPartitionIsBounded: Lag asked on a running consumer's
+// connection while the network path to the broker is dead answers when
+// its context ends, with the context's error. Opening the channel for
+// the declare waited for the broker regardless of the context, until the
+// heartbeats failed (here 3 × 20 s): a metrics scrape hung that long.
+func TestLagDuringPartitionIsBounded(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, rabbitmq.QueueQuorum)
+	p := newProxy(t, false)
+	ack := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })
+	cfg := b.config(t, ack)
+	cfg.URL = p.url()
+	cfg.AMQP.Heartbeat = 20 * time.Second
+	c, stop := run(t, cfg)
+	defer func() { _ = stop(false) }()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := c.Lag(context.Background()); err == nil {
+			break // the consumer's connection is up
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no lag from the running consumer")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	p.partition()
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := c.Lag(ctx)
+	if took := time.Since(start); took > 5*time.Second {
+		t.Fatalf("Lag took %s during the partition, want about its context's 500 ms", took)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Lag returned %v, want the context's deadline", err)
+	}
+}
