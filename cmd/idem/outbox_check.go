@@ -237,7 +237,7 @@ func (c *outboxCheck) readRedisConsumer(ctx context.Context, s *store) error {
 		prefix = "idem:"
 	}
 	where := "markers of " + s.String()
-	it := s.redisClient.Scan(ctx, 0, prefix+"m:*", 1000).Iterator()
+	it := s.redisClient.Scan(ctx, 0, redisGlobEscape(prefix)+"m:*", 1000).Iterator()
 	for it.Next(ctx) {
 		if _, id, ok := strings.Cut(strings.TrimPrefix(it.Val(), prefix+"m:"), "|"); ok {
 			c.see(id, nil, where)
@@ -251,11 +251,29 @@ func (c *outboxCheck) readRedisConsumer(ctx context.Context, s *store) error {
 		return fmt.Errorf("read the dead letters of %s: %w", s, err)
 	}
 	for _, k := range keys {
-		if _, id, ok := strings.Cut(k, "|"); ok {
+		// A field is "handler|message ID", then a NUL and the payload
+		// hash since hashes are kept; one of a delivery that did not
+		// decode has no ID before its NUL.
+		_, id, ok := strings.Cut(k, "|")
+		id, _, _ = strings.Cut(id, "\x00")
+		if ok && id != "" {
 			c.see(id, nil, "dead letters of "+s.String())
 		}
 	}
 	return nil
+}
+
+// redisGlobEscape escapes the characters SCAN's MATCH pattern reads as
+// wildcards, so that a key prefix holding one matches only itself.
+func redisGlobEscape(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		if strings.ContainsRune(`*?[]\^`, r) {
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
 }
 
 // advance raises the versions rows of ks to the highest sequence issued,

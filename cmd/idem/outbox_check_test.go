@@ -273,3 +273,64 @@ func FuzzParseOutboxID(f *testing.F) {
 		}
 	})
 }
+
+// TestOutboxCheckRedisConsumerDeadLetters: an issued ID a consumer's
+// Redis store holds only as a dead letter counts as issued. The check
+// read the dead letters' index keys as "handler|message ID", but they
+// end with a NUL and the payload hash, so no dead letter's ID ever
+// parsed and a sequence behind one was reported as fine.
+func TestOutboxCheckRedisConsumerDeadLetters(t *testing.T) {
+	ctx := context.Background()
+	client, prefix := testenv.Redis(t)
+	cdrv, err := redisstore.New(client, &redisstore.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "producer.db")
+	db, _ := testenv.SQLite(t, path, nil)
+	if _, err := db.ExecContext(ctx, `INSERT INTO idem_versions (stream, aggregate_id, version) VALUES ('orders', 'o-1', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cdrv.DeadLetterPut(ctx, &driver.DeadLetter{Handler: "billing", MessageID: outbox.MessageID("orders", "o-1", 3),
+		PayloadHash: []byte{1, 2, 3}, Error: "boom", Class: "permanent", Attempts: 1}); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"outbox", "check", "--dsn", path, "--consumer", testenv.RedisURL(), "--consumer-prefix", prefix}
+	code, out, errOut := runCLI(t, args...)
+	if code != exitFailed || !strings.Contains(out, "orders  o-1        1         3             dead letters of Redis") {
+		t.Fatalf("check: exit %d, want %d and the sequence behind the dead letter\n%s%s", code, exitFailed, out, errOut)
+	}
+	if code, out, errOut = runCLI(t, append(args, "--fix")...); code != exitOK {
+		t.Fatalf("check --fix: exit %d\n%s%s", code, out, errOut)
+	}
+	var v int64
+	if err := db.QueryRowContext(ctx, `SELECT version FROM idem_versions WHERE stream = 'orders' AND aggregate_id = 'o-1'`).Scan(&v); err != nil || v != 3 {
+		t.Fatalf("after --fix: version %d, %v; want 3", v, err)
+	}
+}
+
+// TestOutboxCheckRedisPrefixIsNoPattern: a --consumer-prefix holding a
+// character SCAN reads as a wildcard ('?' here) reads that prefix's
+// markers only, not those of every prefix the pattern matches: another
+// store's markers made a sequence look behind, and --fix would have
+// advanced it.
+func TestOutboxCheckRedisPrefixIsNoPattern(t *testing.T) {
+	client, base := testenv.Redis(t)
+	other, err := redisstore.New(client, &redisstore.Config{Prefix: base + "ab:"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := redisstore.New(client, &redisstore.Config{Prefix: base + "a?:"}); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "producer.db")
+	db, _ := testenv.SQLite(t, path, nil)
+	if _, err := db.Exec(`INSERT INTO idem_versions (stream, aggregate_id, version) VALUES ('orders', 'o-1', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	deliver(t, other, &idem.Message{ID: outbox.MessageID("orders", "o-1", 3), Payload: []byte("x")})
+	code, out, errOut := runCLI(t, "outbox", "check", "--dsn", path, "--consumer", testenv.RedisURL(), "--consumer-prefix", base+"a?:")
+	if code != exitOK || !strings.Contains(out, "no sequence is behind") {
+		t.Fatalf("check of prefix %q: exit %d, want %d: the markers under %q are another store's\n%s%s", base+"a?:", code, exitOK, base+"ab:", out, errOut)
+	}
+}
