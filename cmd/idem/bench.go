@@ -18,7 +18,9 @@ import (
 	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idemhq/idem/internal/bench"
+	"github.com/idemhq/idem/internal/sqlident"
 	"github.com/idemhq/idem/mysql"
+	"github.com/idemhq/idem/sqlite"
 )
 
 // benchCommand returns the "bench" subcommand: idem's overhead as a ratio
@@ -80,7 +82,9 @@ Cases:
                handler's queued increment applied in one script call
 
 Without --dsn (and IDEM_DSN) the benchmark runs on a temporary SQLite file
-with idem's defaults (WAL, synchronous=FULL). On PostgreSQL it creates its
+with idem's defaults (WAL, synchronous=FULL). On a SQLite file the DSN
+names, its tables, all prefixed idem_bench_, are dropped afterwards, and a
+file it created is removed. On PostgreSQL it creates its
 tables, all prefixed idem_bench_, in --schema (default idem_bench), and
 drops them afterwards; a schema it created is dropped too. On MySQL they
 go in the DSN's database and are dropped afterwards. On Redis the
@@ -115,6 +119,9 @@ Examples:
 				if workers < 1 || rounds < 1 || round <= 0 {
 					return usagef("--workers, --rounds and --round must be positive")
 				}
+				if workers > benchMaxWorkers {
+					return usagef("--workers %d: want at most %d (each is a connection)", workers, benchMaxWorkers)
+				}
 				selected, err := benchCases(cases)
 				if err != nil {
 					return err
@@ -122,12 +129,46 @@ Examples:
 				if dsn == "" {
 					dsn = strings.TrimSpace(e.getenv(dsnEnv))
 				}
+				if err := benchCheckSchema(fs, dsn, schema); err != nil {
+					return err
+				}
 				return runBench(ctx, e, benchConfig{dsn: dsn, schema: schema, cases: selected,
 					workers: workers, rounds: rounds, round: round, json: asJSON})
 			}
 		},
 	}
 }
+
+// benchCheckSchema refuses a --schema that is not a plain identifier, and
+// one given for another store than PostgreSQL, which would ignore it: the
+// operator would believe the tables went where they did not.
+func benchCheckSchema(fs *flag.FlagSet, dsn, schema string) error {
+	if err := sqlident.Check("--schema", schema, true); err != nil {
+		return &usageError{err: err}
+	}
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == "schema" })
+	if !given {
+		return nil
+	}
+	kind := kindSQLite // the temporary file
+	if dsn != "" {
+		t, err := parseDSN(dsn)
+		if err != nil {
+			return err
+		}
+		kind = t.kind
+	}
+	if kind != kindPostgres {
+		return usagef("--schema applies only to PostgreSQL, not to %s, whose benchmark tables (or keys) it would not move", kind)
+	}
+	return nil
+}
+
+// benchMaxWorkers bounds --workers. Each worker holds a connection, and a
+// pool sized past what a driver accepts made go-redis panic (and pgx's
+// int32 size wrap around).
+const benchMaxWorkers = 1000
 
 // benchConfig holds the bench command's flags.
 type benchConfig struct {
@@ -271,11 +312,28 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 	}
 	switch tg.kind {
 	case kindSQLite:
-		t, err := bench.OpenSQLite(ctx, tg.path, nil)
+		// The benchmark leaves the file as it found it, as it does a
+		// PostgreSQL schema or a MySQL database: a file it created is
+		// removed, and from one that was there it drops the tables it
+		// added (its own prefix's, not any that were there before).
+		_, statErr := os.Stat(tg.path)
+		created := errors.Is(statErr, os.ErrNotExist)
+		var before map[string]bool
+		if !created {
+			if before, err = sqliteTables(ctx, tg.path); err != nil {
+				return nil, nil, err
+			}
+		}
+		t, err := bench.OpenSQLite(ctx, tg.path, &bench.SQLiteOptions{RemoveOnClose: created})
 		if err != nil {
 			return nil, nil, err
 		}
-		return t, func() { t.Close() }, nil
+		return t, func() {
+			t.Close()
+			if !created {
+				dropBenchTables(context.WithoutCancel(ctx), tg.path, before)
+			}
+		}, nil
 	case kindMySQL:
 		mcfg, err := parseMySQLDSN(tg.dsn)
 		if err != nil {
@@ -325,6 +383,48 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 			return nil, nil, err
 		}
 		return t, func() { t.Close(context.WithoutCancel(ctx)); pool.Close() }, nil
+	}
+}
+
+// sqliteTables returns the names of the tables in the SQLite file at path.
+func sqliteTables(ctx context.Context, path string) (map[string]bool, error) {
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		return nil, fmt.Errorf("open SQLite database: %w", err)
+	}
+	defer db.Close()
+	rows, err := db.QueryContext(ctx, `SELECT name FROM sqlite_master WHERE type = 'table'`)
+	if err != nil {
+		return nil, fmt.Errorf("list the tables of SQLite %s: %w", path, err)
+	}
+	defer rows.Close()
+	names := map[string]bool{}
+	for rows.Next() {
+		var n string
+		if err := rows.Scan(&n); err != nil {
+			return nil, err
+		}
+		names[n] = true
+	}
+	return names, rows.Err()
+}
+
+// dropBenchTables drops from the SQLite file at path the tables of the
+// benchmark's prefix that are not in before.
+func dropBenchTables(ctx context.Context, path string, before map[string]bool) {
+	after, err := sqliteTables(ctx, path)
+	if err != nil {
+		return
+	}
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		return
+	}
+	defer db.Close()
+	for name := range after {
+		if strings.HasPrefix(name, bench.TablePrefix) && !before[name] {
+			_, _ = db.ExecContext(ctx, `DROP TABLE IF EXISTS `+sqlident.Quote(name))
+		}
 	}
 }
 

@@ -95,6 +95,8 @@ With --broker none, --workers goroutines process batches of --batch messages
 with Processor.ProcessBatch, some batches handed to 2–3 workers at once
 (concurrent duplicate deliveries); a failed batch is retried, never dropped.
 --shuffle adds per-account sequences and reorders deliveries (see its flag).
+A flag the chosen demo does not read (--workers over a broker, --window
+without --shuffle) is refused rather than ignored.
 
 --lease shows lease mode, for effects outside the database: a welcome email
 per signup (2,000 by default, --dup-rate of them published twice) sent
@@ -147,10 +149,13 @@ every commit is durable, which is why the demo batches.`,
 				if err := cfg.check(); err != nil {
 					return err
 				}
-				brokerSet := false
-				fs.Visit(func(f *flag.Flag) { brokerSet = brokerSet || f.Name == "broker" })
-				if cfg.shuffle && brokerSet && cfg.broker != "none" {
+				given := map[string]bool{}
+				fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+				if cfg.shuffle && given["broker"] && cfg.broker != "none" {
 					return usagef("--shuffle hands the reordered deliveries to workers directly, without a broker: drop --broker %s", cfg.broker)
+				}
+				if err := cfg.checkIgnored(given); err != nil {
+					return err
 				}
 				switch {
 				case cfg.lease:
@@ -185,12 +190,37 @@ func (c *demoConfig) check() error {
 		return usagef("--lease runs over a broker (--broker nats, kafka or rabbitmq), without --shuffle")
 	case math.IsNaN(c.dupRate) || c.dupRate < 0 || c.dupRate > 1:
 		return usagef("--dup-rate must be between 0 and 1, got %v", c.dupRate)
-	case c.conflicts < 0 || c.conflicts > c.events:
+	case c.conflicts < 0 || (c.conflicts > c.events && !c.lease && !c.shuffle):
+		// --lease and --shuffle inject no conflicts: the default 5 must
+		// not refuse their --events 3.
 		return usagef("--conflicts must be between 0 and --events (%d), got %d", c.events, c.conflicts)
 	}
 	if c.db != "" {
 		if _, err := os.Stat(c.db); err == nil {
 			return usagef("--db %s already exists; the demo needs a new database (remove the file or pick another path)", c.db)
+		}
+	}
+	return nil
+}
+
+// checkIgnored refuses the flags in given that the demo c selects does
+// not read, rather than run a demo other than the one asked for.
+func (c *demoConfig) checkIgnored(given map[string]bool) error {
+	var mode string
+	var ignored []string
+	switch {
+	case c.lease:
+		mode, ignored = "--lease (one email per signup, three consumers)", []string{"accounts", "conflicts", "batch", "workers", "window"}
+	case c.shuffle:
+		mode, ignored = "--shuffle (no conflicts, one delivery at a time)", []string{"conflicts", "batch"}
+	case c.broker == "none":
+		mode, ignored = "--broker none (--window goes with --shuffle)", []string{"window"}
+	default:
+		mode, ignored = "--broker "+c.broker+" (three consumers share the stream; --window goes with --shuffle)", []string{"workers", "window"}
+	}
+	for _, name := range ignored {
+		if given[name] {
+			return usagef("--%s does not apply to %s", name, mode)
 		}
 	}
 	return nil

@@ -95,8 +95,8 @@ func TestDemoEdgeCases(t *testing.T) {
 	t.Parallel()
 	tests := [][]string{
 		{"--events", "1", "--accounts", "1", "--conflicts", "1"},
-		{"--events", "500", "--accounts", "10", "--workers", "1", "--batch", "7"},
-		{"--events", "500", "--accounts", "900", "--workers", "6", "--batch", "1000", "--dup-rate", "1"},
+		{"--events", "500", "--accounts", "10", "--workers", "1", "--batch", "7", "--broker", "none"},
+		{"--events", "500", "--accounts", "900", "--workers", "6", "--batch", "1000", "--dup-rate", "1", "--broker", "none"},
 		{"--events", "500", "--accounts", "10", "--dup-rate", "0", "--conflicts", "0"},
 	}
 	for _, args := range tests {
@@ -149,6 +149,34 @@ func TestDemoFlagErrors(t *testing.T) {
 				t.Errorf("exit %d, want %d with %q; stderr: %s", code, exitUsage, want, errOut)
 			}
 		})
+	}
+}
+
+// TestDemoFlagsOfAnotherMode: a flag the chosen demo does not read is a
+// usage error naming it, where the demo ran without it (--workers over a
+// broker, whose three consumers it never sized); and --conflicts, which
+// --lease and --shuffle do not read, no longer refuses their small
+// --events with its default of 5.
+func TestDemoFlagsOfAnotherMode(t *testing.T) {
+	for _, args := range [][]string{
+		{"--workers", "8"},
+		{"--broker", "kafka", "--window", "8"},
+		{"--broker", "none", "--window", "8"},
+		{"--shuffle", "--conflicts", "2"},
+		{"--shuffle", "--batch", "10"},
+		{"--lease", "--accounts", "10"},
+		{"--lease", "--workers", "2"},
+	} {
+		code, _, errOut := runCLI(t, append([]string{"demo", "--events", "20"}, args...)...)
+		if code != exitUsage || !strings.Contains(errOut, "--"+strings.TrimPrefix(args[len(args)-2], "--")+" does not apply") {
+			t.Errorf("demo %s: exit %d, want %d naming the flag; stderr: %s", strings.Join(args, " "), code, exitUsage, errOut)
+		}
+	}
+	for _, args := range [][]string{{"--shuffle", "--events", "3"}, {"--lease", "--events", "3"}} {
+		code, out, errOut := runCLI(t, append([]string{"demo"}, args...)...)
+		if code != exitOK || !strings.Contains(out, "verification: OK") {
+			t.Errorf("demo %s: exit %d, want 0 and OK\n%s%s", strings.Join(args, " "), code, out, errOut)
+		}
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -48,7 +49,8 @@ N the other filters select. With --group or --all they list the dead
 letters they would change, and change them only with --yes.
 
 list's REASON is the error without the handler and message ID that start
-it (their own columns); show and --json give the whole error.
+it (their own columns); show and --json give the whole error. show --json
+gives an envelope that is not JSON as envelope_bytes (base64).
 
 Every subcommand takes --dsn (default $IDEM_DSN), --schema and --prefix.
 
@@ -87,7 +89,7 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 	switch sub {
 	case "list", "show", "replay", "discard":
 	default:
-		return usagef("unknown subcommand %q: want list, show, replay or discard", sub)
+		return usagef("unknown subcommand %s: want list, show, replay or discard", quoteArg(sub))
 	}
 	fs := flag.NewFlagSet("idem dlq "+sub, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
@@ -97,7 +99,7 @@ func runDLQ(ctx context.Context, e *env, sub string, args []string) error {
 		if errors.Is(err, flag.ErrHelp) {
 			return showHelp(e, dlqCommand())
 		}
-		return &usageError{err: err}
+		return err
 	}
 	f.given = map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { f.given[fl.Name] = true })
@@ -130,7 +132,7 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
-			return nil, err
+			return nil, flagError(err)
 		}
 		rest := fs.Args()
 		if len(rest) == 0 {
@@ -183,15 +185,7 @@ func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *
 	actor := resolveActor(f.actor, e)
 	if (sub == "replay" || sub == "discard") && len(filter.IDs) == 0 && !f.yes {
 		// A selection, not named dead letters: show it first.
-		preview := *filter
-		preview.State = driver.DeadLetterParked
-		if preview.Limit == 0 {
-			preview.Limit = 100
-		}
-		if err := dlqList(ctx, e, dl, &preview, false); err != nil {
-			return err
-		}
-		return usagef("nothing done: add --yes to %s the parked dead letters listed above", sub)
+		return dlqPreview(ctx, e, dl, filter, sub)
 	}
 	switch sub {
 	case "list":
@@ -216,13 +210,110 @@ func runDLQParsed(ctx context.Context, e *env, sub string, f *dlqFlags, filter *
 	return nil
 }
 
+// dlqPreviewRows bounds the dead letters a preview lists; its count and
+// handlers cover the whole selection.
+const dlqPreviewRows = 100
+
+// dlqPreview lists the parked dead letters a replay or discard of filter
+// would change, and returns a usage error saying how many there are, and
+// of which handlers, and that --yes does it. --group names a fingerprint,
+// which alike failures of every handler share: the operator who looked at
+// one handler's group must learn here, not after the fact, that the
+// selection reaches into others.
+func dlqPreview(ctx context.Context, e *env, dl driver.DeadLetterStore, filter *driver.DeadLetterFilter, sub string) error {
+	sel := *filter
+	sel.State = driver.DeadLetterParked
+	total, byHandler, err := dlqCount(ctx, dl, &sel)
+	if err != nil {
+		return err
+	}
+	if total == 0 {
+		fmt.Fprintln(e.stdout, "No parked dead letters match.")
+		return usagef("nothing done: no parked dead letter matches")
+	}
+	shown := sel
+	shown.Limit = dlqPreviewRows
+	if sel.Limit > 0 {
+		shown.Limit = min(sel.Limit, dlqPreviewRows)
+	}
+	if err := dlqRows(ctx, e, dl, &shown); err != nil {
+		return err
+	}
+	handlers := slices.Sorted(maps.Keys(byHandler))
+	var names []string
+	for i, h := range handlers {
+		if i == 5 {
+			names = append(names, fmt.Sprintf("and %d more", len(handlers)-i))
+			break
+		}
+		names = append(names, fmt.Sprintf("%s (%d)", termText(h), byHandler[h]))
+	}
+	fmt.Fprintln(e.stdout)
+	if total > shown.Limit {
+		fmt.Fprintf(e.stdout, "The oldest %d of them are listed above.\n", shown.Limit)
+	}
+	fmt.Fprintf(e.stdout, "%s to %s, of %s: %s.\n", plural(total, "parked dead letter"), sub, plural(len(handlers), "handler"), strings.Join(names, ", "))
+	if len(handlers) > 1 && filter.Handler == "" {
+		return usagef("nothing done: the selection spans %d handlers; add --handler H to %s one handler's, or --yes to %s the %s selected", len(handlers), sub, sub, plural(total, "dead letter"))
+	}
+	return usagef("nothing done: add --yes to %s the %s selected", sub, plural(total, "dead letter"))
+}
+
+// dlqCountPage is how many summaries dlqCount reads at a time; a
+// variable so that tests page through a few dozen.
+var dlqCountPage = 1000
+
+// dlqCount counts the dead letters f selects (the oldest f.Limit of them
+// when it is set) per handler, a page of summaries at a time, as a replay
+// or discard reads them.
+func dlqCount(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) (total int, byHandler map[string]int, err error) {
+	page := dlqCountPage
+	sel := *f
+	sel.Summary = true
+	byHandler = map[string]int{}
+	for {
+		sel.Limit = page
+		if f.Limit > 0 {
+			sel.Limit = min(page, f.Limit-total)
+		}
+		dls, err := dl.DeadLetterList(ctx, &sel)
+		if err != nil {
+			return 0, nil, err
+		}
+		for _, d := range dls {
+			byHandler[d.Handler]++
+		}
+		total += len(dls)
+		if len(dls) < sel.Limit || (f.Limit > 0 && total >= f.Limit) {
+			return total, byHandler, nil
+		}
+		sel.AfterID = dls[len(dls)-1].ID
+	}
+}
+
 // filter builds the selection from the flags and the IDs in args.
 func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, error) {
 	flt := &driver.DeadLetterFilter{Handler: f.handler, Fingerprint: f.group}
+	// A flag the subcommand would ignore is refused: --json on a replay
+	// would leave a script parsing text, --all on a list would still list
+	// the parked ones only.
+	for _, fl := range []struct {
+		name string
+		subs []string
+	}{
+		{"json", []string{"list", "show"}},
+		{"all", []string{"replay", "discard"}},
+		{"yes", []string{"replay", "discard"}},
+		{"actor", []string{"replay", "discard"}},
+	} {
+		if f.given[fl.name] && !slices.Contains(fl.subs, sub) {
+			return nil, usagef("--%s does not apply to dlq %s", fl.name, sub)
+		}
+	}
 	for _, a := range args {
 		id, err := strconv.ParseInt(a, 10, 64)
 		if err != nil || id <= 0 {
-			return nil, usagef("dead-letter ID %q is not a positive number", a)
+			return nil, usagef("dead-letter ID %s is not a positive number", quoteArg(a))
 		}
 		// Once each: "replay 1 1" changes one dead letter, as asked.
 		if !slices.Contains(flt.IDs, id) {
@@ -245,7 +336,7 @@ func (f *dlqFlags) filter(args []string, sub string) (*driver.DeadLetterFilter, 
 	switch sub {
 	case "list":
 		if len(args) > 0 {
-			return nil, usagef("list takes no IDs (got %q): use 'idem dlq show ID'", args)
+			return nil, usagef("list takes no IDs (got %s): use 'idem dlq show ID'", quoteArgs(args))
 		}
 		if f.state != "all" {
 			switch f.state {
@@ -292,13 +383,13 @@ func parseWhen(s string) (time.Time, error) {
 	}
 	if d, err := parseDuration(s); err == nil {
 		if d < 0 {
-			return time.Time{}, usagef("time %q: a duration counts back from now and must not be negative", s)
+			return time.Time{}, usagef("time %s: a duration counts back from now and must not be negative", quoteArg(s))
 		}
 		return time.Now().Add(-d), nil
 	}
 	t, err := time.Parse(time.RFC3339, s)
 	if err != nil {
-		return time.Time{}, usagef("time %q: want RFC 3339 (2026-11-22T10:00:00Z) or a duration (36h, 7d)", s)
+		return time.Time{}, usagef("time %s: want RFC 3339 (2026-11-22T10:00:00Z) or a duration (36h, 7d)", quoteArg(s))
 	}
 	return t, nil
 }
@@ -317,8 +408,12 @@ type dlqJSON struct {
 	LastFailed  time.Time       `json:"last_failed_at"`
 	Source      string          `json:"source,omitempty"`
 	Envelope    json.RawMessage `json:"envelope,omitempty"`
-	Raw         []byte          `json:"raw,omitempty"`
-	History     []historyJSON   `json:"history,omitempty"`
+	// EnvelopeBytes is an envelope that is not JSON (a corrupt row, one
+	// another writer left), as stored: embedded as it is, it would make
+	// the whole output invalid.
+	EnvelopeBytes []byte        `json:"envelope_bytes,omitempty"`
+	Raw           []byte        `json:"raw,omitempty"`
+	History       []historyJSON `json:"history,omitempty"`
 }
 
 // historyJSON is one entry of a dead letter's log.
@@ -333,7 +428,12 @@ func toJSON(d driver.DeadLetter, full bool) dlqJSON {
 	j := dlqJSON{ID: d.ID, Handler: d.Handler, MessageID: d.MessageID, State: d.State, Class: d.Class, Fingerprint: d.Fingerprint,
 		Error: d.Error, Attempts: d.Attempts, FirstFailed: d.FirstFailed.UTC(), LastFailed: d.LastFailed.UTC(), Source: d.Source}
 	if full {
-		j.Envelope, j.Raw = d.Envelope, d.Raw
+		j.Raw = d.Raw
+		if json.Valid(d.Envelope) {
+			j.Envelope = d.Envelope
+		} else if len(d.Envelope) > 0 {
+			j.EnvelopeBytes = d.Envelope
+		}
 	}
 	return j
 }
@@ -369,13 +469,7 @@ func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 		fmt.Fprintln(e.stdout, "No dead letters match.")
 		return nil
 	}
-	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tHANDLER\tMESSAGE\tCLASS\tATTEMPTS\tLAST FAILED\tSTATE\tREASON")
-	for _, d := range dls {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, termText(d.Handler), termText(orDash(d.MessageID)), termText(d.Class), d.Attempts,
-			d.LastFailed.UTC().Format(time.RFC3339), termText(d.State), termText(clip(dlqReason(&d), 80)))
-	}
-	if err := tw.Flush(); err != nil {
+	if err := writeDLQRows(e, dls); err != nil {
 		return err
 	}
 	groups := map[string]int{}
@@ -388,6 +482,30 @@ func dlqList(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.D
 	}
 	fmt.Fprintf(e.stdout, "\n%s in %s (select one with --group '<fingerprint>'; --json shows the fingerprints).\n", shown, plural(len(groups), "group"))
 	return nil
+}
+
+// dlqRows prints the dead letters f selects as list does, without its
+// summary.
+func dlqRows(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) error {
+	g := *f
+	g.Summary = true
+	dls, err := dl.DeadLetterList(ctx, &g)
+	if err != nil {
+		return err
+	}
+	return writeDLQRows(e, dls)
+}
+
+// writeDLQRows prints dead letters as a table, every stored string
+// escaped.
+func writeDLQRows(e *env, dls []driver.DeadLetter) error {
+	tw := tabwriter.NewWriter(e.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tHANDLER\tMESSAGE\tCLASS\tATTEMPTS\tLAST FAILED\tSTATE\tREASON")
+	for _, d := range dls {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, termText(d.Handler), termText(orDash(d.MessageID)), termText(d.Class), d.Attempts,
+			d.LastFailed.UTC().Format(time.RFC3339), termText(d.State), termText(clip(dlqReason(&d), 80)))
+	}
+	return tw.Flush()
 }
 
 func dlqShow(ctx context.Context, e *env, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, asJSON bool) error {

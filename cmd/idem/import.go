@@ -8,6 +8,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/sqlident"
 )
 
 // importCommand returns the "import" subcommand: take over a hand-rolled
@@ -81,13 +82,27 @@ Examples:
 // parseImportSource splits --from into schema, table and column.
 func parseImportSource(from string) (*driver.ImportSource, error) {
 	parts := strings.Split(from, ".")
+	var src *driver.ImportSource
 	switch len(parts) {
 	case 2:
-		return &driver.ImportSource{Table: parts[0], Column: parts[1]}, nil
+		src = &driver.ImportSource{Table: parts[0], Column: parts[1]}
 	case 3:
-		return &driver.ImportSource{Schema: parts[0], Table: parts[1], Column: parts[2]}, nil
+		src = &driver.ImportSource{Schema: parts[0], Table: parts[1], Column: parts[2]}
+	default:
+		return nil, usagef("--from %s: want table.column or schema.table.column", quoteArg(from))
 	}
-	return nil, usagef("--from %q: want table.column or schema.table.column", from)
+	// The drivers check the names as well, but only once the store is
+	// open, and their error would then read as a failed import (exit 1)
+	// rather than the bad flag it is. The message quotes the whole value
+	// as arguments are, not the part: a DSN typed here by mistake would
+	// have its password split across the parts.
+	for _, p := range []struct{ what, v string }{{"schema", src.Schema}, {"table", src.Table}, {"column", src.Column}} {
+		if sqlident.Check(p.what, p.v, p.what == "schema") != nil {
+			return nil, usagef("--from %s: the import %s is not a plain name: lower-case letters, digits and _, not starting with a digit, at most %d bytes",
+				quoteArg(from), p.what, sqlident.MaxLen)
+		}
+	}
+	return src, nil
 }
 
 // importReport is what import prints with --json.
@@ -110,6 +125,9 @@ func runImport(ctx context.Context, e *env, s *store, handler string, src *drive
 		return err
 	} else if n == 0 {
 		return s.errNoTables(ctx)
+	}
+	if s.kind == kindSQLite && src.Schema != "" {
+		return usagef("--from %s.%s.%s: SQLite has no schemas; name the table and column only", src.Schema, src.Table, src.Column)
 	}
 	imp, ok := s.idemDriver().(driver.MarkerImporter)
 	if !ok {

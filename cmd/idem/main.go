@@ -43,6 +43,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -153,7 +154,7 @@ func runEnv(ctx context.Context, e *env, args []string) int {
 	default:
 		c := findCommand(name)
 		if c == nil {
-			fmt.Fprintf(e.stderr, "idem: unknown command %q\nRun 'idem help' for the list of commands.\n", name)
+			fmt.Fprintf(e.stderr, "idem: unknown command %s\nRun 'idem help' for the list of commands.\n", quoteArg(name))
 			return exitUsage
 		}
 		return runCommand(ctx, e, c, args[1:])
@@ -169,7 +170,7 @@ func runHelp(e *env, args []string) int {
 	case 1:
 		c := findCommand(args[0])
 		if c == nil {
-			fmt.Fprintf(e.stderr, "idem help: unknown command %q\nRun 'idem help' for the list of commands.\n", args[0])
+			fmt.Fprintf(e.stderr, "idem help: unknown command %s\nRun 'idem help' for the list of commands.\n", quoteArg(args[0]))
 			return exitUsage
 		}
 		fs := newFlagSet(c)
@@ -192,7 +193,7 @@ func runCommand(ctx context.Context, e *env, c *command, args []string) int {
 			printCommandUsage(e.stdout, c, fs)
 			return exitOK
 		}
-		fmt.Fprintf(e.stderr, "idem %s: %v\nRun 'idem %s --help' for usage.\n", c.name, err, c.name)
+		fmt.Fprintf(e.stderr, "idem %s: %v\nRun 'idem %s --help' for usage.\n", c.name, flagError(err), c.name)
 		return exitUsage
 	}
 	err := action(ctx, e, fs.Args())
@@ -306,9 +307,42 @@ func usagef(format string, args ...any) error {
 // arguments got some.
 func noArgs(args []string) error {
 	if len(args) > 0 {
-		return usagef("unexpected argument %q (this command takes only flags)", args[0])
+		return usagef("unexpected argument %s (this command takes only flags)", quoteArg(args[0]))
 	}
 	return nil
+}
+
+// quoteArg quotes a command-line argument for a message. A DSN typed
+// where another argument belongs (without --dsn before it, say) is one:
+// its password is hidden, as everywhere else.
+func quoteArg(s string) string { return strconv.Quote(redactDSN(s)) }
+
+// quoteArgs is quoteArg for a list of arguments, written as %q writes
+// a slice.
+func quoteArgs(args []string) string {
+	q := make([]string, len(args))
+	for i, a := range args {
+		q[i] = quoteArg(a)
+	}
+	return "[" + strings.Join(q, " ") + "]"
+}
+
+// flagError is a flag parse error with the value it quotes ("invalid
+// value ... for flag -limit") quoted by quoteArg instead; in another
+// error, such as an undefined flag's, the name is redacted as a DSN.
+func flagError(err error) error {
+	if errors.Is(err, flag.ErrHelp) {
+		return err
+	}
+	msg := err.Error()
+	if i := strings.IndexByte(msg, '"'); i >= 0 {
+		if q, qerr := strconv.QuotedPrefix(msg[i:]); qerr == nil {
+			if v, uerr := strconv.Unquote(q); uerr == nil {
+				return &usageError{err: errors.New(msg[:i] + quoteArg(v) + msg[i+len(q):])}
+			}
+		}
+	}
+	return &usageError{err: errors.New(redactDSN(msg))}
 }
 
 // writeJSON writes v to w as indented JSON, the form of every --json output.

@@ -92,7 +92,7 @@ kept: name the consumers whose markers are older than the backup.
 						if errors.Is(err, flag.ErrHelp) {
 							return showHelp(e, outboxCommand())
 						}
-						return &usageError{err: err}
+						return err
 					}
 					af.positional, af.given = ids, map[string]bool{}
 					fs.Visit(func(fl *flag.Flag) { af.given[fl.Name] = true })
@@ -113,14 +113,14 @@ kept: name the consumers whose markers are older than the backup.
 					}
 					notifyOn, rest = rest[0] == "on", rest[1:]
 				default:
-					return usagef("unknown subcommand %q: want stats, list, retry, park, discard, notify or check", sub)
+					return usagef("unknown subcommand %s: want stats, list, retry, park, discard, notify or check", quoteArg(sub))
 				}
 				// Flags may follow the subcommand too.
 				if err := fs.Parse(rest); err != nil {
 					if errors.Is(err, flag.ErrHelp) {
 						return showHelp(e, outboxCommand())
 					}
-					return &usageError{err: err}
+					return flagError(err)
 				}
 				if err := noArgs(fs.Args()); err != nil {
 					return err
@@ -128,8 +128,8 @@ kept: name the consumers whose markers are older than the backup.
 				if sub != "check" && (*fix || len(consumers) > 0 || *consumerSchema != "" || *consumerPrefix != "") {
 					return usagef("--fix, --consumer, --consumer-schema and --consumer-prefix belong to outbox check")
 				}
-				if sub == "check" && *asJSON {
-					return usagef("outbox check prints text only")
+				if (sub == "check" || sub == "notify") && *asJSON {
+					return usagef("outbox %s prints text only", sub)
 				}
 				var adminFlag string
 				fs.Visit(func(fl *flag.Flag) {

@@ -164,7 +164,7 @@ func (f *outboxAdminFlags) check(sub string) error {
 	switch sub {
 	case "list":
 		if len(f.positional) > 0 {
-			return usagef("list takes no IDs (got %q): select with --state, --stream and --key", f.positional)
+			return usagef("list takes no IDs (got %s): select with --state, --stream and --key", quoteArgs(f.positional))
 		}
 	case "retry":
 		if f.allFailing == (len(f.positional) > 0) {
@@ -190,7 +190,7 @@ func parseRowIDs(args []string) ([]int64, error) {
 	for _, a := range args {
 		id, err := strconv.ParseInt(a, 10, 64)
 		if err != nil || id <= 0 {
-			return nil, usagef("row ID %q is not a positive number", a)
+			return nil, usagef("row ID %s is not a positive number", quoteArg(a))
 		}
 		if !slices.Contains(ids, id) {
 			ids = append(ids, id)
