@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -120,7 +121,18 @@ type deliveries struct {
 	onOutage  []HookOutage
 	watch     *outage.Watch    // nil: the store cannot be probed
 	logs      *lograte.Limiter // summarizes repeated failure lines
+
+	downMu sync.Mutex
+	downs  []downtime // the store's recent outages, oldest first (GapWait only)
 }
+
+// downtime is an outage of the store that a consumer saw, on the host's
+// clock.
+type downtime struct{ from, to time.Time }
+
+// maxDowntimes bounds how many outages a consumer remembers for the
+// waits of GapWait.
+const maxDowntimes = 64
 
 // newDeliveries checks cfg and returns the shared logic for the handler
 // named name, whose store is drv: when it is a driver.Prober, an outage of
@@ -168,12 +180,88 @@ func newDeliveries(name string, process func(context.Context, *Message) (Outcome
 	return c, nil
 }
 
-// outageChanged tells the HookOutage hooks.
+// outageChanged remembers an outage that ended (see creditOutages) and
+// tells the HookOutage hooks.
 func (c *deliveries) outageChanged(ch outage.Change) {
+	if !ch.Down {
+		c.rememberOutage(time.Now(), ch.Duration)
+	}
 	ev := &OutageEvent{Handler: c.name, Down: ch.Down, Cause: ch.Cause, Duration: ch.Duration}
 	for _, hk := range c.onOutage {
 		hk.OnOutage(context.Background(), ev)
 	}
+}
+
+// rememberOutage records an outage of the store that lasted took and
+// ended at end, for a handler that waits for gaps. It forgets outages
+// that can no longer matter: those that ended before any wait still
+// running began, even crediting it every outage kept.
+func (c *deliveries) rememberOutage(end time.Time, took time.Duration) {
+	o := c.ordering
+	if o == nil || o.Gap != GapWait || took <= 0 {
+		return
+	}
+	keep := o.WaitFor
+	if keep <= 0 {
+		keep = DefaultGapWait
+	}
+	c.downMu.Lock()
+	defer c.downMu.Unlock()
+	c.downs = append(c.downs, downtime{from: end.Add(-took), to: end})
+	drop := max(len(c.downs)-maxDowntimes, 0)
+	for _, d := range c.downs[drop:] {
+		keep += d.to.Sub(d.from)
+	}
+	for drop < len(c.downs) && end.Sub(c.downs[drop].to) > keep {
+		drop++
+	}
+	c.downs = append(c.downs[:0], c.downs[drop:]...)
+}
+
+// downSince is how long the store was down, by the outages this consumer
+// saw, between since and now.
+func (c *deliveries) downSince(since, now time.Time) time.Duration {
+	c.downMu.Lock()
+	defer c.downMu.Unlock()
+	var down time.Duration
+	for _, d := range c.downs {
+		from, to := d.from, d.to
+		if from.Before(since) {
+			from = since
+		}
+		if to.After(now) {
+			to = now
+		}
+		if to.After(from) {
+			down += to.Sub(from)
+		}
+	}
+	return down
+}
+
+// creditOutages gives a gap that waits under GapWait back the time the
+// store was down during its wait, by the outages this consumer saw:
+// nothing could be applied then, the missing message included, so an
+// outage longer than WaitFor would otherwise turn every message waiting
+// for one into a dead letter. WaitFor counts time with the store up: a
+// final gap whose wait an outage cut short is retriable again, for what
+// is left of it. The wait is measured from the error's Remaining (the
+// store's clock) back on the host's, so clock skew does not enter.
+func (c *deliveries) creditOutages(err error) error {
+	var ge *GapError
+	if !errors.As(err, &ge) || ge.Policy != GapWait || ge.Deadline.IsZero() {
+		return err
+	}
+	now := time.Now()
+	waited := ge.Deadline.Sub(ge.FirstSeen) - ge.Remaining
+	down := c.downSince(now.Add(-waited), now)
+	if down <= 0 {
+		return err
+	}
+	ge.Deadline = ge.Deadline.Add(down)
+	ge.Remaining += down
+	ge.Final = ge.Remaining <= 0
+	return err
 }
 
 // storeDown reports whether err, a processing failure, came from the
@@ -294,6 +382,7 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 			break
 		}
 	}
+	err = c.creditOutages(err)
 	switch {
 	case err == nil && out != InFlight:
 		return Verdict{Ack: true, Outcome: out}

@@ -25,7 +25,9 @@ const (
 	GapFail GapPolicy = iota
 	// GapWait refuses the message with a retriable *GapError until
 	// Ordering.WaitFor has passed since the store first saw it, then with
-	// a final one. Use it when the broker may reorder briefly.
+	// a final one. Use it when the broker may reorder briefly. A Consumer
+	// does not count against the wait the time it found the store down:
+	// nothing, the missing message included, could be applied then.
 	GapWait
 	// GapAllow applies the message and advances the aggregate to its
 	// sequence: the latest state wins and skipped sequences become stale.
@@ -64,7 +66,9 @@ type Ordering struct {
 	// Gap is the gap policy. Default GapFail.
 	Gap GapPolicy
 	// WaitFor is how long after its first sighting a message stays
-	// retriable under GapWait. Default DefaultGapWait.
+	// retriable under GapWait. Default DefaultGapWait. A Consumer (and a
+	// LeaseConsumer) adds to it the outages of the store it saw during
+	// the wait.
 	WaitFor time.Duration
 	// Normalize, when set, maps aggregate IDs before the guard compares
 	// them; by default they compare byte for byte. FoldAggregateID is a

@@ -1,0 +1,190 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/sqlite"
+)
+
+// TestGapWaitDoesNotCountAnOutage: a message waiting under GapWait for its
+// aggregate's missing event is not dead-lettered because the store was
+// down for longer than WaitFor. While the store was down nothing could be
+// applied, the missing event included: the outage is not the message's
+// failure, and the wait it cut short goes on once the store answers.
+func TestGapWaitDoesNotCountAnOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	db, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
+	if _, err := db.Exec(`CREATE TABLE events (agg TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (agg, seq))`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const wait = 400 * time.Millisecond
+	h := &idem.Handler[*sql.Tx]{Name: "ledger", Ordering: &idem.Ordering{Gap: idem.GapWait, WaitFor: wait},
+		Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO events VALUES (?, ?)`, m.AggregateID, m.Seq)
+			return err
+		}}
+	hook := &outageHook{}
+	c, err := idem.NewConsumer(p, h, drv, &idem.ConsumerConfig{Hooks: []idem.Hook{hook}, Logger: testenv.Logger(t),
+		ProbeBackoff: idem.Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := func(q int64) *idem.Message {
+		return &idem.Message{ID: "a-" + string(rune('0'+q)), AggregateID: "a", Seq: q, Payload: []byte{byte(q)}}
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(1), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("a/1: %+v, want applied", v)
+	}
+	// a/3 overtakes a/2: a retriable gap, first seen now.
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 1}); v.Ack || v.DeadLettered {
+		t.Fatalf("a/3 before a/2: %+v, want a retry", v)
+	}
+
+	// The store goes down for three times WaitFor while a/3's retry is due.
+	release := testenv.HoldSQLite(t, path)
+	done := make(chan idem.Verdict, 1)
+	go func() { done <- c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}) }()
+	time.Sleep(3 * wait)
+	release()
+	var v idem.Verdict
+	select {
+	case v = <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a/3 not decided 5 s after the store answered")
+	}
+	if hook.downs.Load() != 1 {
+		t.Fatalf("%d outages reported, want 1", hook.downs.Load())
+	}
+	if v.DeadLettered || v.Ack {
+		t.Fatalf("a/3 right after the outage: %+v, want a retry: the outage must not use up its wait", v)
+	}
+	// a/2 comes within WaitFor of the store's return, and a/3 then applies.
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(2), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("a/2: %+v, want applied", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 3}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("a/3 after a/2: %+v, want applied", v)
+	}
+	var got []int64
+	rows, err := db.QueryContext(ctx, `SELECT seq FROM events WHERE agg = 'a' ORDER BY rowid`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var q int64
+		if err := rows.Scan(&q); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, q)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 3 || got[0] != 1 || got[1] != 2 || got[2] != 3 {
+		t.Fatalf("applied %v, want [1 2 3]", got)
+	}
+	dls, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{})
+	if err != nil || len(dls) != 0 {
+		t.Fatalf("dead letters: %d (%v), want none", len(dls), err)
+	}
+
+	// A wait the store's downtime did not cut short still ends: past
+	// WaitFor with the store up, a/5 without a/4 is dead-lettered.
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(5), Attempt: 1}); v.Ack {
+		t.Fatalf("a/5 before a/4: %+v, want a retry", v)
+	}
+	time.Sleep(wait + 100*time.Millisecond)
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(5), Attempt: 2}); !v.DeadLettered {
+		t.Fatalf("a/5 past WaitFor with the store up: %+v, want a dead letter", v)
+	}
+}
+
+// TestLeaseGapWaitDoesNotCountAnOutage is TestGapWaitDoesNotCountAnOutage
+// for a LeaseConsumer: its message waiting for the missing event is not
+// dead-lettered because the store was down longer than WaitFor, and is
+// called once, after the missing one.
+func TestLeaseGapWaitDoesNotCountAnOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	_, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Owner: "w", Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const wait = 400 * time.Millisecond
+	var (
+		mu    sync.Mutex
+		calls []int64
+	)
+	h := &idem.LeaseHandler{Name: "shipper", Ordering: &idem.Ordering{Gap: idem.GapWait, WaitFor: wait},
+		Call: func(_ context.Context, _ *idem.Lease, m *idem.Message) error {
+			mu.Lock()
+			defer mu.Unlock()
+			calls = append(calls, m.Seq)
+			return nil
+		}}
+	hook := &outageHook{}
+	c, err := idem.NewLeaseConsumer(lp, h, drv, &idem.ConsumerConfig{Hooks: []idem.Hook{hook}, Logger: testenv.Logger(t),
+		ProbeBackoff: idem.Backoff{Base: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := func(q int64) *idem.Message {
+		return &idem.Message{ID: "o-" + string(rune('0'+q)), AggregateID: "o", Seq: q, Payload: []byte{byte(q)}}
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(1), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("o/1: %+v, want applied", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 1}); v.Ack || v.DeadLettered {
+		t.Fatalf("o/3 before o/2: %+v, want a retry", v)
+	}
+	release := testenv.HoldSQLite(t, path)
+	done := make(chan idem.Verdict, 1)
+	go func() { done <- c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}) }()
+	time.Sleep(3 * wait)
+	release()
+	var v idem.Verdict
+	select {
+	case v = <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("o/3 not decided 5 s after the store answered")
+	}
+	if hook.downs.Load() != 1 {
+		t.Fatalf("%d outages reported, want 1", hook.downs.Load())
+	}
+	if v.DeadLettered || v.Ack {
+		t.Fatalf("o/3 right after the outage: %+v, want a retry: the outage must not use up its wait", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(2), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("o/2: %+v, want applied", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 3}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("o/3 after o/2: %+v, want applied", v)
+	}
+	mu.Lock()
+	got := slices.Clone(calls)
+	mu.Unlock()
+	if !slices.Equal(got, []int64{1, 2, 3}) {
+		t.Fatalf("called for %v, want [1 2 3]", got)
+	}
+	dls, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{})
+	if err != nil || len(dls) != 0 {
+		t.Fatalf("dead letters: %d (%v), want none", len(dls), err)
+	}
+}
