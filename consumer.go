@@ -52,7 +52,9 @@ type ConsumerConfig struct {
 	// here: MaxAttempts bounds a Consumer's retries.
 	Backoff Backoff
 	// MaxAttempts dead-letters a retriable failure once the broker has
-	// delivered the message this many times. 0, the default, retries
+	// delivered the message this many times; a message waiting under
+	// GapWait for its aggregate's missing event is not failing, and
+	// Ordering.WaitFor alone bounds its wait. 0, the default, retries
 	// without limit: where losing an event is worse than waiting, a stuck
 	// message should page someone (alert on the age of the oldest
 	// unacknowledged message or on repeated "will retry" logs), not
@@ -264,6 +266,18 @@ func (c *deliveries) creditOutages(err error) error {
 	return err
 }
 
+// waitingForGap reports whether err is a retriable gap of GapWait: the
+// message waits for its aggregate's missing event, which is not its
+// failure, and WaitFor bounds that wait. MaxAttempts does not count such
+// deliveries, or a handful of quick retries (Backoff's default is 50 ms to
+// 1 s) would dead-letter a message whatever WaitFor says, as the lease
+// processor's own attempt count already does not. A broker's delivery
+// limit (Delivery.LastAttempt) still ends in a dead letter.
+func waitingForGap(err error) bool {
+	var ge *GapError
+	return errors.As(err, &ge) && ge.Policy == GapWait && !ge.Final
+}
+
 // storeDown reports whether err, a processing failure, came from the
 // store being down (a probe confirms it): the delivery then runs again
 // once the store answers. An error that looks like an outage while the
@@ -407,7 +421,7 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		// Its dead letter stays as it was, replay requested, for the
 		// next run.
 		return Verdict{Outcome: out, Err: err}
-	case d.LastAttempt || (c.cfg.MaxAttempts > 0 && d.Attempt >= c.cfg.MaxAttempts):
+	case d.LastAttempt || (c.cfg.MaxAttempts > 0 && d.Attempt >= c.cfg.MaxAttempts && !waitingForGap(err)):
 		return c.deadLetter(ctx, d, DeadLetterExhausted, err, out)
 	}
 	// Not before the message may run again (lease mode: a failed

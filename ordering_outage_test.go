@@ -3,6 +3,8 @@ package idem_test
 import (
 	"context"
 	"database/sql"
+	"errors"
+	"fmt"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -186,5 +188,85 @@ func TestLeaseGapWaitDoesNotCountAnOutage(t *testing.T) {
 	dls, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{})
 	if err != nil || len(dls) != 0 {
 		t.Fatalf("dead letters: %d (%v), want none", len(dls), err)
+	}
+}
+
+// TestGapWaitOutlastsMaxAttempts: with MaxAttempts 2 and a WaitFor of
+// 1.5 s, a message waiting for its aggregate's missing event is
+// redelivered many times within the wait and stays a retry; once the
+// missing event comes it applies, in order. Waiting is not failing: it
+// used to be dead-lettered as exhausted at its second delivery, 50 ms
+// into a wait of seconds. A real failure still exhausts at 2, and a gap
+// still ends in a dead letter once WaitFor has passed.
+func TestGapWaitOutlastsMaxAttempts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "idem.db"), nil)
+	if _, err := db.Exec(`CREATE TABLE events (agg TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (agg, seq))`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const wait = 1500 * time.Millisecond
+	h := &idem.Handler[*sql.Tx]{Name: "ledger", Ordering: &idem.Ordering{Gap: idem.GapWait, WaitFor: wait},
+		Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+			if string(m.Payload) == "fail" {
+				return errors.New("a dependency failed")
+			}
+			_, err := tx.ExecContext(ctx, `INSERT INTO events VALUES (?, ?)`, m.AggregateID, m.Seq)
+			return err
+		}}
+	c, err := idem.NewConsumer(p, h, drv, &idem.ConsumerConfig{MaxAttempts: 2, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := func(agg string, q int64, payload string) *idem.Message {
+		return &idem.Message{ID: fmt.Sprintf("%s-%d", agg, q), AggregateID: agg, Seq: q, Payload: []byte(payload)}
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 1, "x"), Attempt: 1}); !v.Ack {
+		t.Fatalf("a/1: %+v, want applied", v)
+	}
+	for attempt := 1; attempt <= 6; attempt++ {
+		v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 3, "x"), Attempt: attempt})
+		if v.Ack || v.DeadLettered {
+			t.Fatalf("a/3 before a/2, delivery %d: %+v, want a retry within WaitFor", attempt, v)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 2, "x"), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("a/2: %+v, want applied", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 3, "x"), Attempt: 7}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("a/3 after a/2: %+v, want applied", v)
+	}
+	var got []int64
+	rows, err := db.QueryContext(ctx, `SELECT seq FROM events WHERE agg = 'a' ORDER BY rowid`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var q int64
+		if err := rows.Scan(&q); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, q)
+	}
+	if err := rows.Err(); err != nil || !slices.Equal(got, []int64{1, 2, 3}) {
+		t.Fatalf("applied %v (%v), want [1 2 3]", got, err)
+	}
+
+	// A failing handler still exhausts MaxAttempts.
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("b", 1, "fail"), Attempt: 2}); !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterExhausted {
+		t.Fatalf("b/1 failing at attempt 2: %+v, want an exhausted dead letter", v)
+	}
+	// And a gap whose wait ran out is dead-lettered, whatever the count.
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 5, "x"), Attempt: 1}); v.Ack {
+		t.Fatalf("a/5 before a/4: %+v, want a retry", v)
+	}
+	time.Sleep(wait + 100*time.Millisecond)
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 5, "x"), Attempt: 1}); !v.DeadLettered {
+		t.Fatalf("a/5 past WaitFor: %+v, want a dead letter", v)
 	}
 }
