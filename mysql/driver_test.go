@@ -486,6 +486,8 @@ func raceNewAggregates(t *testing.T, s *idemtest.Store[*sql.Tx], step func(ctx c
 			// Every transaction holds its connection before any goes on.
 			tx, err := s.Driver.Begin(ctx)
 			if err != nil {
+				close(start) // those begun run and end their transactions
+				wg.Wait()
 				t.Fatal(err)
 			}
 			wg.Go(func() {
@@ -950,4 +952,58 @@ func otherProcess(t *testing.T, dsn string) *idem.Processor[*sql.Tx] {
 		t.Fatal(err)
 	}
 	return po
+}
+
+// TestAllocatorOnASaturatedPool: four transactions hold every connection
+// of a pool of four, and each allocates for a new aggregate of its own.
+// No connection can come for the row's creation outside the transaction
+// before one of them ends, so the driver must not wait for one (it waited
+// versionRowWait, 500 ms, on every new aggregate): each allocation
+// creates its row inside its transaction at once, and every number is 1.
+func TestAllocatorOnASaturatedPool(t *testing.T) {
+	t.Parallel()
+	const conns = 4
+	s := storeOn(t, testenv.MySQL(t, testenv.MySQLDatabase(t), conns), nil)
+	ctx := context.Background()
+	v, err := idem.NewVersions(s.Driver)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := range 5 {
+		txs := make([]*sql.Tx, conns)
+		for i := range txs {
+			if txs[i], err = s.Driver.Begin(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var wg sync.WaitGroup
+		took := make([]time.Duration, conns)
+		nums := make([]int64, conns)
+		errs := make([]error, conns)
+		for i, tx := range txs {
+			wg.Go(func() {
+				start := time.Now()
+				nums[i], errs[i] = v.Next(ctx, tx, "orders", fmt.Sprintf("order-%d-%d", round, i))
+				took[i] = time.Since(start)
+			})
+		}
+		wg.Wait()
+		// Every transaction ends before any check: one left open would
+		// hold the database its test drops.
+		for i, tx := range txs {
+			if err := s.Driver.Commit(ctx, tx); err != nil && errs[i] == nil {
+				errs[i] = err
+			}
+		}
+		for i := range txs {
+			if errs[i] != nil || nums[i] != 1 {
+				t.Fatalf("round %d, transaction %d: number %d, %v; want 1", round, i, nums[i], errs[i])
+			}
+			// A stall is versionRowWait (500 ms) or more; an allocation
+			// takes milliseconds even on a loaded machine.
+			if took[i] >= 450*time.Millisecond {
+				t.Fatalf("round %d, transaction %d: the allocation took %s: it waited for a connection no one could give back", round, i, took[i])
+			}
+		}
+	}
 }

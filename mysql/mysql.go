@@ -96,6 +96,10 @@ type Driver struct {
 	// noSetStatement: the server has no SET STATEMENT (MySQL 8); see
 	// execNoWait.
 	noSetStatement atomic.Bool
+	// sideStatements counts the statements autocommitNoWait is running:
+	// each holds a connection of the pool for a moment, and gives it back
+	// (see createVersionRow).
+	sideStatements atomic.Int32
 	// countsMatched caches what the pool's connections count as affected
 	// by an UPDATE: 0 not known yet, 1 the rows changed (the default), 2
 	// the rows matched (clientFoundRows=true); see rowsCountMatched.

@@ -370,7 +370,6 @@ func (d *Driver) VersionNext(ctx context.Context, tx *sql.Tx, p *driver.VersionP
 		if n, err := r.RowsAffected(); err != nil {
 			return 0, err
 		} else if n == 1 {
-			d.versionRows.add(k)
 			return r.LastInsertId()
 		}
 		// No row: createVersionRow could not create it, or the row it
@@ -416,7 +415,8 @@ const versionRowWait = 500 * time.Millisecond
 // row inside its transaction, as idem did before this existed. A server
 // that cannot parse SET STATEMENT (MySQL) is not asked again. With wait,
 // a pool without a connection to spare is waited on, within
-// versionRowWait, unless it has only one: the caller's.
+// versionRowWait, when statements of this kind hold some of its
+// connections, which they give back in a moment.
 //
 // The INSERT commits by itself, so it runs on a connection whose session
 // settings were checked (see ready), on that connection when the driver
@@ -427,7 +427,12 @@ func (d *Driver) createVersionRow(ctx context.Context, p *driver.VersionParams, 
 	if d.noSetStatement.Load() || d.versionRows.has(k) {
 		return nil
 	}
-	if wait && d.db.Stats().MaxOpenConnections == 1 || !wait && !d.spareConn() {
+	if !d.spareConn() && (!wait || d.sideStatements.Load() == 0) {
+		// A pool without a connection to spare gives one back soon only
+		// when some are held by statements of this kind, a moment each;
+		// when transactions hold them all (the caller's among them), none
+		// may come before tx ends: waiting would stall every new
+		// aggregate for versionRowWait.
 		return nil
 	}
 	return d.autocommitNoWait(ctx, func(ctx context.Context, e execer) {
@@ -493,6 +498,8 @@ func (d *Driver) autocommitNoWait(ctx context.Context, f func(context.Context, e
 		}
 		e = c
 	}
+	d.sideStatements.Add(1)
+	defer d.sideStatements.Add(-1)
 	f(ctx, e)
 	return nil
 }
@@ -650,7 +657,7 @@ func (d *Driver) VersionAdvance(ctx context.Context, tx *sql.Tx, p *driver.Versi
 	}
 	if n == 0 && p.Expected == 0 && !d.versionRows.has(k) {
 		// createVersionRow could not create the row, or it exists at
-		// another version (then the driver has seen it).
+		// another version (then this finds it, without changing it).
 		if err := d.createVersionRow(ctx, p, true); err != nil {
 			return false, 0, err
 		}
