@@ -275,7 +275,9 @@ func (c *deliveries) creditOutages(err error) error {
 // limit (Delivery.LastAttempt) still ends in a dead letter.
 func waitingForGap(err error) bool {
 	var ge *GapError
-	return errors.As(err, &ge) && ge.Policy == GapWait && !ge.Final
+	// A gap whose sighting could not be recorded has no deadline: nothing
+	// bounds its wait, so its deliveries count as failures.
+	return errors.As(err, &ge) && ge.Policy == GapWait && !ge.Final && !ge.Deadline.IsZero()
 }
 
 // storeDown reports whether err, a processing failure, came from the

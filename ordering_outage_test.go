@@ -34,7 +34,7 @@ func TestGapWaitDoesNotCountAnOutage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const wait = 400 * time.Millisecond
+	const wait = time.Second
 	h := &idem.Handler[*sql.Tx]{Name: "ledger", Ordering: &idem.Ordering{Gap: idem.GapWait, WaitFor: wait},
 		Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
 			_, err := tx.ExecContext(ctx, `INSERT INTO events VALUES (?, ?)`, m.AggregateID, m.Seq)
@@ -57,11 +57,11 @@ func TestGapWaitDoesNotCountAnOutage(t *testing.T) {
 		t.Fatalf("a/3 before a/2: %+v, want a retry", v)
 	}
 
-	// The store goes down for three times WaitFor while a/3's retry is due.
+	// The store goes down for twice WaitFor while a/3's retry is due.
 	release := testenv.HoldSQLite(t, path)
 	done := make(chan idem.Verdict, 1)
 	go func() { done <- c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}) }()
-	time.Sleep(3 * wait)
+	time.Sleep(2 * wait)
 	release()
 	var v idem.Verdict
 	select {
@@ -129,7 +129,7 @@ func TestLeaseGapWaitDoesNotCountAnOutage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const wait = 400 * time.Millisecond
+	const wait = time.Second
 	var (
 		mu    sync.Mutex
 		calls []int64
@@ -159,7 +159,7 @@ func TestLeaseGapWaitDoesNotCountAnOutage(t *testing.T) {
 	release := testenv.HoldSQLite(t, path)
 	done := make(chan idem.Verdict, 1)
 	go func() { done <- c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}) }()
-	time.Sleep(3 * wait)
+	time.Sleep(2 * wait)
 	release()
 	var v idem.Verdict
 	select {
@@ -268,5 +268,41 @@ func TestGapWaitOutlastsMaxAttempts(t *testing.T) {
 	time.Sleep(wait + 100*time.Millisecond)
 	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 5, "x"), Attempt: 1}); !v.DeadLettered {
 		t.Fatalf("a/5 past WaitFor: %+v, want a dead letter", v)
+	}
+}
+
+// TestGapWaitUnrecordedSightingCountsAttempts: a gap whose first sighting
+// the store cannot record (here its table is gone: not an outage, the
+// store answers) has no deadline, so nothing bounds its wait: its
+// deliveries count toward MaxAttempts as failures do, and it ends in a
+// dead letter rather than being retried for ever.
+func TestGapWaitUnrecordedSightingCountsAttempts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "idem.db"), nil)
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*sql.Tx]{Name: "ledger", Ordering: &idem.Ordering{Gap: idem.GapWait, WaitFor: time.Minute},
+		Apply: func(context.Context, *sql.Tx, *idem.Message) error { return nil }}
+	c, err := idem.NewConsumer(p, h, drv, &idem.ConsumerConfig{MaxAttempts: 2, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := func(q int64) *idem.Message {
+		return &idem.Message{ID: fmt.Sprintf("a-%d", q), AggregateID: "a", Seq: q, Payload: []byte("x")}
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(1), Attempt: 1}); !v.Ack {
+		t.Fatalf("a/1: %+v, want applied", v)
+	}
+	if _, err := db.Exec(`DROP TABLE idem_gaps`); err != nil {
+		t.Fatal(err)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 1}); v.Ack {
+		t.Fatalf("a/3, first delivery: %+v, want a retry", v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}); !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterExhausted {
+		t.Fatalf("a/3 at MaxAttempts with no sighting recorded: %+v, want an exhausted dead letter", v)
 	}
 }

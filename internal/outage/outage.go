@@ -242,16 +242,20 @@ func (w *Watch) probeLoop(up chan struct{}) {
 		}
 		w.mu.Lock()
 		cause, took := w.cause, time.Since(w.since)
-		w.down, w.probing, w.cause = false, false, nil
-		w.isDown.Store(false)
 		w.mu.Unlock()
-		// Said before the waiters go on: the line and the hooks (a
-		// store-up gauge) come before the work they resume.
+		// Said while the store still counts as down, before any work
+		// resumes (new deliveries meanwhile join the waiters): the line
+		// and the hooks (a store-up gauge, a consumer's memory of
+		// outages) come before the work they concern.
 		w.cfg.Logger.Info("idem: store answers again; resuming", slog.String("component", w.cfg.Component),
 			slog.Duration("outage", took.Round(time.Millisecond)), slog.Any("cause", cause))
 		if w.cfg.OnChange != nil {
 			w.cfg.OnChange(Change{Cause: cause, Duration: took})
 		}
+		w.mu.Lock()
+		w.down, w.probing, w.cause = false, false, nil
+		w.isDown.Store(false)
+		w.mu.Unlock()
 		close(up)
 		return
 	}
