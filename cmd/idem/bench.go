@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -177,6 +178,7 @@ type benchConfig struct {
 	workers, rounds int
 	round           time.Duration
 	json            bool
+	warn            io.Writer // where a failed clean-up is told; nil: nowhere
 }
 
 // benchCaseNames lists the names of the standard cases.
@@ -231,6 +233,7 @@ type benchResult struct {
 
 // runBench opens the target the DSN names and runs the selected cases.
 func runBench(ctx context.Context, e *env, cfg benchConfig) error {
+	cfg.warn = e.stderr
 	target, closeTarget, err := openBenchTarget(ctx, cfg)
 	if err != nil {
 		return err
@@ -331,7 +334,9 @@ func openBenchTarget(ctx context.Context, cfg benchConfig) (bench.Target, func()
 		return t, func() {
 			t.Close()
 			if !created {
-				dropBenchTables(context.WithoutCancel(ctx), tg.path, before)
+				if err := dropBenchTables(context.WithoutCancel(ctx), tg.path, before); err != nil && cfg.warn != nil {
+					fmt.Fprintf(cfg.warn, "idem bench: the benchmark's tables (%s*) are left in %s: %v\n", bench.TablePrefix, termText(tg.path), err)
+				}
 			}
 		}, nil
 	case kindMySQL:
@@ -410,22 +415,26 @@ func sqliteTables(ctx context.Context, path string) (map[string]bool, error) {
 }
 
 // dropBenchTables drops from the SQLite file at path the tables of the
-// benchmark's prefix that are not in before.
-func dropBenchTables(ctx context.Context, path string, before map[string]bool) {
+// benchmark's prefix that are not in before, and says which it could not.
+func dropBenchTables(ctx context.Context, path string, before map[string]bool) error {
 	after, err := sqliteTables(ctx, path)
 	if err != nil {
-		return
+		return err
 	}
 	db, err := sqlite.Open(path, nil)
 	if err != nil {
-		return
+		return err
 	}
 	defer db.Close()
+	var errs []error
 	for name := range after {
 		if strings.HasPrefix(name, bench.TablePrefix) && !before[name] {
-			_, _ = db.ExecContext(ctx, `DROP TABLE IF EXISTS `+sqlident.Quote(name))
+			if _, err := db.ExecContext(ctx, `DROP TABLE IF EXISTS `+sqlident.Quote(name)); err != nil {
+				errs = append(errs, fmt.Errorf("drop %s: %w", name, err))
+			}
 		}
 	}
+	return errors.Join(errs...)
 }
 
 // groupThousands formats a rate as an integer with thousands separators.
