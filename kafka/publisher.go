@@ -38,10 +38,19 @@ type Publisher struct {
 }
 
 // NewPublisher returns a Publisher on cl. Keep cl's idempotent producer
-// (the default; do not set kgo.DisableIdempotentWrite).
+// (the default; do not set kgo.DisableIdempotentWrite). Without it, a
+// client allowed more than one produce request in flight per broker
+// (kgo.MaxProduceRequestsInflightPerBroker) may write a retried record
+// after the ones sent behind it, an aggregate's events out of their
+// order: NewPublisher refuses that client with idem.ErrInvalidConfig.
 func NewPublisher(cl *kgo.Client) (*Publisher, error) {
 	if cl == nil {
 		return nil, fmt.Errorf("%w: kafka: NewPublisher needs a client", idem.ErrInvalidConfig)
+	}
+	if off, _ := cl.OptValue(kgo.DisableIdempotentWrite).(bool); off {
+		if n, _ := cl.OptValue(kgo.MaxProduceRequestsInflightPerBroker).(int); n > 1 {
+			return nil, fmt.Errorf("%w: kafka: the client has idempotent writes off and %d produce requests in flight per broker: a retried record could land after later ones of its key; keep idempotent writes or allow one request in flight", idem.ErrInvalidConfig, n)
+		}
 	}
 	p := &Publisher{cl: cl, writeMax: math.MaxInt64}
 	p.batchMax, _ = cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32)

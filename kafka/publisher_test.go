@@ -116,3 +116,34 @@ func TestPublisherRefusesInvalidMessages(t *testing.T) {
 		t.Fatalf("topic holds %v, want fits and binary-key", ids)
 	}
 }
+
+// A client without idempotent writes that may have several produce
+// requests in flight per broker can write a retried record after later
+// ones of its key: NewPublisher refuses it. Without idempotent writes but
+// one request at a time (franz-go's default then), and with idempotent
+// writes, it is taken.
+func TestNewPublisherRefusesReorderingClient(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		opts []kgo.Opt
+		ok   bool
+	}{
+		{"idempotent", nil, true},
+		{"not idempotent, one in flight", []kgo.Opt{kgo.DisableIdempotentWrite()}, true},
+		{"not idempotent, five in flight", []kgo.Opt{kgo.DisableIdempotentWrite(), kgo.MaxProduceRequestsInflightPerBroker(5)}, false},
+	} {
+		cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers("127.0.0.1:1")}, tc.opts...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = kafka.NewPublisher(cl)
+		cl.Close()
+		if tc.ok && err != nil {
+			t.Errorf("%s: %v, want the client taken", tc.name, err)
+		}
+		if !tc.ok && !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("%s: %v, want ErrInvalidConfig", tc.name, err)
+		}
+	}
+}
