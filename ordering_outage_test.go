@@ -46,58 +46,8 @@ func TestGapWaitDoesNotCountAnOutage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ev := func(q int64) *idem.Message {
-		return &idem.Message{ID: "a-" + string(rune('0'+q)), AggregateID: "a", Seq: q, Payload: []byte{byte(q)}}
-	}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(1), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
-		t.Fatalf("a/1: %+v, want applied", v)
-	}
-	// a/3 overtakes a/2: a retriable gap, first seen now.
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 1}); v.Ack || v.DeadLettered {
-		t.Fatalf("a/3 before a/2: %+v, want a retry", v)
-	}
-
-	// The store goes down for twice WaitFor while a/3's retry is due.
-	release := testenv.HoldSQLite(t, path)
-	done := make(chan idem.Verdict, 1)
-	go func() { done <- c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}) }()
-	time.Sleep(2 * wait)
-	release()
-	var v idem.Verdict
-	select {
-	case v = <-done:
-	case <-time.After(5 * time.Second):
-		t.Fatal("a/3 not decided 5 s after the store answered")
-	}
-	if hook.downs.Load() != 1 {
-		t.Fatalf("%d outages reported, want 1", hook.downs.Load())
-	}
-	if v.DeadLettered || v.Ack {
-		t.Fatalf("a/3 right after the outage: %+v, want a retry: the outage must not use up its wait", v)
-	}
-	// a/2 comes within WaitFor of the store's return, and a/3 then applies.
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(2), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
-		t.Fatalf("a/2: %+v, want applied", v)
-	}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 3}); !v.Ack || v.Outcome != idem.Applied {
-		t.Fatalf("a/3 after a/2: %+v, want applied", v)
-	}
-	var got []int64
-	rows, err := db.QueryContext(ctx, `SELECT seq FROM events WHERE agg = 'a' ORDER BY rowid`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var q int64
-		if err := rows.Scan(&q); err != nil {
-			t.Fatal(err)
-		}
-		got = append(got, q)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	if len(got) != 3 || got[0] != 1 || got[1] != 2 || got[2] != 3 {
+	ev := waitOutOutage(t, c, path, hook, "a", wait)
+	if got := appliedSeqs(t, db, "a"); !slices.Equal(got, []int64{1, 2, 3}) {
 		t.Fatalf("applied %v, want [1 2 3]", got)
 	}
 	dls, err := drv.DeadLetterList(ctx, &driver.DeadLetterFilter{})
@@ -147,38 +97,7 @@ func TestLeaseGapWaitDoesNotCountAnOutage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ev := func(q int64) *idem.Message {
-		return &idem.Message{ID: "o-" + string(rune('0'+q)), AggregateID: "o", Seq: q, Payload: []byte{byte(q)}}
-	}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(1), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
-		t.Fatalf("o/1: %+v, want applied", v)
-	}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 1}); v.Ack || v.DeadLettered {
-		t.Fatalf("o/3 before o/2: %+v, want a retry", v)
-	}
-	release := testenv.HoldSQLite(t, path)
-	done := make(chan idem.Verdict, 1)
-	go func() { done <- c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}) }()
-	time.Sleep(2 * wait)
-	release()
-	var v idem.Verdict
-	select {
-	case v = <-done:
-	case <-time.After(5 * time.Second):
-		t.Fatal("o/3 not decided 5 s after the store answered")
-	}
-	if hook.downs.Load() != 1 {
-		t.Fatalf("%d outages reported, want 1", hook.downs.Load())
-	}
-	if v.DeadLettered || v.Ack {
-		t.Fatalf("o/3 right after the outage: %+v, want a retry: the outage must not use up its wait", v)
-	}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(2), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
-		t.Fatalf("o/2: %+v, want applied", v)
-	}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 3}); !v.Ack || v.Outcome != idem.Applied {
-		t.Fatalf("o/3 after o/2: %+v, want applied", v)
-	}
+	waitOutOutage(t, c, path, hook, "o", wait)
 	mu.Lock()
 	got := slices.Clone(calls)
 	mu.Unlock()
@@ -241,20 +160,8 @@ func TestGapWaitOutlastsMaxAttempts(t *testing.T) {
 	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev("a", 3, "x"), Attempt: 7}); !v.Ack || v.Outcome != idem.Applied {
 		t.Fatalf("a/3 after a/2: %+v, want applied", v)
 	}
-	var got []int64
-	rows, err := db.QueryContext(ctx, `SELECT seq FROM events WHERE agg = 'a' ORDER BY rowid`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var q int64
-		if err := rows.Scan(&q); err != nil {
-			t.Fatal(err)
-		}
-		got = append(got, q)
-	}
-	if err := rows.Err(); err != nil || !slices.Equal(got, []int64{1, 2, 3}) {
-		t.Fatalf("applied %v (%v), want [1 2 3]", got, err)
+	if got := appliedSeqs(t, db, "a"); !slices.Equal(got, []int64{1, 2, 3}) {
+		t.Fatalf("applied %v, want [1 2 3]", got)
 	}
 
 	// A failing handler still exhausts MaxAttempts.
@@ -305,4 +212,74 @@ func TestGapWaitUnrecordedSightingCountsAttempts(t *testing.T) {
 	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}); !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterExhausted {
 		t.Fatalf("a/3 at MaxAttempts with no sighting recorded: %+v, want an exhausted dead letter", v)
 	}
+}
+
+// waitOutOutage applies agg/1, delivers agg/3 (a gap: a retry), holds the
+// SQLite file at path for twice wait (WaitFor) while agg/3's retry waits
+// on it, and checks that agg/3 is still a retry once the store answers,
+// that hook saw one outage, and that agg/2 then agg/3 apply. It returns
+// the events' constructor.
+func waitOutOutage(t *testing.T, c idem.DeliveryHandler, path string, hook *outageHook, agg string, wait time.Duration) func(int64) *idem.Message {
+	t.Helper()
+	ctx := context.Background()
+	ev := func(q int64) *idem.Message {
+		return &idem.Message{ID: fmt.Sprintf("%s-%d", agg, q), AggregateID: agg, Seq: q, Payload: []byte{byte(q)}}
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(1), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("%s/1: %+v, want applied", agg, v)
+	}
+	// agg/3 overtakes agg/2: a retriable gap, first seen now.
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 1}); v.Ack || v.DeadLettered {
+		t.Fatalf("%s/3 before %s/2: %+v, want a retry", agg, agg, v)
+	}
+	// The store goes down for twice WaitFor while agg/3's retry is due.
+	release := testenv.HoldSQLite(t, path)
+	done := make(chan idem.Verdict, 1)
+	go func() { done <- c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 2}) }()
+	time.Sleep(2 * wait)
+	release()
+	var v idem.Verdict
+	select {
+	case v = <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("%s/3 not decided 5 s after the store answered", agg)
+	}
+	if hook.downs.Load() != 1 {
+		t.Fatalf("%d outages reported, want 1", hook.downs.Load())
+	}
+	if v.DeadLettered || v.Ack {
+		t.Fatalf("%s/3 right after the outage: %+v, want a retry: the outage must not use up its wait", agg, v)
+	}
+	// agg/2 comes within WaitFor of the store's return, and agg/3 then
+	// applies.
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(2), Attempt: 1}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("%s/2: %+v, want applied", agg, v)
+	}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: ev(3), Attempt: 3}); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("%s/3 after %s/2: %+v, want applied", agg, agg, v)
+	}
+	return ev
+}
+
+// appliedSeqs returns the sequences of agg in the events table, in the
+// order they were applied.
+func appliedSeqs(t *testing.T, db *sql.DB, agg string) []int64 {
+	t.Helper()
+	rows, err := db.Query(`SELECT seq FROM events WHERE agg = ? ORDER BY rowid`, agg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var got []int64
+	for rows.Next() {
+		var q int64
+		if err := rows.Scan(&q); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, q)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return got
 }
