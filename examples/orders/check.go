@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -446,6 +447,10 @@ func verifyOrders(ctx context.Context, pool *pgxpool.Pool, cfg *config, orders [
 			bad("/metrics has no applied count for %s", h)
 		}
 	}
+	// Service 2 published at least the orders posted to it.
+	if n, ok := metricValue(scraped, "idem_outbox_published_total"); !ok || n < 1 {
+		bad("/metrics counts %v outbox rows published by service 2, want at least 1", n)
+	}
 	if len(problems) > 0 {
 		for _, p := range problems {
 			fmt.Fprintln(out, "MISMATCH", p)
@@ -456,6 +461,18 @@ func verifyOrders(ctx context.Context, pool *pgxpool.Pool, cfg *config, orders [
 		"(%d calls repeated after a 503 or the kill, none sent twice), no dead letter, metrics served (%s)\n",
 		len(orders), published, len(want), len(rep.Sent), repeats, took.Round(time.Millisecond))
 	return nil
+}
+
+// metricValue returns the value of an unlabelled metric in a Prometheus
+// text exposition.
+func metricValue(scraped, name string) (float64, bool) {
+	for _, line := range strings.Split(scraped, "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return f, err == nil
+		}
+	}
+	return 0, false
 }
 
 // prefixed writes each line to w with a prefix.

@@ -202,7 +202,10 @@ func serve(ctx context.Context, cfg *config, out io.Writer, log *slog.Logger) er
 	if err != nil {
 		return err
 	}
-	relay, err := outbox.NewRelay(drv, pub, &outbox.RelayConfig{ClaimTTL: cfg.claimTTL, PollInterval: 200 * time.Millisecond, Logger: log})
+	// The metrics are its hook too: idem_outbox_published_total counts
+	// the rows it published.
+	relay, err := outbox.NewRelay(drv, pub, &outbox.RelayConfig{ClaimTTL: cfg.claimTTL, PollInterval: 200 * time.Millisecond,
+		Hooks: []idem.Hook{m}, Logger: log})
 	if err != nil {
 		return err
 	}
