@@ -168,6 +168,11 @@ func runHelp(e *env, args []string) int {
 		printMainUsage(e.stdout)
 		return exitOK
 	case 1:
+		if args[0] == "-h" || args[0] == "--help" || args[0] == "-help" {
+			// idem <command> --help works for every command: help too.
+			printMainUsage(e.stdout)
+			return exitOK
+		}
 		c := findCommand(args[0])
 		if c == nil {
 			fmt.Fprintf(e.stderr, "idem help: unknown command %s\nRun 'idem help' for the list of commands.\n", quoteArg(args[0]))

@@ -27,7 +27,7 @@ func runCLIEnv(t *testing.T, vars map[string]string, args ...string) (code int, 
 // TestHelpDocumentsCommandsAndExitCodes checks that the top-level help lists the commands and the exit codes.
 func TestHelpDocumentsCommandsAndExitCodes(t *testing.T) {
 	t.Parallel()
-	for _, args := range [][]string{{"help"}, {"--help"}, {"-h"}} {
+	for _, args := range [][]string{{"help"}, {"--help"}, {"-h"}, {"help", "--help"}, {"help", "-h"}} {
 		code, out, _ := runCLI(t, args...)
 		if code != exitOK {
 			t.Errorf("idem %s: exit %d, want 0", strings.Join(args, " "), code)
