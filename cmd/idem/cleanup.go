@@ -29,6 +29,7 @@ PostgreSQL only one cleanup runs at a time per schema and prefix (an
 advisory lock), on MySQL per database and prefix (GET_LOCK): a second
 one exits with code 1 and says so. On SQLite,
 which has one writer, concurrent cleanups take turns batch by batch.
+Outbox rows published before the same cut-off are deleted too.
 
 A message redelivered after its marker is deleted is applied again. Set
 --horizon to the longest time your broker may still redeliver (Kafka topic

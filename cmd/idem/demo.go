@@ -110,7 +110,7 @@ deliveries and conflicts are checked. Exit 1 if anything differs.
 
 The database lives in a temporary directory that is removed afterwards,
 unless --db names a (new) file to keep. SQLite runs with synchronous=FULL:
-every commit is durable, which is why the demo batches.`,
+every commit is durable, which is why --broker none batches.`,
 		setup: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			cfg := &demoConfig{}
 			eventsSet := false // else the broker chooses the default
@@ -132,7 +132,7 @@ every commit is durable, which is why the demo batches.`,
 			fs.Uint64Var(&cfg.seed, "seed", 1, "random `seed`: the same seed gives the same events and stream")
 			fs.BoolVar(&cfg.shuffle, "shuffle", false, "give every account's events a sequence, reorder deliveries and let the ordering guard hold early ones; verifies order too (without a broker)")
 			fs.IntVar(&cfg.window, "window", 32, "with --shuffle: deliveries are reordered within windows of this `size`")
-			fs.BoolVar(&cfg.lease, "lease", false, "lease mode: a welcome email per signup through idem.LeaseConsumer, to a mail service that refuses some calls; verifies one email per signup (--broker nats or kafka)")
+			fs.BoolVar(&cfg.lease, "lease", false, "lease mode: a welcome email per signup through idem.LeaseConsumer, to a mail service that refuses some calls; verifies one email per signup (--broker nats, kafka or rabbitmq)")
 			return func(ctx context.Context, e *env, args []string) error {
 				if err := noArgs(args); err != nil {
 					return err
