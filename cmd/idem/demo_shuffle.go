@@ -233,7 +233,7 @@ ON CONFLICT (account) DO UPDATE SET amount = amount + ?2, last_seq = ?3, chain =
 	fmt.Fprintf(e.stdout, "\n  %-26s %9d\n  %-26s %9d\n  %-26s %9d\n  %-26s %9d\n  %-26s %9d\n  %-26s %9d\n  %-26s %9s\n  %-26s %9.0f\n\n",
 		"events intended", len(events), "deliveries", len(stream), "applied (in order)", applied.Load(),
 		"duplicates skipped", duplicates.Load(), "stale skipped", stale.Load(),
-		"early, held and retried", held.Load(), "elapsed", elapsed.Round(time.Millisecond), "events/s", rate)
+		"early, held and retried", held.Load(), "elapsed", elapsed.Round(time.Millisecond), "deliveries/s", rate)
 	if len(bad) > 0 || applied.Load() != int64(len(events)) {
 		fmt.Fprintf(e.stdout, "verification: FAILED — %d accounts differ, %d of %d events applied\n", len(bad), applied.Load(), len(events))
 		for _, b := range bad[:min(10, len(bad))] {
