@@ -177,17 +177,16 @@ func newDeliveries(name string, process func(context.Context, *Message) (Outcome
 			Component: "consumer " + strconv.Quote(name), Logger: c.cfg.Logger,
 			Base: c.cfg.ProbeBackoff.Base, Max: c.cfg.ProbeBackoff.Max,
 			OnChange: c.outageChanged,
+			// Before any delivery resumes: one meeting a gap must find
+			// the outage counted (creditOutages).
+			OnEnd: func(ch outage.Change) { c.rememberOutage(time.Now(), ch.Duration) },
 		})
 	}
 	return c, nil
 }
 
-// outageChanged remembers an outage that ended (see creditOutages) and
-// tells the HookOutage hooks.
+// outageChanged tells the HookOutage hooks.
 func (c *deliveries) outageChanged(ch outage.Change) {
-	if !ch.Down {
-		c.rememberOutage(time.Now(), ch.Duration)
-	}
 	ev := &OutageEvent{Handler: c.name, Down: ch.Down, Cause: ch.Cause, Duration: ch.Duration}
 	for _, hk := range c.onOutage {
 		hk.OnOutage(context.Background(), ev)

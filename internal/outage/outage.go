@@ -62,6 +62,11 @@ type Config struct {
 	ProbeTimeout time.Duration
 	// OnChange, when set, is told of every start and end.
 	OnChange func(Change)
+	// OnEnd, when set, is told of an outage's end while the store still
+	// counts as down, before any work resumes: bookkeeping that new work
+	// must find done. It must not wait for the store (Wait would wait for
+	// it); OnChange, told once work may resume, is for anything else.
+	OnEnd func(Change)
 }
 
 // Watch tracks whether one store is down. It is safe for concurrent use.
@@ -243,19 +248,23 @@ func (w *Watch) probeLoop(up chan struct{}) {
 		w.mu.Lock()
 		cause, took := w.cause, time.Since(w.since)
 		w.mu.Unlock()
-		// Said while the store still counts as down, before any work
-		// resumes (new deliveries meanwhile join the waiters): the line
-		// and the hooks (a store-up gauge, a consumer's memory of
-		// outages) come before the work they concern.
-		w.cfg.Logger.Info("idem: store answers again; resuming", slog.String("component", w.cfg.Component),
-			slog.Duration("outage", took.Round(time.Millisecond)), slog.Any("cause", cause))
-		if w.cfg.OnChange != nil {
-			w.cfg.OnChange(Change{Cause: cause, Duration: took})
+		// OnEnd while the store still counts as down (new deliveries
+		// meanwhile join the waiters): what it records comes before any
+		// work it concerns.
+		if w.cfg.OnEnd != nil {
+			w.cfg.OnEnd(Change{Cause: cause, Duration: took})
 		}
 		w.mu.Lock()
 		w.down, w.probing, w.cause = false, false, nil
 		w.isDown.Store(false)
 		w.mu.Unlock()
+		// Said before the waiters go on: the line and the hooks (a
+		// store-up gauge) come before the work they resume.
+		w.cfg.Logger.Info("idem: store answers again; resuming", slog.String("component", w.cfg.Component),
+			slog.Duration("outage", took.Round(time.Millisecond)), slog.Any("cause", cause))
+		if w.cfg.OnChange != nil {
+			w.cfg.OnChange(Change{Cause: cause, Duration: took})
+		}
 		close(up)
 		return
 	}
