@@ -12,6 +12,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/dlpages"
 	"github.com/idemhq/idem/internal/lograte"
 	"github.com/idemhq/idem/internal/outage"
 )
@@ -994,33 +995,10 @@ func (c *deliveries) aggregatesReplaying(ctx context.Context) (map[string]bool, 
 	return busy, nil
 }
 
-// deadLetterPages lists the summaries of the dead letters f selects, a
-// page at a time, handing each page to fn; f.Limit, when set, bounds how
-// many in all.
+// deadLetterPages lists the summaries of the dead letters f selects,
+// replayPage at a time (see dlpages.Each).
 func deadLetterPages(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter, fn func([]driver.DeadLetter) error) error {
-	sel := *f
-	sel.Summary = true
-	seen := 0
-	for {
-		sel.Limit = replayPage
-		if f.Limit > 0 {
-			sel.Limit = min(replayPage, f.Limit-seen)
-		}
-		page, err := dl.DeadLetterList(ctx, &sel)
-		if err != nil {
-			return err
-		}
-		if len(page) > 0 {
-			if err := fn(page); err != nil {
-				return err
-			}
-		}
-		seen += len(page)
-		if len(page) < sel.Limit || (f.Limit > 0 && seen >= f.Limit) {
-			return nil
-		}
-		sel.AfterID = page[len(page)-1].ID
-	}
+	return dlpages.Each(ctx, dl, f, replayPage, fn)
 }
 
 // Run replays requested dead letters every interval until ctx is done,

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/dlpages"
 )
 
 // dlqCommand returns the "dlq" subcommand: inspect, replay and discard dead
@@ -264,31 +265,21 @@ func dlqPreview(ctx context.Context, e *env, dl driver.DeadLetterStore, filter *
 var dlqCountPage = 1000
 
 // dlqCount counts the dead letters f selects (the oldest f.Limit of them
-// when it is set) per handler, a page of summaries at a time, as a replay
-// or discard reads them.
+// when it is set) per handler, paging through them as a replay or discard
+// reads them.
 func dlqCount(ctx context.Context, dl driver.DeadLetterStore, f *driver.DeadLetterFilter) (total int, byHandler map[string]int, err error) {
-	page := dlqCountPage
-	sel := *f
-	sel.Summary = true
 	byHandler = map[string]int{}
-	for {
-		sel.Limit = page
-		if f.Limit > 0 {
-			sel.Limit = min(page, f.Limit-total)
-		}
-		dls, err := dl.DeadLetterList(ctx, &sel)
-		if err != nil {
-			return 0, nil, err
-		}
-		for _, d := range dls {
+	err = dlpages.Each(ctx, dl, f, dlqCountPage, func(page []driver.DeadLetter) error {
+		for _, d := range page {
 			byHandler[d.Handler]++
 		}
-		total += len(dls)
-		if len(dls) < sel.Limit || (f.Limit > 0 && total >= f.Limit) {
-			return total, byHandler, nil
-		}
-		sel.AfterID = dls[len(dls)-1].ID
+		total += len(page)
+		return nil
+	})
+	if err != nil {
+		return 0, nil, err
 	}
+	return total, byHandler, nil
 }
 
 // filter builds the selection from the flags and the IDs in args.
