@@ -205,18 +205,7 @@ func stopsDuringOutage(t *testing.T, queueType string) {
 func balancesOnSQLite(t *testing.T, maxAttempts int) (*idem.Consumer[*sql.Tx], string, *adaptertest.Env) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "idem.db")
-	db, err := sqlite.Open(path, &sqlite.OpenOptions{BusyTimeout: 100 * time.Millisecond, Synchronous: "NORMAL"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	drv, err := sqlite.New(db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := drv.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	_, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 100 * time.Millisecond, Synchronous: "NORMAL"})
 	e := adaptertest.OpenEnv(t, path) // the balances table, and CheckBalances
 	proc, err := idem.NewProcessor(drv, nil)
 	if err != nil {
