@@ -98,32 +98,7 @@ func TestReplayStoppedAfterItAppliedIsRecorded(t *testing.T) {
 
 func replayStoppedAfterApply[TTx any](t *testing.T, drv driver.Driver[TTx], dl driver.DeadLetterStore) {
 	ctx := context.Background()
-	p, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var broken atomic.Bool
-	broken.Store(true)
-	var applied atomic.Int64
-	h := &idem.Handler[TTx]{Name: "proj", Apply: func(context.Context, TTx, *idem.Message) error {
-		if broken.Load() {
-			return idem.Permanent(errors.New("bug"))
-		}
-		applied.Add(1)
-		return nil
-	}}
-	c, err := idem.NewConsumer(p, h, dl, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	msg := &idem.Message{ID: "evt-1", Stream: "orders", Type: "T", Payload: []byte("x")}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: msg, Raw: msg.Payload, Source: "orders/0@1", Attempt: 1}); !v.DeadLettered {
-		t.Fatalf("verdict %+v, want a dead letter", v)
-	}
-	broken.Store(false)
-	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "proj"}, "ops"); err != nil || n != 1 {
-		t.Fatalf("RequestReplay: %d, %v", n, err)
-	}
+	p, h, applied, _ := replayRequested(t, drv, dl)
 
 	// The stop comes just as the message has applied.
 	runCtx, stop := context.WithCancel(ctx)
@@ -281,34 +256,7 @@ func TestReplayAppliedWhileRequestedAgainIsReplayed(t *testing.T) {
 
 func replayRequestedMeanwhile[TTx any](t *testing.T, drv driver.Driver[TTx], dl driver.DeadLetterStore) {
 	ctx := context.Background()
-	p, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var broken atomic.Bool
-	broken.Store(true)
-	h := &idem.Handler[TTx]{Name: "proj", Apply: func(context.Context, TTx, *idem.Message) error {
-		if broken.Load() {
-			return idem.Permanent(errors.New("bug"))
-		}
-		return nil
-	}}
-	c, err := idem.NewConsumer(p, h, dl, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	msg := &idem.Message{ID: "evt-1", Stream: "orders", Type: "T", Payload: []byte("x")}
-	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: msg, Raw: msg.Payload, Source: "orders/0@1", Attempt: 1}); !v.DeadLettered {
-		t.Fatalf("verdict %+v, want a dead letter", v)
-	}
-	stored, err := dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: "proj"})
-	if err != nil || len(stored) != 1 {
-		t.Fatalf("list: %d, %v", len(stored), err)
-	}
-	broken.Store(false)
-	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "proj"}, "ops"); err != nil || n != 1 {
-		t.Fatalf("RequestReplay: %d, %v", n, err)
-	}
+	p, h, _, parked := replayRequested(t, drv, dl)
 	var once atomic.Bool
 	r, err := idem.NewConsumer(p, h, dl, &idem.ConsumerConfig{Logger: testenv.Logger(t),
 		Hooks: []idem.Hook{onVerdict(func(ctx context.Context, ev *idem.VerdictEvent) {
@@ -317,7 +265,7 @@ func replayRequestedMeanwhile[TTx any](t *testing.T, drv driver.Driver[TTx], dl 
 			}
 			// Meanwhile: a delivery of the message failed (its dead
 			// letter is written again, parked) ...
-			again := stored[0]
+			again := parked
 			again.Error, again.Attempts = "timeout", 2
 			if _, err := dl.DeadLetterPut(ctx, &again); err != nil {
 				t.Error(err)
@@ -347,4 +295,44 @@ func replayRequestedMeanwhile[TTx any](t *testing.T, drv driver.Driver[TTx], dl 
 		res.Replayed != 1 || res.Outcomes[idem.Applied] != 1 {
 		t.Fatalf("state %s, last entry %+v, result %+v; want replayed, applied, counted (history %+v)", got[0].State, last, res, hist)
 	}
+}
+
+// replayRequested returns a processor and the handler "proj", which
+// failed for good on the message evt-1 (its dead letter, as parked, is
+// the last result) and then was mended: the dead letter's replay is
+// requested. applied counts the handler's successful calls.
+func replayRequested[TTx any](t *testing.T, drv driver.Driver[TTx], dl driver.DeadLetterStore) (*idem.Processor[TTx], *idem.Handler[TTx], *atomic.Int64, driver.DeadLetter) {
+	t.Helper()
+	ctx := context.Background()
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var broken atomic.Bool
+	broken.Store(true)
+	applied := &atomic.Int64{}
+	h := &idem.Handler[TTx]{Name: "proj", Apply: func(context.Context, TTx, *idem.Message) error {
+		if broken.Load() {
+			return idem.Permanent(errors.New("bug"))
+		}
+		applied.Add(1)
+		return nil
+	}}
+	c, err := idem.NewConsumer(p, h, dl, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := &idem.Message{ID: "evt-1", Stream: "orders", Type: "T", Payload: []byte("x")}
+	if v := c.HandleDelivery(ctx, &idem.Delivery{Msg: msg, Raw: msg.Payload, Source: "orders/0@1", Attempt: 1}); !v.DeadLettered {
+		t.Fatalf("verdict %+v, want a dead letter", v)
+	}
+	stored, err := dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: "proj"})
+	if err != nil || len(stored) != 1 {
+		t.Fatalf("list: %d, %v", len(stored), err)
+	}
+	broken.Store(false)
+	if n, err := idem.RequestReplay(ctx, dl, &driver.DeadLetterFilter{Handler: "proj"}, "ops"); err != nil || n != 1 {
+		t.Fatalf("RequestReplay: %d, %v", n, err)
+	}
+	return p, h, applied, stored[0]
 }
