@@ -548,9 +548,7 @@ var errNoSetStatement = errors.New("mysql: the server has no SET STATEMENT")
 // STATEMENT), so that a lock it meets fails it at once (1205) instead of
 // being waited on. On a server that cannot parse SET STATEMENT (MySQL) it
 // returns errNoSetStatement, and the driver does not ask again.
-func (d *Driver) execNoWait(ctx context.Context, e interface {
-	ExecContext(context.Context, string, ...any) (sql.Result, error)
-}, stmt string, args ...any) error {
+func (d *Driver) execNoWait(ctx context.Context, e execer, stmt string, args ...any) error {
 	if d.noSetStatement.Load() {
 		return errNoSetStatement
 	}
