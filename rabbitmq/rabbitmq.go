@@ -18,6 +18,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/lograte"
 	"github.com/idemhq/idem/internal/verdicts"
 )
 
@@ -134,6 +135,9 @@ type Consumer struct {
 	// current one: for tests.
 	sessions atomic.Int64
 	conn     atomic.Pointer[amqp.Connection]
+	// logs summarizes lines written per message that a broker in trouble
+	// would otherwise repeat for every one (retry copies not confirmed).
+	logs *lograte.Limiter
 }
 
 // New returns a Consumer. It connects when Run starts.
@@ -153,7 +157,7 @@ func New(cfg *Config) (*Consumer, error) {
 	if _, err := amqp.ParseURI(cfg.URL); err != nil {
 		return nil, fmt.Errorf("%w: rabbitmq: Config.URL: %w", idem.ErrInvalidConfig, err)
 	}
-	c := &Consumer{cfg: *cfg, seed: maphash.MakeSeed()}
+	c := &Consumer{cfg: *cfg, seed: maphash.MakeSeed(), logs: lograte.New(logEvery)}
 	if c.cfg.Map == nil {
 		c.cfg.Map = DefaultMap
 	}
@@ -267,6 +271,10 @@ const connectTimeout = 30 * time.Second
 // cancel on a stop: a broker that does not answer (a network partition)
 // would hold the stop until the heartbeats time out.
 const cancelWait = 5 * time.Second
+
+// logEvery is how often a Consumer writes a line of a kind the broker
+// could make it repeat for every message.
+const logEvery = 10 * time.Second
 
 // socket is the network connection under an AMQP connection, so that it
 // can be closed when amqp091 would wait: a handshake or a declare on a
@@ -667,7 +675,10 @@ func (s *session) settle(p pending, v idem.Verdict) {
 	}
 	// No copy: hand the message back after its delay rather than at
 	// once, so that a broken retry queue does not turn into a hot loop.
-	log.Warn("rabbitmq: retry copy not confirmed; returning the message to its queue after the delay", slog.String("source", p.d.Source), slog.Duration("retry_after", v.RetryAfter), slog.Any("error", err))
+	// A broker that refuses one copy (an alarm, a full retry queue)
+	// refuses the next ones alike: one line per interval, with a count.
+	s.c.logs.Warn(log, "", "rabbitmq: retry copy not confirmed; returning the message to its queue after the delay",
+		slog.String("source", p.d.Source), slog.Duration("retry_after", v.RetryAfter), slog.Any("error", err))
 	t := time.NewTimer(v.RetryAfter)
 	select {
 	case <-t.C:
