@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -100,17 +101,34 @@ type consoleAuth struct {
 	mu       sync.Mutex
 	sessions map[string]*session
 
-	// wrong is held by each answer to a wrong token for loginFailDelay:
-	// wrong guesses, through the form or as a bearer, in parallel or
-	// not, are answered one after another, a few a second at most.
-	wrong sync.Mutex
+	// turn is a semaphore of one that every check of a token, through
+	// the form or as a bearer, takes in turn (see tryToken): wrong
+	// guesses, in parallel or not, are answered one after another, a few
+	// a second at most.
+	turn chan struct{}
 }
 
-// refuseToken waits before a wrong token is answered (see wrong).
-func (a *consoleAuth) refuseToken() {
-	a.wrong.Lock()
-	defer a.wrong.Unlock()
+// tryToken reports whether tok is the token, in its turn: the checks run
+// one at a time, and a wrong token keeps the turn for loginFailDelay
+// before it is answered. A right one is answered at once, but in its turn
+// too: answered while the wrong ones wait, it would tell a guesser which
+// guess was right without waiting for any answer, at whatever rate. A
+// request whose client goes away while it waits for its turn leaves
+// unchecked: nobody reads its answer, and held, it would keep its
+// connection and delay every token after it. Once its turn has come, a
+// wrong token takes the whole delay, gone or not.
+func (a *consoleAuth) tryToken(ctx context.Context, tok string) bool {
+	select {
+	case a.turn <- struct{}{}:
+	case <-ctx.Done():
+		return false
+	}
+	defer func() { <-a.turn }()
+	if a.tokenOK(tok) {
+		return true
+	}
 	time.Sleep(loginFailDelay)
+	return false
 }
 
 // newConsoleAuth returns the checker for token, or nil (read-only) when
@@ -119,7 +137,7 @@ func newConsoleAuth(token string) *consoleAuth {
 	if token == "" {
 		return nil
 	}
-	return &consoleAuth{tokenHash: sha256.Sum256([]byte(token)), sessions: map[string]*session{}}
+	return &consoleAuth{tokenHash: sha256.Sum256([]byte(token)), sessions: map[string]*session{}, turn: make(chan struct{}, 1)}
 }
 
 // tokenOK reports, in constant time, whether tok is the token.
@@ -194,9 +212,8 @@ func (a *consoleAuth) authorize(r *http.Request) (string, error) {
 	if a == nil {
 		return "", errReadOnly
 	}
-	if tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); ok {
-		if !a.tokenOK(strings.TrimSpace(tok)) {
-			a.refuseToken()
+	if tok, ok := bearerToken(r); ok {
+		if !a.tryToken(r.Context(), strings.TrimSpace(tok)) {
 			return "", errNoCredentials
 		}
 		actor := cleanActor(r.Header.Get("X-Idem-Actor"))
@@ -216,6 +233,18 @@ func (a *consoleAuth) authorize(r *http.Request) (string, error) {
 		return "", errBadCSRF
 	}
 	return s.actor + " (console)", nil
+}
+
+// bearerToken returns the token of r's "Authorization: Bearer" header, if
+// it has one. The scheme's name is case-insensitive (RFC 9110, 11.1):
+// "bearer" is the same scheme, and a script that sends it must not be
+// told that it sent no token.
+func bearerToken(r *http.Request) (string, bool) {
+	scheme, tok, ok := strings.Cut(strings.TrimSpace(r.Header.Get("Authorization")), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	return tok, true
 }
 
 // sameOrigin reports whether r, a POST, comes from a page of this server:

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/chromedp/chromedp"
+	"github.com/idemhq/idem"
 
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
@@ -280,4 +282,50 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	value(t, ctx, "the charts show the gap", chromedp.Poll[bool](`document.querySelectorAll("#live figure:first-child svg rect.gap").length >= 4`, chromedp.WithPollingInterval(100*time.Millisecond)))
 	screenshot(t, ctx, "outage")
+}
+
+// TestConsoleInBrowserMultilineGroup: a group whose fingerprint holds a
+// line break (an errors.Join, a multi-line error) is replayed whole from
+// its page. A browser sends every line break of a form's field as CR LF;
+// before, the group's form carried the fingerprint as it is, so the
+// confirmation counted none of the group and nothing could be done.
+func TestConsoleInBrowserMultilineGroup(t *testing.T) {
+	seed := seedConsoleStore(t)
+	var ids []int64
+	var fp string
+	for i := range 3 {
+		id := fmt.Sprintf("j-%d", i)
+		e := fmt.Sprintf("idem: handler %q, message %q: permanent: render receipt\ntemplate missing\r\nand smtp down", "mailer", id)
+		ids = append(ids, putDeadLetter(t, seed.drv, "mailer", id, e, idem.DeadLetterPermanent, []byte(`{}`), nil))
+		fp = idem.Fingerprint(errors.New(e))
+	}
+	if !strings.Contains(fp, "\n") {
+		t.Fatalf("fingerprint %q: want a line break in it", fp)
+	}
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	ctx := browser(t)
+	css := func(sel string) chromedp.CSS { return chromedp.CSS(sel) }
+	text := func(sel string) string {
+		t.Helper()
+		return value(t, ctx, "read "+sel, chromedp.Poll[string](fmt.Sprintf(`(function () { var e = document.querySelector(%q); return e ? e.innerText : null })()`, sel),
+			chromedp.WithPollingInterval(50*time.Millisecond)))
+	}
+	group := "/dlq/group?" + url.Values{"handler": {"mailer"}, "fp": {fp}}.Encode()
+	step(t, ctx, "log in", chromedp.Navigate(srv.URL+"/login?"+url.Values{"next": {group}}.Encode()), chromedp.WaitVisible(css(`#token`)),
+		chromedp.SendKeys(css(`#name`), "alice"), chromedp.SendKeys(css(`#token`), testToken), chromedp.Click(css(`#login-submit`)),
+		chromedp.WaitVisible(css(`#replay-group`)))
+	if total := text(`#group-total`); !strings.Contains(total, "1–3 of 3") {
+		t.Fatalf("the group says %q, want 1–3 of 3", total)
+	}
+	step(t, ctx, "ask to replay the group", chromedp.Click(css(`#replay-group`)), chromedp.WaitReady(css(`#confirm-count`)))
+	if count := text(`#confirm-count`); count != "3" {
+		t.Fatalf("the confirmation counts %q, want 3", count)
+	}
+	step(t, ctx, "confirm", chromedp.Click(css(`#confirm`)), chromedp.WaitVisible(css(`#moved`)))
+	if moved := text(`#moved`); moved != "3" {
+		t.Fatalf("the result says %q moved, want 3", moved)
+	}
+	if n := countState(t, seed.db, driver.DeadLetterReplayRequested, ids); n != 3 {
+		t.Fatalf("%d of the group's 3 are replay_requested in the store", n)
+	}
 }

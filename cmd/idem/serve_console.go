@@ -14,6 +14,7 @@ import (
 	"reflect"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemhq/idem/driver"
 )
@@ -67,11 +68,14 @@ var consoleTemplateFuncs = template.FuncMap{
 		}
 		return "/dlq/group?" + v.Encode()
 	},
-	"outboxURL": outboxURL,
-	"action":    func(a string) string { return outboxActions[a] },
-	"plural":    func(n any, word string) string { return plural(int(toInt64(n)), word) },
-	"len64":     func(v any) int64 { return int64(reflect.ValueOf(v).Len()) },
-	"sub":       func(a, b int64) int64 { return a - b },
+	// groupField is a group's handler and fingerprint as one form field
+	// without a line break (see parseActionForm).
+	"groupField": func(handler, fp string) string { return url.Values{"handler": {handler}, "fp": {fp}}.Encode() },
+	"outboxURL":  outboxURL,
+	"action":     func(a string) string { return outboxActions[a] },
+	"plural":     func(n any, word string) string { return plural(int(toInt64(n)), word) },
+	"len64":      func(v any) int64 { return int64(reflect.ValueOf(v).Len()) },
+	"sub":        func(a, b int64) int64 { return a - b },
 }
 
 // toInt64 returns the integer n of a page's data as int64.
@@ -209,6 +213,23 @@ func (c *console) authorizeForm(w http.ResponseWriter, r *http.Request) (actor s
 	return actor, true
 }
 
+// checkText refuses a text parameter that a PostgreSQL store cannot hold:
+// bytes that are not UTF-8, or a NUL. Such a value names nothing there,
+// and passed to a query it fails the query, which the page would answer
+// with 503 as if the store were down. params are pairs of a parameter's
+// name and its value. SQLite and MySQL hold any bytes.
+func (c *console) checkText(params ...string) error {
+	if c.s.kind != kindPostgres {
+		return nil
+	}
+	for i := 0; i+1 < len(params); i += 2 {
+		if v := params[i+1]; !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
+			return fmt.Errorf("%s %q: PostgreSQL holds no such text (not UTF-8, or a NUL)", params[i], termText(v))
+		}
+	}
+	return nil
+}
+
 // loginPage is the login form.
 type loginPage struct {
 	CSRF, Next, Name, Err string
@@ -253,8 +274,7 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case !sameOrigin(r) || !loginCSRFOK(r):
 		p.Err = errBadCSRF.Error()
-	case !c.auth.tokenOK(r.PostFormValue("token")):
-		c.auth.refuseToken()
+	case !c.auth.tryToken(r.Context(), r.PostFormValue("token")):
 		p.Err = "wrong token"
 	case actor == "":
 		p.Err = "give your name: it is recorded with each of your actions"
@@ -333,8 +353,16 @@ func (c *console) overview(w http.ResponseWriter, r *http.Request) {
 		for _, g := range d.Groups {
 			d.Parked += g.Count
 		}
-		if len(d.Groups) > overviewGroups {
-			d.More = len(d.Groups) - overviewGroups
+		n := int64(len(d.Groups))
+		if err == nil && n == consoleMaxGroups {
+			// Not every group is listed: count them all.
+			var parked, all int64
+			if parked, all, err = c.s.deadLetterTotals(ctx, driver.DeadLetterParked); err == nil {
+				d.Parked, n = parked, all
+			}
+		}
+		if n > overviewGroups {
+			d.More = int(n) - overviewGroups
 			d.Groups = d.Groups[:overviewGroups]
 		}
 	}

@@ -12,8 +12,10 @@ import (
 	"net/http/cookiejar"
 	"net/http/httptest"
 	"net/url"
+	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -21,6 +23,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/outbox"
 	"github.com/idemhq/idem/sqlite"
 )
 
@@ -663,4 +666,186 @@ func FuzzActionForm(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestServeLiveSamplesEveryInterval: the live view keeps one reading per
+// interval, as its charts' "per interval" says. Before, the sampler woke
+// on a fixed tick and found the cache still holding the reading of the
+// tick before (taken a moment after it), so only every other tick added a
+// sample and each point of the charts spanned two intervals.
+func TestServeLiveSamplesEveryInterval(t *testing.T) {
+	seed := seedConsoleStore(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s, err := openStore(ctx, seed.path, storeOptions{Prefix: defaultPrefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	const every = 400 * time.Millisecond
+	cache := newReadingCache(ctx, s, every, 5*time.Second)
+	live := newLiveRing(every)
+	done := make(chan struct{})
+	go func() { defer close(done); live.run(ctx, cache) }()
+	time.Sleep(12 * every)
+	cancel()
+	<-done
+	ts := live.snapshot().T
+	if len(ts) < 4 {
+		t.Fatalf("%d samples in %s, taken every %s", len(ts), 12*every, every)
+	}
+	var gaps []int64
+	for i := 1; i < len(ts); i++ {
+		gaps = append(gaps, ts[i]-ts[i-1])
+	}
+	slices.Sort(gaps)
+	if median := time.Duration(gaps[len(gaps)/2]) * time.Millisecond; median > every*3/2 {
+		t.Errorf("samples %v ms apart (median %s), want about every %s", gaps, median, every)
+	}
+}
+
+// TestConsolePostgresBadTextParameters: a handler, fingerprint, stream,
+// key or reason that PostgreSQL cannot hold as text (bytes that are not
+// UTF-8, a NUL) is a bad request (400), not a failed query answered 503
+// as if the store were down.
+func TestConsolePostgresBadTextParameters(t *testing.T) {
+	schema, drv := migratedSchema(t)
+	e := `idem: handler "pg", message "1": permanent: order 1 not found`
+	id := putDeadLetter(t, drv, "pg", "1", e, idem.DeadLetterPermanent, []byte(`{}`), nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// An outbox row to park, so that the reason reaches the store.
+	pool := testenv.PostgresPool(t, 2)
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Add(ctx, tx, &idem.Message{ID: "o-1", Stream: "credits", Payload: []byte("{}")}); err != nil {
+		_ = tx.Rollback(ctx)
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var row int64
+	if err := pool.QueryRow(ctx, `SELECT id FROM `+schema+`.idem_outbox`).Scan(&row); err != nil {
+		t.Fatal(err)
+	}
+	s, err := openStore(ctx, testenv.PostgresDSN(), storeOptions{Schema: schema, Prefix: defaultPrefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	srv := httptest.NewServer(serveMuxFor(s, newReadingCache(ctx, s, time.Hour, 5*time.Second), 5*time.Second, &consoleOptions{Auth: newConsoleAuth(testToken)}))
+	defer srv.Close()
+	c := client(t)
+	rowID := fmt.Sprint(row)
+	for _, p := range []string{"/dlq/group?handler=%ff&fp=x", "/dlq/group?handler=pg&fp=a%00b", "/outbox?stream=%fe", "/outbox?key=k%00"} {
+		if code, body := do(t, c, "GET", srv.URL+p, nil, nil); code != http.StatusBadRequest {
+			t.Errorf("GET %s: %d, want 400\n%s", p, code, body)
+		}
+	}
+	bearer := map[string]string{"Authorization": "Bearer " + testToken}
+	for path, form := range map[string]url.Values{
+		"/dlq/confirm":    {"action": {"replay"}, "scope": {"group"}, "handler": {"\xff"}, "fp": {"x"}},
+		"/dlq/apply":      {"action": {"discard"}, "scope": {"group"}, "handler": {"pg"}, "fp": {"\x00"}},
+		"/outbox/confirm": {"action": {"park"}, "id": {rowID}, "reason": {"bad\x00reason"}},
+		"/outbox/apply":   {"action": {"park"}, "id": {rowID}, "reason": {"\xff"}},
+	} {
+		if code, body := do(t, c, "POST", srv.URL+path, form, bearer); code != http.StatusBadRequest {
+			t.Errorf("POST %s %q: %d, want 400\n%s", path, form.Encode(), code, body)
+		}
+	}
+	// Good text still works.
+	if code, body := do(t, c, "GET", srv.URL+fmt.Sprintf("/dlq/%d", id), nil, nil); code != 200 {
+		t.Fatalf("a letter: %d\n%s", code, body)
+	}
+	if code, body := do(t, c, "POST", srv.URL+"/outbox/apply", url.Values{"action": {"park"}, "id": {rowID}, "reason": {"no stream"}}, bearer); code != 200 || !strings.Contains(body, `<strong id="moved">1</strong>`) {
+		t.Fatalf("park the row: %d\n%s", code, body)
+	}
+}
+
+// TestConsoleCountsEveryGroup: with more groups than the pages list (an
+// incident whose errors differ in words, not numbers), the overview and
+// the groups page still count every parked dead letter and every group.
+// Before, they added up the listed groups alone: 525 parked in 521 groups
+// showed as 505 in 500, and the overview's "more groups" as 490.
+func TestConsoleCountsEveryGroup(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "many.db")
+	db, _ := testenv.SQLite(t, path, nil)
+	tx, err := db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().UnixMicro()
+	put := func(handler, fp string) {
+		if _, err := tx.Exec(`INSERT INTO idem_dead_letters (handler, error, class, fingerprint, attempts, first_failed_at, last_failed_at) VALUES ($1, $2, 'permanent', $3, 1, $4, $4)`,
+			handler, "boom: "+fp, fp, now); err != nil {
+			_ = tx.Rollback()
+			t.Fatal(err)
+		}
+	}
+	for range 5 {
+		put("mailer", "fp-big")
+	}
+	for i := range consoleMaxGroups + 20 {
+		put("mailer", fmt.Sprintf("fp-%04d", i))
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	const letters, groups = 5 + consoleMaxGroups + 20, 1 + consoleMaxGroups + 20
+	srv, _ := consoleServer(t, path, "", time.Hour)
+	c := client(t)
+	code, body := do(t, c, "GET", srv.URL+"/dlq", nil, nil)
+	if want := fmt.Sprintf("%d dead letters parked in %d groups (the largest %d groups shown)", letters, groups, consoleMaxGroups); code != 200 || !strings.Contains(body, want) {
+		t.Errorf("/dlq: %d, want %q\n%s", code, want, regexp.MustCompile(`(?s)<p class="muted" id="groups-total">.*?</p>`).FindString(body))
+	}
+	code, body = do(t, c, "GET", srv.URL+"/", nil, nil)
+	for _, want := range []string{fmt.Sprintf("%d dead letters parked.", letters), fmt.Sprintf("%d more groups", groups-overviewGroups)} {
+		if code != 200 || !strings.Contains(body, want) {
+			t.Errorf("/: %d, want %q", code, want)
+		}
+	}
+}
+
+// TestConsoleGroupCommandsNameTheGroup: the commands a group's page shows
+// name its handler and fingerprint as a shell reads them back, a
+// multi-line error's fingerprint (line breaks, a bidi override) included.
+// Before, the page showed the escapes inside '…', and the command copied
+// from it selected another group: none.
+func TestConsoleGroupCommandsNameTheGroup(t *testing.T) {
+	bash, err := exec.LookPath("bash")
+	if err != nil {
+		t.Skip("no bash:", err)
+	}
+	seed := seedConsoleStore(t)
+	handler := "mail'er \\ \u202e"
+	e := fmt.Sprintf("idem: handler %q, message %q: permanent: render receipt\ntemplate 'x' missing\r\n\tand smtp down \u202egnp.exe", handler, "j-1")
+	putDeadLetter(t, seed.drv, handler, "j-1", e, idem.DeadLetterPermanent, []byte(`{}`), nil)
+	fp := idem.Fingerprint(errors.New(e))
+	srv, _ := consoleServer(t, seed.path, "", time.Hour)
+	code, body := do(t, client(t), "GET", srv.URL+"/dlq/group?"+url.Values{"handler": {handler}, "fp": {fp}}.Encode(), nil, nil)
+	cmds := regexp.MustCompile(`(?s)<pre class="cmd">(.*?)</pre>`).FindStringSubmatch(body)
+	if code != 200 || cmds == nil {
+		t.Fatalf("the group's page: %d\n%s", code, body)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(html.UnescapeString(cmds[1])), "\n") {
+		// The shell runs the line with an idem that prints its arguments.
+		out, err := exec.Command(bash, "-c", `idem() { printf '%s\0' "$@"; }; `+line).Output()
+		if err != nil {
+			t.Fatalf("bash -c %q: %v", line, err)
+		}
+		args := strings.Split(strings.TrimSuffix(string(out), "\x00"), "\x00")
+		if i := slices.Index(args, "--group"); i < 0 || i+1 >= len(args) || args[i+1] != fp {
+			t.Errorf("%q\nreads back as %q: want --group %q", line, args, fp)
+		}
+		if i := slices.Index(args, "--handler"); i < 0 || i+1 >= len(args) || args[i+1] != handler {
+			t.Errorf("%q\nreads back as %q: want --handler %q", line, args, handler)
+		}
+	}
 }

@@ -129,6 +129,22 @@ func deref(p *string) string {
 	return *p
 }
 
+// deadLetterTotals counts the dead letters in state and their groups, for
+// when deadLetterGroups lists only the largest consoleMaxGroups.
+func (s *store) deadLetterTotals(ctx context.Context, state string) (letters, groups int64, err error) {
+	where, args := stateWhere(state, 1)
+	t := s.table("dead_letters")
+	err = s.queryRows(ctx, `SELECT count(*) FROM `+t+` WHERE `+where, func(scan func(...any) error) error { return scan(&letters) }, args...)
+	if err == nil {
+		err = s.queryRows(ctx, `SELECT count(*) FROM (SELECT 1 AS one FROM `+t+` WHERE `+where+` GROUP BY handler, fingerprint) g`,
+			func(scan func(...any) error) error { return scan(&groups) }, args...)
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("count dead letters: %w", err)
+	}
+	return letters, groups, nil
+}
+
 // deadLetterCount counts the dead letters of handler with fingerprint in
 // state.
 func (s *store) deadLetterCount(ctx context.Context, handler, fingerprint, state string) (int64, error) {
@@ -244,11 +260,19 @@ func hexDump(b []byte) string {
 }
 
 // shellQuote quotes s for a POSIX shell, leaving plain words as they are.
+// A string that termText would escape (a line break, a control or format
+// character, a byte that is not UTF-8: a multi-line error's fingerprint)
+// is quoted as $'…' with those escapes, which the shell turns back into
+// the bytes they stand for: in '…' the page would show the escapes, and
+// the command copied from it would name another string.
 func shellQuote(s string) string {
 	if s != "" && strings.IndexFunc(s, func(r rune) bool {
 		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("_-./:@%+=,", r))
 	}) < 0 {
 		return s
+	}
+	if termText(s) != s {
+		return "$'" + termText(strings.NewReplacer(`\`, `\\`, "'", `\'`).Replace(s)) + "'"
 	}
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
@@ -284,8 +308,10 @@ type groupsPage struct {
 	State  string
 	States []string
 	Groups []dlGroup
-	Total  int64
-	Capped bool
+	// Total and NGroups count every dead letter in State and their
+	// groups, Groups lists the largest (Capped: not all of them).
+	Total, NGroups int64
+	Capped         bool
 }
 
 // groupPage is one group's letters.
@@ -381,9 +407,14 @@ func (c *console) groups(w http.ResponseWriter, r *http.Request) {
 			for _, g := range p.Groups {
 				p.Total += g.Count
 			}
-			p.Capped = len(p.Groups) == consoleMaxGroups
-			c.render(w, r, http.StatusOK, "groups", "Dead letters", p)
-			return
+			p.NGroups = int64(len(p.Groups))
+			if p.Capped = len(p.Groups) == consoleMaxGroups; p.Capped {
+				p.Total, p.NGroups, err = c.s.deadLetterTotals(ctx, st)
+			}
+			if err == nil {
+				c.render(w, r, http.StatusOK, "groups", "Dead letters", p)
+				return
+			}
 		}
 	}
 	c.fail(w, r, http.StatusServiceUnavailable, err)
@@ -401,6 +432,10 @@ func (c *console) group(w http.ResponseWriter, r *http.Request) {
 	p := groupPage{Handler: q.Get("handler"), Fingerprint: q.Get("fp"), State: st, States: deadLetterStates}
 	if !q.Has("handler") || !q.Has("fp") {
 		c.fail(w, r, http.StatusBadRequest, errors.New("a group is named by its handler and fingerprint (handler=…&fp=…)"))
+		return
+	}
+	if err := c.checkText("handler", p.Handler, "fp", p.Fingerprint); err != nil {
+		c.fail(w, r, http.StatusBadRequest, err)
 		return
 	}
 	if a := q.Get("after"); a != "" {
@@ -527,11 +562,23 @@ func parseActionForm(r *http.Request) (*actionForm, error) {
 			}
 		}
 	case "group":
-		if _, ok := r.PostForm["handler"]; !ok {
-			return nil, errors.New("a group is named by its handler and fingerprint")
+		if g, ok := r.PostForm["group"]; ok {
+			// The pages' forms name the group in one field, as its page's
+			// query: a browser sends every line break of a field as CR
+			// LF, which would change a handler or fingerprint holding
+			// one (a multi-line error's).
+			v, err := url.ParseQuery(g[0])
+			if err != nil {
+				return nil, fmt.Errorf("group %q: %w", termText(g[0]), err)
+			}
+			f.Handler, f.Fingerprint = v.Get("handler"), v.Get("fp")
 		}
-		if _, ok := r.PostForm["fp"]; !ok {
-			return nil, errors.New("a group is named by its handler and fingerprint")
+		// The selection leaves out a condition whose value is empty: an
+		// empty handler would select the fingerprint's dead letters of
+		// every handler, an empty fingerprint every group of the handler,
+		// never the group the confirmation counted (none).
+		if f.Handler == "" || f.Fingerprint == "" {
+			return nil, errors.New("a group is named by its handler and fingerprint, neither of them empty")
 		}
 	default:
 		return nil, fmt.Errorf("scope %q: want ids or group", termText(f.Scope))
@@ -572,6 +619,9 @@ func (c *console) action(w http.ResponseWriter, r *http.Request) (actor string, 
 		return "", nil, false
 	}
 	f, err := parseActionForm(r)
+	if err == nil {
+		err = c.checkText("handler", f.Handler, "fp", f.Fingerprint)
+	}
 	if err != nil {
 		c.fail(w, r, http.StatusBadRequest, err)
 		return "", nil, false

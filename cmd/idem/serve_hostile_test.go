@@ -236,8 +236,7 @@ func TestConsoleCookiesSecureBehindTLSProxy(t *testing.T) {
 // TestConsoleWrongTokensAnsweredOneAtATime: guesses of the token, as a
 // bearer or through the login form, sent in parallel, are answered one
 // after another, each after loginFailDelay: no more than a few a second,
-// however many connections a guesser opens. The right token is not held
-// up by them.
+// however many connections a guesser opens.
 func TestConsoleWrongTokensAnsweredOneAtATime(t *testing.T) {
 	seed := seedConsoleStore(t)
 	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
@@ -277,7 +276,7 @@ func TestConsoleGroupActionAppliesToWhatWasConfirmed(t *testing.T) {
 	for _, m := range regexp.MustCompile(`<input type="hidden" name="([a-z]+)" value="([^"]*)">`).FindAllStringSubmatch(body, -1) {
 		form.Add(m[1], html.UnescapeString(m[2]))
 	}
-	if form.Get("until") == "" || form.Get("fp") != seed.smtpFP {
+	if g, _ := url.ParseQuery(form.Get("group")); form.Get("until") == "" || g.Get("fp") != seed.smtpFP {
 		t.Fatalf("the confirmation's form: %v", form)
 	}
 	time.Sleep(2 * time.Millisecond)
@@ -295,5 +294,127 @@ func TestConsoleGroupActionAppliesToWhatWasConfirmed(t *testing.T) {
 	}
 	if n := countState(t, seed.db, driver.DeadLetterParked, []int64{late}); n != 1 {
 		t.Error("the dead letter that failed after the confirmation was discarded unseen")
+	}
+}
+
+// TestConsoleGroupActionNeedsHandlerAndFingerprint: a group action whose
+// handler or fingerprint is empty is refused (400) and changes nothing.
+// The selection leaves out an empty condition, so before, "fp=" replayed
+// or discarded every parked dead letter of the handler, whatever its
+// group, after a confirmation that counted none.
+func TestConsoleGroupActionNeedsHandlerAndFingerprint(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	bearer := map[string]string{"Authorization": "Bearer " + testToken, "X-Idem-Actor": "script"}
+	for _, form := range []url.Values{
+		{"action": {"discard"}, "scope": {"group"}, "handler": {"mailer"}, "fp": {""}},
+		{"action": {"discard"}, "scope": {"group"}, "handler": {""}, "fp": {seed.tmplFP}},
+		{"action": {"replay"}, "scope": {"group"}, "handler": {""}, "fp": {""}},
+	} {
+		for _, path := range []string{"/dlq/confirm", "/dlq/apply"} {
+			if code, body := do(t, client(t), "POST", srv.URL+path, form, bearer); code != http.StatusBadRequest {
+				t.Errorf("%s %s: %d, want 400\n%s", path, form.Encode(), code, body)
+			}
+		}
+	}
+	all := append(append([]int64{seed.hostile, seed.binary, seed.undecoded}, seed.smtp...), seed.tmpl...)
+	if n := countState(t, seed.db, driver.DeadLetterParked, all); n != len(all) {
+		t.Fatalf("%d of %d dead letters parked after group actions without a handler or fingerprint", n, len(all))
+	}
+}
+
+// TestConsoleAbandonedGuessesLeaveTheQueue: a wrong token whose client
+// has gone (it closed the connection while its answer waited its turn)
+// leaves the queue of wrong tokens at once. Before, each kept its
+// connection and its place, and the next wrong token, a mistyped login
+// included, waited loginFailDelay for every guess sent and dropped before
+// it: a client could hold the server's connections for as long as it
+// liked at the cost of a request each.
+func TestConsoleAbandonedGuessesLeaveTheQueue(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	one := url.Values{"action": {"replay"}, "scope": {"ids"}, "id": {fmt.Sprint(seed.tmpl[0])}}
+	const abandoned = 12
+	var wg sync.WaitGroup
+	for i := range abandoned {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), loginFailDelay/2)
+			defer cancel()
+			req, err := http.NewRequestWithContext(ctx, "POST", srv.URL+"/dlq/apply", strings.NewReader(one.Encode()))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			req.Header.Set("Authorization", fmt.Sprintf("Bearer %s-%d", testToken, i))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+			}
+		})
+	}
+	wg.Wait()
+	start := time.Now()
+	hdr := map[string]string{"Authorization": "Bearer " + testToken + "-mistyped"}
+	if code, _ := do(t, client(t), "POST", srv.URL+"/dlq/apply", one, hdr); code != http.StatusUnauthorized {
+		t.Fatalf("a wrong token: %d, want 401", code)
+	}
+	if took, most := time.Since(start), 4*loginFailDelay; took > most {
+		t.Errorf("a wrong token after %d abandoned ones answered in %s, want at most %s", abandoned, took, most)
+	}
+	if n := countState(t, seed.db, driver.DeadLetterParked, seed.tmpl[:1]); n != 1 {
+		t.Fatal("a wrong token changed the store")
+	}
+}
+
+// TestConsoleRightTokenAnsweredInItsTurn: while a wrong token holds its
+// turn, the right one is not answered either. Before, the right token was
+// answered at once while the wrong ones waited, so a guesser that gave up
+// on every guess not answered within a few milliseconds learned each
+// answer at whatever rate it liked, and loginFailDelay limited nothing.
+func TestConsoleRightTokenAnsweredInItsTurn(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	one := url.Values{"action": {"replay"}, "scope": {"ids"}, "id": {fmt.Sprint(seed.tmpl[0])}}
+	wrong := make(chan int, 1)
+	go func() {
+		code, _ := do(t, client(t), "POST", srv.URL+"/dlq/apply", one, map[string]string{"Authorization": "Bearer " + testToken + "-wrong"})
+		wrong <- code
+	}()
+	time.Sleep(loginFailDelay / 2) // the wrong token has its turn
+	start := time.Now()
+	code, body := do(t, client(t), "POST", srv.URL+"/dlq/apply", one, map[string]string{"Authorization": "Bearer " + testToken})
+	took := time.Since(start)
+	if code != 200 || !strings.Contains(body, `<strong id="moved">1</strong>`) {
+		t.Fatalf("the right token: %d\n%s", code, body)
+	}
+	if code := <-wrong; code != http.StatusUnauthorized {
+		t.Fatalf("the wrong token: %d, want 401", code)
+	}
+	if least := loginFailDelay / 4; took < least {
+		t.Errorf("the right token, sent while a wrong one held the turn, answered in %s: before the turn ended (at least %s)", took, least)
+	}
+}
+
+// TestConsoleBearerSchemeAnyCase: the Authorization scheme's name is
+// case-insensitive (RFC 9110), so "bearer" and "BEARER" carry the token
+// as "Bearer" does. Before, such a script was refused with "actions need
+// the token", the token it sent never looked at.
+func TestConsoleBearerSchemeAnyCase(t *testing.T) {
+	seed := seedConsoleStore(t)
+	srv, _ := consoleServer(t, seed.path, testToken, time.Hour)
+	for i, scheme := range []string{"bearer", "BEARER"} {
+		form := url.Values{"action": {"replay"}, "scope": {"ids"}, "id": {fmt.Sprint(seed.tmpl[i])}}
+		code, body := do(t, client(t), "POST", srv.URL+"/dlq/apply", form, map[string]string{"Authorization": scheme + " " + testToken, "X-Idem-Actor": "cron"})
+		if code != 200 || !strings.Contains(body, `<strong id="moved">1</strong>`) {
+			t.Errorf("Authorization: %s <token>: %d\n%s", scheme, code, body)
+		}
+	}
+	if n := countState(t, seed.db, driver.DeadLetterReplayRequested, seed.tmpl[:2]); n != 2 {
+		t.Fatalf("%d of 2 replay requests in the store", n)
+	}
+	// A wrong token in any case is still a wrong token.
+	if code, _ := do(t, client(t), "POST", srv.URL+"/dlq/apply", url.Values{"action": {"replay"}, "scope": {"ids"}, "id": {fmt.Sprint(seed.tmpl[2])}},
+		map[string]string{"Authorization": "bearer " + testToken + "x"}); code != http.StatusUnauthorized {
+		t.Errorf("a wrong lower-case bearer token: %d, want 401", code)
 	}
 }

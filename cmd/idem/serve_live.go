@@ -82,21 +82,26 @@ func (l *liveRing) add(r storeReading, at time.Time) {
 	l.downSince = r.downSince
 }
 
-// run samples cache every interval until ctx ends.
+// run samples cache every interval until ctx ends. Each sample is taken
+// when the reading before it has expired: on a fixed tick of the interval
+// the cache would still hold the last reading, taken a moment after the
+// tick before, and hand it out again, so that only every other tick added
+// a sample and each spanned two intervals.
 func (l *liveRing) run(ctx context.Context, cache *readingCache) {
-	t := time.NewTicker(l.every)
+	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
-		r, at := cache.get(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		l.add(r, at)
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
+		r, at := cache.get(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		l.add(r, at)
+		t.Reset(max(time.Until(at.Add(l.every)), 0))
 	}
 }
 

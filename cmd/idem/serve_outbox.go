@@ -68,6 +68,10 @@ func (c *console) outboxList(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusBadRequest, fmt.Errorf("state %q: want pending, failing or parked", termText(p.State)))
 		return
 	}
+	if err := c.checkText("stream", p.Stream, "key", p.Key); err != nil {
+		c.fail(w, r, http.StatusBadRequest, err)
+		return
+	}
 	if a := q.Get("after"); a != "" {
 		var err error
 		if p.After, err = strconv.ParseInt(a, 10, 64); err != nil || p.After < 0 {
@@ -140,6 +144,9 @@ func (c *console) outboxAction(w http.ResponseWriter, r *http.Request) (actor, a
 		return "", "", nil, "", false
 	}
 	action, ids, reason, err := outboxForm(r)
+	if err == nil {
+		err = c.checkText("reason", reason)
+	}
 	if err != nil {
 		c.fail(w, r, http.StatusBadRequest, err)
 		return "", "", nil, "", false
