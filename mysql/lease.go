@@ -52,15 +52,22 @@ WHERE handler = ? AND message_id = ? AND payload_hash = ?
 				return err
 			}
 			if n == 0 {
-				_, err = tx.ExecContext(ctx, `INSERT INTO `+d.t.leases+`
+				// No lease row to take over: a new one, unless the key
+				// has a marker of the handler name (imported, or
+				// written by atomic mode), which LeaseGet reads as done.
+				r, err := tx.ExecContext(ctx, `INSERT INTO `+d.t.leases+`
   (handler, message_id, payload_hash, processed_at, status, owner, lease_until, token, attempts)
-VALUES (?, ?, ?, `+nowMicros+`, 'running', ?, `+nowMicros+` + ?, 1, 1)`,
-					p.Handler, p.MessageID, p.PayloadHash, p.Owner, ttl)
+SELECT ?, ?, ?, `+nowMicros+`, 'running', ?, `+nowMicros+` + ?, 1, 1 FROM DUAL
+WHERE NOT EXISTS (`+d.markerOfName()+`)`,
+					p.Handler, p.MessageID, p.PayloadHash, p.Owner, ttl, p.Handler, p.MessageID)
 				if errNumber(err) == errDupEntry {
 					return nil // a row exists and is not claimable
 				}
 				if err != nil {
 					return err
+				}
+				if n, err := r.RowsAffected(); err != nil || n == 0 {
+					return err // a marker: not claimable
 				}
 			}
 			var until int64
@@ -227,13 +234,40 @@ func (d *Driver) LeaseGet(ctx context.Context, p *driver.LeaseGetParams) (*drive
 FROM `+d.t.leases+` WHERE handler = ? AND message_id = ?`, p.Handler, p.MessageID).Scan(
 		&status, &row.PayloadHash, &row.Owner, &row.Token, &row.Attempts, &leaseUntil, &nextA, &row.LastError, &now)
 	if errors.Is(err, sql.ErrNoRows) {
-		return nil, nil
+		return d.markerAsLease(ctx, p)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("mysql: read lease: %w", notMigrated(err))
 	}
 	row.Status = driver.LeaseStatus(status)
 	row.LeaseUntil, row.NextAttemptAt = fromMicros(leaseUntil), fromMicros(nextA)
+	row.Now = time.UnixMicro(now)
+	return &row, nil
+}
+
+// markerOfName is a query of the marker of handler name ? and message ID
+// ?, for EXISTS: it reads the name through the handlers table, so that
+// no name is interned for it.
+func (d *Driver) markerOfName() string {
+	return `SELECT m.payload_hash FROM ` + d.t.markers + ` m JOIN ` + d.t.handlers + ` h ON h.id = m.handler_id
+WHERE h.name = ? AND m.message_id = ?`
+}
+
+// markerAsLease reads the marker of (p.Handler, p.MessageID) in the
+// markers table (imported, or written by atomic mode) as a done lease row
+// with token 0, as the Postgres driver does and as SQLite's shared table
+// reads; nil when there is none.
+func (d *Driver) markerAsLease(ctx context.Context, p *driver.LeaseGetParams) (*driver.LeaseRow, error) {
+	row := driver.LeaseRow{Status: driver.LeaseDone}
+	var now int64
+	err := d.db.QueryRowContext(ctx, `SELECT x.payload_hash, `+nowMicros+` FROM (`+d.markerOfName()+`) x`,
+		p.Handler, p.MessageID).Scan(&row.PayloadHash, &now)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("mysql: read marker: %w", notMigrated(err))
+	}
 	row.Now = time.UnixMicro(now)
 	return &row, nil
 }
