@@ -66,8 +66,10 @@ WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) AND TABLE_NAME = ? AND 
 			cursor = `CAST(? AS UNSIGNED)`
 		}
 	}
+	// Empty is tested on the bytes: under a PAD SPACE collation (MariaDB's
+	// default) a value of blanks equals '', and is an ID all the same.
 	text := `CAST(` + col + ` AS CHAR)`
-	q := `SELECT ` + text + ` AS idem_value FROM ` + table + ` WHERE ` + col + ` IS NOT NULL AND ` + text + ` <> ''`
+	q := `SELECT ` + text + ` AS idem_value FROM ` + table + ` WHERE ` + col + ` IS NOT NULL AND CAST(` + text + ` AS BINARY) <> ''`
 	args := []any{}
 	if after != "" {
 		q += ` AND (` + col + ` > ` + cursor + ` OR (` + col + ` = ` + cursor + ` AND CAST(` + text + ` AS BINARY) > CAST(? AS BINARY)))`

@@ -193,6 +193,30 @@ func TestRetention(t *testing.T) {
 	idemtest.RunRetention(t, &idemtest.Harness[*sql.Tx]{Open: openStore})
 }
 
+// TestImportSpaceOnlyIDs: a value of blanks is a valid message ID, not an
+// empty one; under a PAD SPACE collation (MariaDB's default) it compares
+// equal to the empty string, and must be imported all the same, never dropped unread.
+func TestImportSpaceOnlyIDs(t *testing.T) {
+	t.Parallel()
+	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 4)
+	s := storeOn(t, db, nil)
+	drv := s.Driver.(*mysql.Driver)
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, `CREATE TABLE seen_pad (id VARCHAR(20) COLLATE utf8mb4_general_ci)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO seen_pad VALUES (' '), ('  '), ('x'), (''), (NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	for _, batch := range []int{1, 10} {
+		h := fmt.Sprintf("pad_%d", batch)
+		res, err := idem.ImportMarkers(ctx, drv, h, &driver.ImportSource{Table: "seen_pad", Column: "id"}, &idem.ImportOptions{Batch: batch})
+		if err != nil || res.Read != 3 || res.Imported != 3 {
+			t.Fatalf("import of ' ', '  ', 'x' in pages of %d: %+v, %v; want all 3 read and imported", batch, res, err)
+		}
+	}
+}
+
 func TestImportMarkers(t *testing.T) {
 	t.Parallel()
 	db := testenv.MySQL(t, testenv.MySQLDatabase(t), 4)

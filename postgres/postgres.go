@@ -877,12 +877,16 @@ FROM pg_attribute a WHERE a.attrelid = $1::regclass AND a.attname = $2 AND a.att
 	// them must not skip one. The text form is selected under another
 	// name: ORDER BY would take an output column of the column's own name,
 	// and sort as text.
+	// Empty is tested in "C": under a nondeterministic collation that
+	// ignores blanks or punctuation, a value of them equals '', and is an
+	// ID all the same.
 	text := col + `::text`
 	order := ` ORDER BY ` + col + `, ` + text + ` COLLATE "C"`
-	q, args := `SELECT `+text+` AS idem_value FROM `+table+` WHERE `+text+` <> ''`+order+` LIMIT $1`, []any{limit}
+	nonEmpty := text + ` COLLATE "C" <> ''`
+	q, args := `SELECT `+text+` AS idem_value FROM `+table+` WHERE `+nonEmpty+order+` LIMIT $1`, []any{limit}
 	if after != "" {
 		v := `$1::text::` + typ
-		q = `SELECT ` + text + ` AS idem_value FROM ` + table + ` WHERE ` + text + ` <> '' AND ` + col + ` >= ` + v +
+		q = `SELECT ` + text + ` AS idem_value FROM ` + table + ` WHERE ` + nonEmpty + ` AND ` + col + ` >= ` + v +
 			` AND (` + col + ` > ` + v + ` OR ` + text + ` COLLATE "C" > $1::text COLLATE "C")` + order + ` LIMIT $2`
 		args = []any{after, limit}
 	}

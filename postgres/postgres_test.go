@@ -3,6 +3,7 @@ package postgres_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -125,6 +126,32 @@ func TestConformanceConflictAware(t *testing.T) {
 	// The guard and the dead letters insert markers too.
 	t.Run("Ordering", func(t *testing.T) { idemtest.RunOrdering(t, h) })
 	t.Run("DeadLetters", func(t *testing.T) { idemtest.RunDeadLetters(t, h) })
+}
+
+// TestImportBlankIDsUnderANondeterministicCollation: a value of blanks or
+// punctuation is a valid message ID, not an empty one; under a
+// nondeterministic collation that ignores them it compares equal to the
+// empty string, and must be imported all the same, never dropped unread.
+func TestImportBlankIDsUnderANondeterministicCollation(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	coll := pgx.Identifier{schema, "ignoring"}.Sanitize()
+	table := pgx.Identifier{schema, "seen"}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE COLLATION `+coll+` (provider = icu, locale = 'und-u-ka-shifted', deterministic = false)`); err != nil {
+		t.Skipf("no ICU collation on this server: %v", err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (id text COLLATE `+coll+`); INSERT INTO `+table+` VALUES (' '), ('  '), ('-'), ('x'), (''), (NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	for _, batch := range []int{1, 10} {
+		res, err := idem.ImportMarkers(ctx, s.Driver.(*postgres.Driver), fmt.Sprintf("blank_%d", batch),
+			&driver.ImportSource{Schema: schema, Table: "seen", Column: "id"}, &idem.ImportOptions{Batch: batch})
+		if err != nil || res.Read != 4 || res.Imported != 4 {
+			t.Fatalf("import of ' ', '  ', '-', 'x' in pages of %d: %+v, %v; want all 4 read and imported", batch, res, err)
+		}
+	}
 }
 
 func TestImportMarkers(t *testing.T) {

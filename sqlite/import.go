@@ -41,9 +41,11 @@ func (d *Driver) ImportIDs(ctx context.Context, src *driver.ImportSource, after 
 	// compare equal but read differently (5 and 5.0 in a column without a
 	// type, B and b under NOCASE) are distinct IDs, and a page boundary
 	// between them must not skip one. NULL and empty values are left out
-	// on every page: after a number, '' sorts greater.
+	// on every page: after a number, '' sorts greater. Empty is tested
+	// by bytes: under a column's RTRIM collation a value of blanks equals
+	// '', and is an ID all the same.
 	text := `CAST(` + col + ` AS TEXT)`
-	where := col + ` IS NOT NULL AND ` + col + ` <> ''`
+	where := col + ` IS NOT NULL AND ` + col + ` <> '' COLLATE BINARY`
 	order := ` ORDER BY ` + col + `, ` + text + ` COLLATE BINARY`
 	q, args := `SELECT `+text+` AS idem_value FROM `+table+` WHERE `+where+order+` LIMIT ?`, []any{limit}
 	if after != "" {

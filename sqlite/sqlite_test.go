@@ -213,6 +213,24 @@ func TestImportMarkers(t *testing.T) {
 	}
 }
 
+// TestImportSpaceOnlyIDs: a value of blanks is a valid message ID, not an
+// empty one; in a column declared COLLATE RTRIM it compares equal to the empty string,
+// and must be imported all the same, never dropped unread.
+func TestImportSpaceOnlyIDs(t *testing.T) {
+	t.Parallel()
+	db, drv := openMigrated(t, &sqlite.OpenOptions{Synchronous: "OFF"})
+	if _, err := db.Exec(`CREATE TABLE seen (id TEXT COLLATE RTRIM); INSERT INTO seen VALUES (' '), ('  '), ('x'), (''), (NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	for _, batch := range []int{1, 10} {
+		h := fmt.Sprintf("pad_%d", batch)
+		res, err := idem.ImportMarkers(context.Background(), drv, h, &driver.ImportSource{Table: "seen", Column: "id"}, &idem.ImportOptions{Batch: batch})
+		if err != nil || res.Read != 3 || res.Imported != 3 {
+			t.Fatalf("import of ' ', '  ', 'x' in pages of %d: %+v, %v; want all 3 read and imported", batch, res, err)
+		}
+	}
+}
+
 func TestConformance(t *testing.T) {
 	t.Parallel()
 	// SQLite has one writer, reached through one connection: concurrent
