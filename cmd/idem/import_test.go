@@ -62,3 +62,35 @@ func TestImportHandRolledTable(t *testing.T) {
 		t.Errorf("hostile column: exit %d, stderr %q", code, errOut)
 	}
 }
+
+// TestImportListsHugeValuesBounded: an invalid value of a megabyte is
+// listed by a bounded prefix, not printed whole (ten of them would fill
+// the terminal, or the --json report, with 10 MB).
+func TestImportListsHugeValuesBounded(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "app.db")
+	if code, _, errOut := runCLI(t, "migrate", "--dsn", path); code != exitOK {
+		t.Fatalf("migrate: exit %d: %s", code, errOut)
+	}
+	db, err := sqlite.Open(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE seen (id TEXT)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`INSERT INTO seen VALUES (?), ('evt-1')`, strings.Repeat("y", 1<<20)); err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+	args := []string{"import", "--dsn", path, "--handler", "h", "--from", "seen.id"}
+	code, out, errOut := runCLI(t, args...)
+	if code != exitFailed || !strings.Contains(errOut, `skipped "yyy`) || len(errOut) > 2000 {
+		t.Fatalf("import: exit %d, %d bytes of stderr (want the value listed by a short prefix)\n%.500s", code, len(errOut), errOut)
+	}
+	code, out, _ = runCLI(t, append(args, "--json")...)
+	var rep importReport
+	if code != exitFailed || json.Unmarshal([]byte(out), &rep) != nil || len(rep.Skipped) != 1 || len(rep.Skipped[0]) > 1000 || rep.Invalid != 1 {
+		t.Fatalf("import --json: exit %d, %d bytes of output (want the value listed by a short prefix)\n%.500s", code, len(out), out)
+	}
+}
