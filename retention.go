@@ -294,7 +294,10 @@ func (p *Pruner) nextBatch(limit int, took time.Duration) int {
 	case took > p.cfg.BatchTime:
 		return max(limit/2, min(p.cfg.BatchSize, minPruneBatch))
 	case took < p.cfg.BatchTime/2:
-		return min(2*limit, p.cfg.BatchSize)
+		if limit > p.cfg.BatchSize/2 {
+			return p.cfg.BatchSize // and 2*limit could overflow
+		}
+		return 2 * limit
 	}
 	return limit
 }

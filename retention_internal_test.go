@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"math"
 	"testing"
 	"time"
 )
@@ -38,5 +39,16 @@ func TestPruneBatchFollowsBatchTime(t *testing.T) {
 	small := &Pruner{cfg: RetentionConfig{BatchSize: 10, BatchTime: time.Millisecond}}
 	if got := small.nextBatch(10, time.Second); got != 10 {
 		t.Fatalf("BatchSize below the floor: next batch %d, want 10", got)
+	}
+}
+
+// A fast batch of a batch size past half of MaxInt doubles to BatchSize,
+// not to a negative limit that the drivers refuse.
+func TestPruneBatchNeverOverflows(t *testing.T) {
+	p := &Pruner{cfg: RetentionConfig{BatchSize: math.MaxInt, BatchTime: 40 * time.Millisecond}}
+	for _, limit := range []int{math.MaxInt, math.MaxInt/2 + 1, math.MaxInt - 100} {
+		if got := p.nextBatch(limit, time.Millisecond); got != math.MaxInt {
+			t.Fatalf("next batch after a fast one of %d: %d, want BatchSize %d", limit, got, math.MaxInt)
+		}
 	}
 }

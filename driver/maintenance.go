@@ -18,11 +18,11 @@ type Clock interface {
 // short transaction, walking the table with a cursor (the primary key, or
 // a driver's own position) so that no batch re-reads rows an earlier one
 // deleted. Rows of running leases, and of
-// failed leases still to be retried, are never deleted, whatever their
-// age: their fencing token must go on growing. A lease row's processing
-// time is that of its last decision (done, or failed). A failed lease
-// whose retry fell due before the cutoff (nobody took it up for the whole
-// retention) is deleted like a done one.
+// failed leases (to be retried, or failed for good), are never deleted,
+// whatever their age: their fencing token must go on growing, and a
+// replay of a failed one's dead letter may come at any time. Done lease
+// rows are deleted like markers; a lease row's processing time is that
+// of its last decision.
 type MarkerPruner interface {
 	// PruneMarkers deletes up to p.Limit markers processed before
 	// p.Before that come after p.After, in the driver's walking order.

@@ -104,7 +104,9 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM victims),
 // than by a list of ctids, which took twice as long. The range is sized
 // from the table's statistics to hold a quarter more rows than the limit,
 // so that a run of old markers makes full batches (and to at most Limit/4
-// pages, should the statistics say the table is nearly empty); when it holds more old
+// pages, should the statistics say the table is nearly empty; and never
+// past the last page number a table can have, 2^32 - 2, whatever the
+// Limit); when it holds more old
 // markers than the limit, the Limit-th one ends the batch and the next
 // batch starts after it. Markers arrive in time order, so the old ones sit
 // together at the start; rows written into space that vacuum freed are
@@ -120,8 +122,8 @@ func (d *Driver) pruneMarkers(ctx context.Context, p *driver.PruneParams) (drive
 		nblocks, hi int64
 	)
 	err := d.auto.QueryRow(ctx, `WITH range AS (
-  SELECT $5::bigint + least(ceil($3 * 1.25 / CASE WHEN relpages > 0 AND reltuples > 0 THEN reltuples / relpages ELSE 100 END),
-                            ceil($3 / 4.0))::bigint + 1 AS hi
+  SELECT least($5::bigint + least(ceil($3 * 1.25 / CASE WHEN relpages > 0 AND reltuples > 0 THEN reltuples / relpages ELSE 100 END),
+                                  ceil($3 / 4.0))::bigint + 1, 4294967295) AS hi
   FROM pg_class WHERE oid = $4::text::regclass
 ), cut AS (
   SELECT ctid FROM `+d.t.markers+`

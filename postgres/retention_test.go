@@ -275,3 +275,29 @@ func legacyExec(ctx context.Context, pool *pgxpool.Pool, sql string, args ...any
 	}
 	return tx.Commit(ctx)
 }
+
+// TestPruneHugeBatchSize: a batch size past what a page range can hold
+// (tens of billions of rows) prunes like any other, rather than failing
+// on a page number beyond the largest a table can have.
+func TestPruneHugeBatchSize(t *testing.T) {
+	pool := testenv.PostgresPool(t, 4)
+	schema := testenv.FreshSchema(t, pool)
+	s := storeIn(t, pool, schema)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "idem_handlers"}.Sanitize()+` (name) VALUES ('a')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "idem_markers"}.Sanitize()+` (handler_id, message_key, payload_hash, processed_at)
+SELECT 1, convert_to('m-' || i, 'UTF8'), '\x00'::bytea, now() - CASE WHEN i % 5 = 0 THEN interval '1 hour' ELSE interval '30 days' END
+FROM generate_series(1, 100) AS i`); err != nil {
+		t.Fatal(err)
+	}
+	pr, err := idem.NewPruner(s.Driver, &idem.RetentionConfig{Retention: 24 * time.Hour, BatchSize: 1 << 40})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := pr.Prune(ctx)
+	if err != nil || st.Deleted != 80 {
+		t.Fatalf("prune with a batch size of 2^40: %+v, %v; want the 80 old markers deleted", st, err)
+	}
+}
