@@ -17,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/lograte"
 )
 
@@ -949,18 +950,7 @@ func fencedError(op, handler, id string, token int64, cur *driver.LeaseRow) *Fen
 }
 
 // lastErrorText makes err storable: valid UTF-8, no NUL, bounded.
-func lastErrorText(err error) string {
-	s := strings.ToValidUTF8(err.Error(), "\uFFFD")
-	s = strings.ReplaceAll(s, "\x00", "\uFFFD")
-	if len(s) <= maxLastErrorLen {
-		return s
-	}
-	cut := maxLastErrorLen
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + "…"
-}
+func lastErrorText(err error) string { return errtext.Storable(err.Error(), maxLastErrorLen) }
 
 // keeper heartbeats one lease while its handler runs and cancels the
 // handler's context when the lease is lost: at once when a heartbeat is

@@ -4,12 +4,11 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"strconv"
 	"strings"
-	"unicode/utf8"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/sqlident"
 )
 
@@ -115,28 +114,11 @@ type importReport struct {
 	Imported int64    `json:"imported"`
 	Existing int64    `json:"existing"`
 	Invalid  int64    `json:"invalid"`
-	Skipped  []string `json:"skipped,omitempty"` // the first invalid values, quoted (a long one cut to a prefix)
+	Skipped  []string `json:"skipped,omitempty"` // the first invalid values, quoted (a long one cut short)
 }
 
 // maxListedInvalid bounds the invalid values import lists.
 const maxListedInvalid = 10
-
-// maxListedLen bounds, in bytes, the prefix of an invalid value import
-// lists: a value may be megabytes long.
-const maxListedLen = 80
-
-// quotePrefix quotes s as %q does, cut to its first limit bytes (at a
-// rune boundary) with "…" after when it is longer.
-func quotePrefix(s string, limit int) string {
-	if len(s) <= limit {
-		return strconv.Quote(s)
-	}
-	cut := limit
-	for cut > limit-utf8.UTFMax && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return strconv.Quote(s[:cut]) + "…"
-}
 
 // runImport imports src's IDs as markers of handler.
 func runImport(ctx context.Context, e *env, s *store, handler string, src *driver.ImportSource, batch int, asJSON bool) error {
@@ -159,7 +141,7 @@ func runImport(ctx context.Context, e *env, s *store, handler string, src *drive
 	rep := importReport{Handler: handler, From: from}
 	res, err := idem.ImportMarkers(ctx, imp, handler, src, &idem.ImportOptions{Batch: batch, Invalid: func(v string, err error) {
 		if len(rep.Skipped) < maxListedInvalid {
-			rep.Skipped = append(rep.Skipped, fmt.Sprintf("%s: %v", quotePrefix(v, maxListedLen), err))
+			rep.Skipped = append(rep.Skipped, fmt.Sprintf("%s: %v", errtext.Quote(v), err))
 		}
 	}})
 	rep.Read, rep.Imported, rep.Existing, rep.Invalid = res.Read, res.Imported, res.Existing, res.Invalid

@@ -19,6 +19,17 @@ func TestQuote(t *testing.T) {
 	}
 }
 
+func TestStorable(t *testing.T) {
+	if got := errtext.Storable("a\x00b\xffc", 100); got != "a\uFFFDb\uFFFDc" {
+		t.Errorf("Storable of NUL and a bad byte: %q", got)
+	}
+	long := strings.Repeat("é", 100) // 2 bytes each
+	got := errtext.Storable(long, 11)
+	if got != strings.Repeat("é", 5)+"…" {
+		t.Errorf("Storable cut at 11 bytes: %q, want five runes and an ellipsis", got)
+	}
+}
+
 func ExampleQuote() {
 	fmt.Println(errtext.Quote("acct-7"))
 	fmt.Println(errtext.Quote(strings.Repeat("ab", 50)))

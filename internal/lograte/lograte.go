@@ -68,6 +68,11 @@ func (l *Limiter) Allow(key string) (ok bool, suppressed int) {
 // msg and kind was written less than the interval ago; then it only counts
 // it. The next line written carries the count as similar_not_logged.
 func (l *Limiter) Warn(logger *slog.Logger, kind, msg string, attrs ...slog.Attr) {
+	l.Log(logger, slog.LevelWarn, kind, msg, attrs...)
+}
+
+// Log is Warn at level.
+func (l *Limiter) Log(logger *slog.Logger, level slog.Level, kind, msg string, attrs ...slog.Attr) {
 	ok, n := l.Allow(msg + "\x00" + kind)
 	if !ok {
 		return
@@ -75,7 +80,7 @@ func (l *Limiter) Warn(logger *slog.Logger, kind, msg string, attrs ...slog.Attr
 	if n > 0 {
 		attrs = append(attrs, slog.Int("similar_not_logged", n))
 	}
-	logger.LogAttrs(context.Background(), slog.LevelWarn, msg, attrs...)
+	logger.LogAttrs(context.Background(), level, msg, attrs...)
 }
 
 // forgetOldest drops the kind written longest ago.
