@@ -33,8 +33,8 @@ type Admin struct {
 }
 
 // NewAdmin returns an Admin over drv, which must implement
-// driver.OutboxAdmin (the sqlite and postgres drivers do). logger receives
-// one line per action; nil means slog.Default().
+// driver.OutboxAdmin (the sqlite, postgres and mysql drivers do). logger
+// receives one line per action; nil means slog.Default().
 func NewAdmin(drv any, logger *slog.Logger) (*Admin, error) {
 	s, ok := drv.(driver.OutboxAdmin)
 	if !ok || s == nil {

@@ -20,8 +20,8 @@ type Outbox[TTx any] struct {
 }
 
 // New returns an Outbox over drv, which must implement
-// driver.OutboxWriter (the sqlite and postgres drivers do). Migrate the
-// driver first: the outbox tables come with its migrations.
+// driver.OutboxWriter (the sqlite, postgres and mysql drivers do). Migrate
+// the driver first: the outbox tables come with its migrations.
 func New[TTx any](drv driver.Driver[TTx]) (*Outbox[TTx], error) {
 	w, ok := drv.(driver.OutboxWriter[TTx])
 	if !ok {
@@ -54,7 +54,8 @@ func idPrefix(stream, aggregateID string) string {
 // Stream, the topic or subject it is published to; rows of one aggregate
 // are published in the order they were added. An invalid message
 // (idem.Message.ValidatePublish) is a *idem.ValidationError and nothing is
-// added.
+// added. A message's Time is not kept: it is published with the time its
+// row was added.
 func (o *Outbox[TTx]) Add(ctx context.Context, tx TTx, msgs ...*idem.Message) error {
 	rows := make([]driver.OutboxRow, len(msgs))
 	for i, m := range msgs {
@@ -101,7 +102,9 @@ func newRow(m *idem.Message) (driver.OutboxRow, error) {
 // bytes (231 with a stream under 100 bytes, 232 under 10), so that every
 // sequence gives a valid ID of at most 255 bytes. The allocator
 // locks the aggregate's row until tx ends, so concurrent writers of one
-// aggregate add their rows in sequence order. It returns the message.
+// aggregate add their rows in sequence order. It returns the message. An
+// invalid message (idem.Message.ValidatePublish) is a *idem.ValidationError,
+// and nothing is allocated or added.
 //
 // stream is the message's destination, its Stream: the Kafka topic or the
 // JetStream subject, such as "orders.placed". It is not the name of a
@@ -115,11 +118,14 @@ func (o *Outbox[TTx]) AddNext(ctx context.Context, tx TTx, stream, aggregateID, 
 		return nil, fmt.Errorf("outbox: stream and aggregate ID make message IDs of up to %d bytes; the maximum is %d: %w", n, idem.MaxIDLen, idem.ErrInvalidMessage)
 	}
 	m := &idem.Message{ID: MessageID(stream, aggregateID, 1), Stream: stream, Type: typ, AggregateID: aggregateID, Seq: 1, Payload: payload}
+	// Validated before a sequence is allocated: a refused message must
+	// leave nothing in tx, or a transaction that goes on commits a
+	// sequence no event has, a gap for the consumers' ordering guard.
+	row, err := newRow(m)
+	if err != nil {
+		return nil, err
+	}
 	if o.next != nil {
-		row, err := newRow(m)
-		if err != nil {
-			return nil, err
-		}
 		row.MessageID = idPrefix(stream, aggregateID) // the driver appends the sequence
 		seq, err := o.next.OutboxAddNext(ctx, tx, &row)
 		if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"strconv"
 	"strings"
@@ -337,6 +338,41 @@ func TestStoreFailureBacksOffTheRelay(t *testing.T) {
 	}
 }
 
+// holdFailingStore is a real relay store that cannot record a failed
+// publish, as when the database went away during the cycle.
+type holdFailingStore struct {
+	driver.OutboxRelayStore
+}
+
+func (holdFailingStore) OutboxFailed(context.Context, string, int64, string, time.Duration) error {
+	return errors.New("record failure: connection refused")
+}
+
+// TestUnrecordedFailuresLogOneLine: when the store cannot record the
+// failures of a cycle's refused keys, the relay says so in one line, not
+// one per key. Before, a claim of 40 refused keys wrote 40 lines.
+func TestUnrecordedFailuresLogOneLine(t *testing.T) {
+	p := sqliteProducer(t)
+	ctx := context.Background()
+	const keys = 40
+	if err := p.fill(ctx, "credits.ledger", keys, keys); err != nil {
+		t.Fatal(err)
+	}
+	logs := &testenv.Buffer{}
+	r, err := outbox.NewRelay(holdFailingStore{p.drv.(driver.OutboxRelayStore)}, hostileErrPublisher{}, &outbox.RelayConfig{
+		Logger: slog.New(slog.NewTextHandler(logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.RunOnce(ctx); err == nil {
+		t.Fatal("a cycle of refused keys returned no error")
+	}
+	if n := strings.Count(logs.String(), "recording a failed publish failed"); n != 1 {
+		t.Errorf("%d lines for %d unrecorded failures of one cycle, want 1", n, keys)
+	}
+}
+
 // TestLateFailureKeepsAnotherRelaysClaim: relay A's claim runs out while
 // it publishes and B claims the key; A's failure, recorded late, counts the
 // attempt but does not turn B's live claim into a short hold, after which
@@ -422,6 +458,40 @@ func TestStoppedRelayLeavesNoFailure(t *testing.T) {
 	}
 	if s := outboxStats(t, p); s.Failing != 0 || s.Pending != 1 {
 		t.Fatalf("stats %+v after a stop, want 1 pending and no failing row", s)
+	}
+	r2, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := r2.RunOnce(ctx); err != nil || res.Published != 1 {
+		t.Fatalf("next relay: %+v, %v; want the row published at once", res, err)
+	}
+}
+
+// TestRelayStoppedByDeadlineLeavesNoFailure: a relay whose context
+// reaches its deadline in the middle of a publish is stopping too, as
+// when it is cancelled: no failed attempt, no hold on the key. Before,
+// only a cancellation counted as a stop, and the deadline failed the key,
+// counting an attempt and keeping every relay off it for its backoff.
+func TestRelayStoppedByDeadlineLeavesNoFailure(t *testing.T) {
+	p := sqliteProducer(t)
+	b := newNATSBroker(t)
+	ctx := context.Background()
+	if err := p.add(ctx, &idem.Message{ID: "m-1", Stream: b.stream(), AggregateID: "acct-1", Seq: 1, Payload: []byte("1")}); err != nil {
+		t.Fatal(err)
+	}
+	stalled := &stalledPublisher{next: b.publisher(t), started: make(chan struct{})}
+	r1, err := outbox.NewRelay(p.drv, stalled, &outbox.RelayConfig{Owner: "r1", Backoff: idem.Backoff{Base: time.Minute, Max: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer stop()
+	if res, err := r1.RunOnce(rctx); err == nil || res.Published != 0 {
+		t.Fatalf("cycle cut off by its deadline: %+v, %v; want nothing published and an error", res, err)
+	}
+	if s := outboxStats(t, p); s.Failing != 0 || s.Pending != 1 {
+		t.Fatalf("stats %+v after the deadline, want 1 pending and no failing row", s)
 	}
 	r2, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r2"})
 	if err != nil {

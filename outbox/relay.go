@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/lograte"
 	"github.com/idemhq/idem/internal/outage"
 )
@@ -30,7 +32,7 @@ type Publisher interface {
 	// and returns nil only once the broker has acknowledged every one of
 	// them. After an error the relay sends them all again later, from
 	// the first: a Publisher must not let a message overtake an earlier
-	// one that failed.
+	// one that failed. A panic counts as an error.
 	Publish(ctx context.Context, msgs []*idem.Message) error
 }
 
@@ -284,7 +286,9 @@ func (r *Relay) fault(point string) {
 // acknowledged as published, record the failures, release the claims. The
 // error joins the publish and store failures; rows not published stay
 // pending for a later cycle, and a key whose publish failed is skipped by
-// every relay until its backoff (RelayConfig.Backoff) has passed.
+// every relay until its backoff (RelayConfig.Backoff) has passed. A
+// publish cut off by the end of ctx (cancelled, or past its deadline) is
+// the relay stopping, not the key's failure: no attempt, no hold.
 func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
 	res, _, _, err := r.runOnce(ctx)
 	return res, err
@@ -337,7 +341,7 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	// Stop starting publishes at half the claim; give each until nine
 	// tenths, so that the claim outlives its owner's sends.
 	startBy := start.Add(r.cfg.ClaimTTL / 2)
-	pctx, cancel := context.WithDeadline(ctx, start.Add(r.cfg.ClaimTTL-r.cfg.ClaimTTL/10))
+	pctx, cancel := context.WithDeadlineCause(ctx, start.Add(r.cfg.ClaimTTL-r.cfg.ClaimTTL/10), errClaimRunningOut)
 	defer cancel()
 
 	groups := groupByKey(rows)
@@ -439,6 +443,11 @@ func markBudget(n int) time.Duration {
 	return 10*time.Second + time.Duration(n)*time.Millisecond
 }
 
+// errClaimRunningOut ends a cycle's publishes at nine tenths of the claim:
+// a publish that slow is its key's failure. Any other end of their
+// context (cancelled, or its own deadline reached) is the relay stopping.
+var errClaimRunningOut = errors.New("outbox: publish cut off at nine tenths of the claim")
+
 // errLate is keys left for the next cycle: their turn came after half the
 // claim.
 var errLate = errors.New("claim half gone before their turn; left for the next cycle")
@@ -469,10 +478,11 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 	}
 	n := 0
 	if len(msgs) > 0 {
-		if perr := r.pub.Publish(ctx, msgs); perr != nil {
+		if perr := r.publish(ctx, msgs); perr != nil {
 			err = fmt.Errorf("outbox: publish %d rows of key %q from %q: %w", len(msgs), g[0].OrderingKey, g[0].MessageID, perr)
-			if errors.Is(ctx.Err(), context.Canceled) {
-				// The relay is stopping: not the key's failure, and no
+			if ctx.Err() != nil && !errors.Is(context.Cause(ctx), errClaimRunningOut) {
+				// The relay is stopping (its context was cancelled or
+				// reached its deadline): not the key's failure, and no
 				// reason to keep the next relay off it.
 				return 0, err
 			}
@@ -494,14 +504,46 @@ func (r *Relay) publishGroup(ctx context.Context, startBy time.Time, g []driver.
 	// attempts (at least half of Base: a hold of nothing would let the key
 	// take the next cycle again); the other keys go on.
 	hold := max(r.cfg.Backoff.Delay(head.Attempts), r.cfg.Backoff.Base/2)
-	if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, head.ID, err.Error(), hold); ferr != nil {
+	if ferr := r.store.OutboxFailed(sctx, r.cfg.Owner, head.ID, lastErrorText(err), hold); ferr != nil {
 		noHold.Store(true)
-		r.cfg.Logger.Warn("outbox: recording a failed publish failed", slog.Any("error", ferr))
+		// Every refused key of the claim meets the same store failure:
+		// one line per kind every 10 s.
+		r.logs.Warn(r.cfg.Logger, idem.Fingerprint(ferr), "outbox: recording a failed publish failed",
+			slog.String("owner", r.cfg.Owner), slog.Any("error", ferr))
 	} else {
 		r.held(time.Now().Add(hold + hold/20 + 10*time.Millisecond))
 	}
 	return n, err
 }
+
+// errPublisherPanicked is the error of a publish whose Publisher
+// panicked.
+var errPublisherPanicked = errors.New("outbox: the Publisher panicked")
+
+// publish is the Publisher's Publish, a panic in which (a row meeting a
+// bug in it) fails the key as a refused publish does, held and visible on
+// the row, rather than ending the process: every restart would claim the
+// same row first again.
+func (r *Relay) publish(ctx context.Context, msgs []*idem.Message) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			r.logs.Log(r.cfg.Logger, slog.LevelError, "", "outbox: the Publisher panicked; the key fails as if refused",
+				slog.String("owner", r.cfg.Owner), slog.String("message_id", msgs[0].ID), slog.Any("panic", v), slog.String("stack", string(debug.Stack())))
+			err = fmt.Errorf("%w: %v", errPublisherPanicked, v)
+		}
+	}()
+	return r.pub.Publish(ctx, msgs)
+}
+
+// maxLastErrorLen bounds the error text recorded on a failed row, in
+// bytes.
+const maxLastErrorLen = 2048
+
+// lastErrorText returns err's text as every store's last_error column
+// takes it (errtext.Storable). A Publisher's error carries whatever its
+// broker or library said; a text the store refused would leave the
+// failure unrecorded and the key unheld.
+func lastErrorText(err error) string { return errtext.Storable(err.Error(), maxLastErrorLen) }
 
 // brokerOutage reports whether perr, a failed publish, came from the
 // broker being out of reach: an outage is already under way, or the

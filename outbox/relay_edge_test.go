@@ -387,3 +387,35 @@ func TestHugeClaimTTL(t *testing.T) {
 		}
 	}
 }
+
+// TestAddNextRefusedAllocatesNothing: AddNext refuses an invalid message
+// (here a Type with a NUL byte) before it allocates a sequence, on every
+// store. Before, SQLite allocated first, so a transaction that went on
+// after the refusal committed a sequence no event had, and the next
+// event's sequence left a gap for the consumers' ordering guard.
+func TestAddNextRefusedAllocatesNothing(t *testing.T) {
+	db, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "producer.db"), nil)
+	ob, err := outbox.New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	if _, err := ob.AddNext(ctx, tx, "orders", "o-1", "Placed\x00", []byte("x")); !errors.Is(err, idem.ErrInvalidMessage) {
+		t.Fatalf("AddNext of an invalid Type: %v, want ErrInvalidMessage", err)
+	}
+	m, err := ob.AddNext(ctx, tx, "orders", "o-1", "Placed", []byte("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if m.Seq != 1 {
+		t.Fatalf("first event of the aggregate got sequence %d, want 1: the refused call allocated one", m.Seq)
+	}
+}
