@@ -242,3 +242,74 @@ func TestEmptyMessagesDeadLettered(t *testing.T) {
 		}
 	}
 }
+
+// TestMapPanicIsADecodeFailure: a Config.Map that panics on a hostile
+// message (a poison message meeting a bug in it) makes that delivery a
+// decode failure, dead-lettered with the reason, and the consumer goes on
+// with the next message. Before, the panic ended the process, and every
+// restart met the message again.
+func TestMapPanicIsADecodeFailure(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t, testenv.EmbeddedNATS(t)), adaptertest.NewEnv(t)
+	boom := &nats.Msg{Subject: b.stream + ".boom", Data: []byte("boom"), Header: nats.Header{jetstream.HeaderID: {"evt-boom"}}}
+	good := &nats.Msg{Subject: b.stream + ".agg.acct-1", Data: []byte("acct-1:5"), Header: nats.Header{jetstream.HeaderID: {"evt-good"}}}
+	b.send(t, []*nats.Msg{boom, good})
+	panicky := func(m natsjs.Msg) (*idem.Message, error) {
+		if string(m.Data()) == "boom" {
+			var fields []string
+			_ = fields[len(m.Data())] // the kind of bug a hostile payload finds
+		}
+		return jetstream.DefaultMap(m)
+	}
+	done := b.runConsumer(t, jetstream.Config{Handler: e.Consumer(false), Map: panicky, AckWait: time.Second})
+	e.WaitMarkers(1)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(dls) == 1 {
+			if dls[0].Class != "decode" || !strings.Contains(dls[0].Error, "panicked") {
+				t.Fatalf("dead letter %s: %s; want a decode failure saying the Map panicked", dls[0].Class, dls[0].Error)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d dead letters, want 1", len(dls))
+		}
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned: %v", err)
+	default:
+	}
+}
+
+// TestMapReturningNothingIsADecodeFailure: a Config.Map that returns
+// neither a message nor an error makes the delivery a decode failure,
+// dead-lettered. Before, a message carrying an ID header panicked in the
+// adapter's check for trimmed IDs, which read the missing message's ID.
+func TestMapReturningNothingIsADecodeFailure(t *testing.T) {
+	t.Parallel()
+	b, e := newBroker(t, testenv.EmbeddedNATS(t)), adaptertest.NewEnv(t)
+	b.send(t, []*nats.Msg{{Subject: b.stream + ".x", Data: []byte("x"), Header: nats.Header{jetstream.HeaderMsgID: {"evt-1"}}}})
+	nothing := func(natsjs.Msg) (*idem.Message, error) { return nil, nil }
+	done := b.runConsumer(t, jetstream.Config{Handler: e.Consumer(false), Map: nothing, AckWait: time.Second})
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(dls) == 1 && dls[0].Class == "decode" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d dead letters, want 1 decode failure", len(dls))
+		}
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned: %v", err)
+	default:
+	}
+}

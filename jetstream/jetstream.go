@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"log/slog"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/errtext"
+	"github.com/idemhq/idem/internal/lograte"
 	"github.com/idemhq/idem/internal/verdicts"
 )
 
@@ -43,11 +45,13 @@ type Config struct {
 	FilterSubject string
 	// Handler decides every delivery. Required.
 	Handler idem.DeliveryHandler
-	// Map turns a JetStream message into an idem message; an error makes
-	// the delivery a decode failure (dead-lettered with the reason, never
-	// dropped). Default: DefaultMap. When the ID it returns differs from
-	// the message's Nats-Msg-Id or idem-id header only by white space,
-	// which NATS trims from header values, the consumer logs a warning.
+	// Map turns a JetStream message into an idem message; an error, a
+	// panic or no message makes the delivery a decode failure
+	// (dead-lettered with the reason, never dropped). Default: DefaultMap.
+	// When the ID it returns differs from the message's Nats-Msg-Id or
+	// idem-id header only by white space, which NATS trims from header
+	// values, the consumer logs a warning (one line per header every
+	// 10 s, counting the others).
 	Map func(m jetstream.Msg) (*idem.Message, error)
 	// MaxDeliver is the consumer's delivery limit. 0 or -1, the default,
 	// sets none: a message is redelivered until it is decided, and
@@ -125,6 +129,9 @@ type Consumer struct {
 	// pullHeartbeat is the idle heartbeat asked of the server for a
 	// pull: zero leaves nats.go's default; tests shorten it.
 	pullHeartbeat time.Duration
+	// logs summarizes warnings that every message of a producer may
+	// cause alike (trimmed IDs).
+	logs *lograte.Limiter
 }
 
 // New returns a Consumer on js. It creates or updates the durable consumer
@@ -142,7 +149,7 @@ func New(js jetstream.JetStream, cfg *Config) (*Consumer, error) {
 	case cfg.Handler == nil:
 		return nil, fmt.Errorf("%w: jetstream: Config.Handler is required", idem.ErrInvalidConfig)
 	}
-	c := &Consumer{js: js, cfg: *cfg, seed: maphash.MakeSeed(), watchEvery: durableRefresh}
+	c := &Consumer{js: js, cfg: *cfg, seed: maphash.MakeSeed(), watchEvery: durableRefresh, logs: lograte.New(10 * time.Second)}
 	if c.cfg.Map == nil {
 		c.cfg.Map = DefaultMap
 	}
@@ -690,13 +697,31 @@ func (c *Consumer) delivery(ctx context.Context, m jetstream.Msg) *idem.Delivery
 		d.LastAttempt = maxDeliver > 0 && d.Attempt >= maxDeliver
 		d.Source += "@" + strconv.FormatUint(md.Sequence.Stream, 10)
 	}
-	d.Msg, d.DecodeErr = c.cfg.Map(m)
+	d.Msg, d.DecodeErr = c.mapMessage(m, d.Source)
+	if d.DecodeErr == nil && d.Msg == nil {
+		d.DecodeErr = fmt.Errorf("%w: jetstream: Config.Map returned no message and no error", idem.ErrInvalidMessage)
+	}
 	if d.DecodeErr != nil {
 		d.Msg = nil
 		return d
 	}
 	c.warnTrimmedID(m, d)
 	return d
+}
+
+// mapMessage is Config.Map, a panic in which (a hostile message meeting a
+// bug in a custom Map) is a decode failure: dead-lettered with the
+// reason, like an error, rather than a panic that ends the process and
+// that every redelivery would repeat.
+func (c *Consumer) mapMessage(m jetstream.Msg, source string) (msg *idem.Message, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			c.logs.Log(c.cfg.Logger, slog.LevelError, "", "jetstream: Config.Map panicked; the message is a decode failure",
+				slog.String("source", source), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
+			msg, err = nil, fmt.Errorf("%w: jetstream: mapping message %s panicked: %s", idem.ErrInvalidMessage, source, errtext.Quote(fmt.Sprint(r)))
+		}
+	}()
+	return c.cfg.Map(m)
 }
 
 // warnTrimmedID logs a warning when the ID that Map gave d differs from
@@ -714,7 +739,9 @@ func (c *Consumer) warnTrimmedID(m jetstream.Msg, d *idem.Delivery) {
 		if v == "" || v == d.Msg.ID || headerForm(v) != headerForm(d.Msg.ID) {
 			continue
 		}
-		c.cfg.Logger.Warn("jetstream: the message's ID differs from its "+name+" header only by white space, which NATS trims from header values; "+
+		// A producer that pads its IDs pads every one: one line per
+		// header every 10 s, counting the others.
+		c.logs.Warn(c.cfg.Logger, name, "jetstream: the message's ID differs from its "+name+" header only by white space, which NATS trims from header values; "+
 			"the stream's duplicate window takes IDs that differ only so for one, and may have dropped a message; give IDs no surrounding white space or line breaks",
 			slog.String("source", d.Source), slog.String("id", d.Msg.ID), slog.String("header", name), slog.String("header_value", v))
 		return

@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go"
 
@@ -13,17 +14,20 @@ import (
 
 // FuzzDefaultMap: any headers and data map to a valid message or a clear
 // error matching idem.ErrInvalidMessage, never a panic; a mapped message
-// carries the header's ID.
+// carries the header's ID, sequence and time, and any other header.
 func FuzzDefaultMap(f *testing.F) {
-	f.Add("credits.a", "evt-1", "", "acct-1", "3", "Credited", []byte("10"))
-	f.Add("credits.a", "", "evt-2", "", "", "", []byte{})
-	f.Add("s", "", "", "a", "x", "", []byte("no id"))
-	f.Add("s", "e\x00", "", "a", "0", "", []byte(nil))
-	f.Add("s", "\xff", "id", "agg", "-1", "t", []byte("v"))
-	f.Add("s", "id", "", "", "9223372036854775807", "", []byte("v"))
-	f.Fuzz(func(t *testing.T, subject, msgID, idemID, aggregate, seq, typ string, data []byte) {
+	f.Add("credits.a", "evt-1", "", "acct-1", "3", "Credited", "2026-11-28T04:00:00.5Z", "traceparent", "00-abc", []byte("10"))
+	f.Add("credits.a", "", "evt-2", "", "", "", "", "", "", []byte{})
+	f.Add("s", "", "", "a", "x", "", "yesterday", "X", "y", []byte("no id"))
+	f.Add("s", "e\x00", "", "a", "0", "", "", "Status", "400", []byte(nil))
+	f.Add("s", "\xff", "id", "agg", "-1", "t", "10000-01-01T00:00:00Z", "\xff", "\x00", []byte("v"))
+	f.Add("s", "id", "", "", "9223372036854775807", "", "2026-02-30T00:00:00Z", "idem-seq", "5", []byte("v"))
+	f.Fuzz(func(t *testing.T, subject, msgID, idemID, aggregate, seq, typ, tm, hk, hv string, data []byte) {
 		h := nats.Header{}
-		for k, v := range map[string]string{HeaderMsgID: msgID, HeaderID: idemID, HeaderAggregate: aggregate, HeaderSeq: seq, HeaderType: typ} {
+		if hk != "" {
+			h.Set(hk, hv) // before idem's own: a hostile one is overwritten by them
+		}
+		for k, v := range map[string]string{HeaderMsgID: msgID, HeaderID: idemID, HeaderAggregate: aggregate, HeaderSeq: seq, HeaderType: typ, HeaderTime: tm} {
 			if v != "" {
 				h.Set(k, v)
 			}
@@ -54,6 +58,20 @@ func FuzzDefaultMap(f *testing.F) {
 		if seq != "" {
 			if n, _ := strconv.ParseInt(seq, 10, 64); n != m.Seq {
 				t.Fatalf("Seq %d from header %q", m.Seq, seq)
+			}
+		}
+		if tm != "" {
+			if want, _ := time.Parse(time.RFC3339Nano, tm); !m.Time.Equal(want) {
+				t.Fatalf("Time %v from header %q", m.Time, tm)
+			}
+		}
+		if v, ok := h[hk]; ok && len(v) > 0 {
+			switch hk {
+			case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType, HeaderTime:
+			default:
+				if m.Headers[hk] != v[0] {
+					t.Fatalf("header %q is %q, want %q", hk, m.Headers[hk], v[0])
+				}
 			}
 		}
 	})

@@ -24,6 +24,11 @@ import (
 // as one.
 // The aggregate, sequence, type and time go in the headers DefaultMap
 // reads, with the message's own Headers.
+//
+// Give js a connection that reconnects for ever (nats.MaxReconnects(-1)).
+// nats.go closes one for good after 60 failed reconnects by default; a
+// closed connection never answers Probe, so a relay that paused for the
+// outage stays paused after the server is back.
 type Publisher struct {
 	js jetstream.JetStream
 }

@@ -3,9 +3,11 @@ package jetstream_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -112,5 +114,60 @@ func TestTrimmedIDWarned(t *testing.T) {
 	if len(warned) != 2 || !strings.Contains(warned[0], `id=" order-1 "`) || !strings.Contains(warned[0], "header=Nats-Msg-Id") ||
 		!strings.Contains(warned[1], `id="order-3\n"`) || !strings.Contains(warned[1], "header=idem-id") {
 		t.Fatalf("warnings:\n%s\nwant one for \" order-1 \" (Nats-Msg-Id) and one for \"order-3\\n\" (idem-id)", strings.Join(warned, "\n"))
+	}
+}
+
+// TestTrimmedIDWarnedOncePerInterval: a producer that pads its IDs pads
+// every one of them. The consumer warns once and counts the rest, rather
+// than writing a line per message.
+func TestTrimmedIDWarnedOncePerInterval(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	const n = 30
+	var msgs []*nats.Msg
+	for i := range n {
+		id := fmt.Sprintf("order-%d ", i)
+		payload, err := json.Marshal(map[string]string{"id": id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := &nats.Msg{Subject: b.stream + ".orders", Data: payload, Header: nats.Header{}}
+		m.Header.Set(jetstream.HeaderMsgID, id)
+		msgs = append(msgs, m)
+	}
+	b.send(t, msgs)
+	var (
+		logs    testenv.Buffer
+		handled atomic.Int64
+	)
+	payloadID := func(m natsjs.Msg) (*idem.Message, error) {
+		var p struct{ ID string }
+		if err := json.Unmarshal(m.Data(), &p); err != nil {
+			return nil, err
+		}
+		return &idem.Message{ID: p.ID, Stream: m.Subject(), Payload: m.Data()}, nil
+	}
+	h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
+		handled.Add(1)
+		return idem.Verdict{Ack: true}
+	})
+	nc, js := b.connect(t)
+	defer nc.Close()
+	c, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, Map: payloadID,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	for deadline := time.Now().Add(10 * time.Second); handled.Load() < n; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("handled %d of %d messages", handled.Load(), n)
+		}
+	}
+	if w := strings.Count(logs.String(), "level=WARN"); w != 1 {
+		t.Fatalf("%d warnings for %d padded IDs, want 1:\n%s", w, n, logs.String())
 	}
 }
