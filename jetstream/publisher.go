@@ -26,9 +26,10 @@ import (
 // reads, with the message's own Headers.
 //
 // Give js a connection that reconnects for ever (nats.MaxReconnects(-1)).
-// nats.go closes one for good after 60 failed reconnects by default; a
-// closed connection never answers Probe, so a relay that paused for the
-// outage stays paused after the server is back.
+// nats.go closes one for good after 60 failed reconnects by default, about
+// two minutes of outage; a relay over a closed connection stops
+// (Relay.Run returns the probe's error) and must be started again on a new
+// connection.
 type Publisher struct {
 	js jetstream.JetStream
 }
@@ -59,10 +60,18 @@ func (p *Publisher) Unavailable(err error) bool {
 }
 
 // Probe returns nil when the connection is up and JetStream answers (an
-// account info request); see Unavailable.
+// account info request); see Unavailable. A closed connection is a
+// permanent error (idem.IsPermanent matching nats.ErrConnectionClosed): a
+// relay stops on it rather than wait for ever.
 func (p *Publisher) Probe(ctx context.Context) error {
 	if nc := p.js.Conn(); nc != nil {
-		if s := nc.Status(); s != nats.CONNECTED {
+		switch s := nc.Status(); s {
+		case nats.CONNECTED:
+		case nats.CLOSED:
+			// Closed, or nats.go gave up reconnecting: it never
+			// answers again, so a relay waiting on it would wait for ever.
+			return idem.Permanent(fmt.Errorf("jetstream: probe: %w (nats.go stops reconnecting after MaxReconnects, 60 by default: connect with nats.MaxReconnects(-1))", nats.ErrConnectionClosed))
+		default:
 			return fmt.Errorf("jetstream: probe: connection %s", s)
 		}
 	}

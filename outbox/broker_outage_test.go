@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"slices"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	natsjs "github.com/nats-io/nats.go/jetstream"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/jetstream"
 	"github.com/idemhq/idem/outbox"
@@ -107,5 +109,57 @@ func TestBrokerOutageCountsNoAttempts(t *testing.T) {
 	<-done
 	if d := time.Since(start); d > 2*time.Second {
 		t.Errorf("Run took %s to return after its context ended", d)
+	}
+}
+
+// A NATS connection that gave up reconnecting (MaxReconnects) is closed for
+// good: a relay on it stops with the probe's error and an ERROR line,
+// rather than wait silently for a broker it can never reach again. The
+// rows stay pending, with no attempt, for a relay on a new connection.
+func TestRelayStopsOnAConnectionClosedForGood(t *testing.T) {
+	srv := testenv.NewNATSServer(t)
+	nc, err := nats.Connect(srv.URL(), nats.MaxReconnects(2), nats.ReconnectWait(20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := natsjs.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := js.CreateStream(ctx, natsjs.StreamConfig{Name: natsStream, Subjects: []string{"credits.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	jp, err := jetstream.NewPublisher(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := sqliteProducer(t)
+	const rows = 6
+	if err := p.fill(ctx, "credits.ledger", rows, 3); err != nil {
+		t.Fatal(err)
+	}
+	srv.Stop()
+
+	logs := &testenv.Buffer{}
+	r, err := outbox.NewRelay(p.drv, jp, &outbox.RelayConfig{
+		ClaimTTL: 2 * time.Second, PollInterval: 50 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithTimeout(ctx, 30*time.Second)
+	defer stop()
+	err = r.Run(rctx)
+	if rctx.Err() != nil || !errors.Is(err, nats.ErrConnectionClosed) || !idem.IsPermanent(err) {
+		t.Fatalf("Run on a connection closed for good: %v (context: %v), want a permanent error matching nats.ErrConnectionClosed", err, rctx.Err())
+	}
+	if !strings.Contains(logs.String(), "level=ERROR") || !strings.Contains(logs.String(), "MaxReconnects") {
+		t.Errorf("no ERROR line says why the relay stopped:\n%s", logs.String())
+	}
+	if st := outboxStats(t, p); st.Failing != 0 || st.Pending != rows {
+		t.Errorf("after the stop: %d rows failing, %d pending; want 0 failing, %d pending", st.Failing, st.Pending, rows)
 	}
 }

@@ -49,7 +49,9 @@ type BrokerProber interface {
 	// Unavailable reports whether err, returned by Publish, looks like
 	// the broker being out of reach. It is only a hint: Probe confirms.
 	Unavailable(err error) bool
-	// Probe returns nil when the broker answers.
+	// Probe returns nil when the broker answers. An error that matches
+	// idem.IsPermanent says it never will through this Publisher (its
+	// connection is closed for good): Run then ends with that error.
 	Probe(ctx context.Context) error
 }
 
@@ -589,7 +591,10 @@ func (r *Relay) brokerUp() {
 
 // waitBroker waits until a probe finds the broker back, probing with a
 // backoff from Backoff.Base capped at a second, and ends the outage. It
-// returns ctx's error if ctx ends first.
+// returns ctx's error if ctx ends first, and a probe's error that says
+// the broker can never answer (idem.IsPermanent), logged at ERROR: a
+// relay waiting on a connection closed for good would wait silently
+// for ever.
 func (r *Relay) waitBroker(ctx context.Context) error {
 	for i := 0; ; i++ {
 		t := time.NewTimer(min(r.cfg.Backoff.Delay(i), time.Second))
@@ -599,8 +604,14 @@ func (r *Relay) waitBroker(ctx context.Context) error {
 			return ctx.Err()
 		case <-t.C:
 		}
-		if err := r.probeBroker(ctx); err == nil {
+		err := r.probeBroker(ctx)
+		if err == nil {
 			break
+		}
+		if idem.IsPermanent(err) {
+			r.cfg.Logger.Error("outbox: the Publisher can never reach its broker again; the relay stops (rows stay pending)",
+				slog.String("owner", r.cfg.Owner), slog.Any("error", err))
+			return fmt.Errorf("outbox: relay %q: %w", r.cfg.Owner, err)
 		}
 	}
 	r.brokerUp()
@@ -653,7 +664,9 @@ func rowMessage(row *driver.OutboxRow) (*idem.Message, error) {
 	return m, nil
 }
 
-// Run publishes until ctx is done and returns ctx's error. It runs a cycle
+// Run publishes until ctx is done and returns ctx's error, or until the
+// Publisher's Probe says its broker can never answer again (a NATS
+// connection closed for good) and returns that. It runs a cycle
 // at once after a full one, after a store notification, or every
 // PollInterval; after a failure it waits the backoff, growing while
 // failures repeat.
@@ -680,7 +693,10 @@ func (r *Relay) Run(ctx context.Context) error {
 			// (one line marks the outage, one its end). The rows wait,
 			// pending, no attempt counted.
 			if werr := r.waitBroker(ctx); werr != nil {
-				return ctx.Err()
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				return werr
 			}
 			failures = 0
 			continue

@@ -144,7 +144,9 @@ func serve(ctx context.Context, cfg *config, out io.Writer, log *slog.Logger) er
 		return err
 	}
 	defer pool.Close()
-	nc, err := nats.Connect(cfg.nats)
+	// Reconnect for ever: by default nats.go closes the connection
+	// after 60 failed reconnects, and the relay and consumers then stop.
+	nc, err := nats.Connect(cfg.nats, nats.MaxReconnects(-1))
 	if err != nil {
 		return err
 	}
