@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/idemhq/idem"
@@ -211,6 +212,9 @@ func TestValidatePublishBoundaries(t *testing.T) {
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"a:b": "v"}}, "Headers"},
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"clé": "v"}}, "Headers"},
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"k": " spaced value\n"}}, ""},
+		{idem.Message{ID: "x", Stream: "s", Time: time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC)}, ""},
+		{idem.Message{ID: "x", Stream: "s", Time: time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)}, "Time"},
+		{idem.Message{ID: "x", Stream: "s", Time: time.Date(-1, 1, 1, 0, 0, 0, 0, time.UTC)}, "Time"},
 	}
 	for _, c := range cases {
 		err := c.msg.ValidatePublish()
