@@ -5,14 +5,42 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/errtext"
 )
 
 // ErrNoActor is returned by an Admin action given no actor: every retry,
 // park and discard is logged with who did it.
 var ErrNoActor = errors.New("outbox: an action needs an actor")
+
+// ErrInvalidText is returned by an Admin action whose actor or reason is
+// not text every store keeps as given: valid UTF-8 without a NUL byte, at
+// most MaxActionText bytes. Nothing is changed.
+var ErrInvalidText = errors.New("outbox: an actor or reason must be UTF-8 text without a NUL byte")
+
+// MaxActionText bounds an Admin action's actor and reason, in bytes.
+const MaxActionText = 4096
+
+// checkAction returns ErrNoActor or ErrInvalidText for what an action is
+// given, or nil.
+func checkAction(actor, reason string) error {
+	if actor == "" {
+		return ErrNoActor
+	}
+	for _, f := range [...]struct{ name, v string }{{"actor", actor}, {"reason", reason}} {
+		switch {
+		case !utf8.ValidString(f.v) || strings.ContainsRune(f.v, 0):
+			return fmt.Errorf("%w: the %s %s is not", ErrInvalidText, f.name, errtext.Quote(f.v))
+		case len(f.v) > MaxActionText:
+			return fmt.Errorf("%w: the %s has %d bytes, more than %d", ErrInvalidText, f.name, len(f.v), MaxActionText)
+		}
+	}
+	return nil
+}
 
 // Admin lets an operator see the outbox's unpublished rows and act on
 // them: retry a failing row now, park one the broker will never take (a
@@ -61,8 +89,8 @@ func (a *Admin) List(ctx context.Context, f driver.OutboxFilter) (driver.OutboxP
 // unparked, and a failing key's backoff ends, so that the next relay
 // cycle takes them (within the relay's PollInterval).
 func (a *Admin) RetryNow(ctx context.Context, ids []int64, actor string) (driver.OutboxActionResult, error) {
-	if actor == "" {
-		return driver.OutboxActionResult{}, ErrNoActor
+	if err := checkAction(actor, ""); err != nil {
+		return driver.OutboxActionResult{}, err
 	}
 	r, err := a.store.OutboxRetryNow(ctx, ids, actor)
 	return a.logged(ctx, "retry", actor, "", r, err)
@@ -72,8 +100,8 @@ func (a *Admin) RetryNow(ctx context.Context, ids []int64, actor string) (driver
 // publishes them, nor the later rows of their ordering keys, until they
 // are retried or discarded.
 func (a *Admin) Park(ctx context.Context, ids []int64, actor, reason string) (driver.OutboxActionResult, error) {
-	if actor == "" {
-		return driver.OutboxActionResult{}, ErrNoActor
+	if err := checkAction(actor, reason); err != nil {
+		return driver.OutboxActionResult{}, err
 	}
 	r, err := a.store.OutboxPark(ctx, ids, actor, reason)
 	return a.logged(ctx, "park", actor, reason, r, err)
@@ -84,8 +112,8 @@ func (a *Admin) Park(ctx context.Context, ids []int64, actor, reason string) (dr
 // ordering guard expects every sequence sees a gap where a discarded row
 // was.
 func (a *Admin) Discard(ctx context.Context, ids []int64, actor, reason string) (driver.OutboxActionResult, error) {
-	if actor == "" {
-		return driver.OutboxActionResult{}, ErrNoActor
+	if err := checkAction(actor, reason); err != nil {
+		return driver.OutboxActionResult{}, err
 	}
 	r, err := a.store.OutboxDiscard(ctx, ids, actor, reason)
 	return a.logged(ctx, "discard", actor, reason, r, err)

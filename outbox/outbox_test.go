@@ -783,3 +783,44 @@ func TestPrunerDeletesPublishedRows(t *testing.T) {
 		})
 	}
 }
+
+// An action's actor and reason are stored as given; text a store would
+// refuse or mangle (not UTF-8, a NUL, more than MaxActionText bytes) is
+// ErrInvalidText on every store, before anything changes, not a driver's
+// SQL error.
+func TestAdminRefusesTextNoStoreKeeps(t *testing.T) {
+	for name, open := range producers() {
+		t.Run(name, func(t *testing.T) {
+			p := open(t)
+			ctx := context.Background()
+			if err := p.fill(ctx, "credits.ledger", 1, 1); err != nil {
+				t.Fatal(err)
+			}
+			adm, err := outbox.NewAdmin(p.drv, slog.New(slog.DiscardHandler))
+			if err != nil {
+				t.Fatal(err)
+			}
+			page, err := adm.List(ctx, driver.OutboxFilter{Limit: 10})
+			if err != nil || len(page.Rows) != 1 {
+				t.Fatalf("list: %d rows, %v", len(page.Rows), err)
+			}
+			ids := []int64{page.Rows[0].ID}
+			for _, c := range []struct{ actor, reason string }{
+				{"ops\xff", "broken subject"},
+				{"ops", "broken\x00subject"},
+				{"ops", strings.Repeat("r", outbox.MaxActionText+1)},
+				{strings.Repeat("a", outbox.MaxActionText+1), ""},
+			} {
+				if _, err := adm.Park(ctx, ids, c.actor, c.reason); !errors.Is(err, outbox.ErrInvalidText) {
+					t.Errorf("Park by %.20q for %.20q: %v, want ErrInvalidText", c.actor, c.reason, err)
+				}
+				if _, err := adm.Discard(ctx, ids, c.actor, c.reason); !errors.Is(err, outbox.ErrInvalidText) {
+					t.Errorf("Discard by %.20q for %.20q: %v, want ErrInvalidText", c.actor, c.reason, err)
+				}
+			}
+			if st := outboxStats(t, p); st.Pending != 1 || st.Parked != 0 {
+				t.Errorf("after refused actions: %d pending, %d parked; want the row pending as it was", st.Pending, st.Parked)
+			}
+		})
+	}
+}

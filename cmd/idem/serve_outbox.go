@@ -202,7 +202,10 @@ func (c *console) outboxApply(w http.ResponseWriter, r *http.Request) {
 	}
 	p := outboxResultPage{Action: action, Done: len(res.Done), Busy: len(res.Busy), Missed: len(res.Missing)}
 	code := http.StatusOK
-	if err != nil {
+	switch {
+	case errors.Is(err, outbox.ErrInvalidText):
+		p.Err, code = err.Error(), http.StatusBadRequest
+	case err != nil:
 		p.Err, code = err.Error(), http.StatusServiceUnavailable
 	}
 	c.render(w, r, code, "outbox_result", "Result", p)
