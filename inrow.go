@@ -389,8 +389,9 @@ func (p *Processor[TTx]) processBatchInRow(ctx context.Context, callerTx *TTx, o
 				applied += len(run)
 				st.pending = slices.DeleteFunc(st.pending, func(i int) bool { return outs[i] == Applied })
 				st.last, st.known = gs[k].To(), true
-			case err != nil && IsPermanent(err) && errors.Is(err, ErrRowGuard):
-				// Written out of order: nothing of the batch may commit.
+			case err != nil && ws[k].Advanced:
+				// Written, but not applied (out of order, or a report
+				// idem cannot read): nothing of the batch may commit.
 				return fail(err)
 			case err != nil && !errors.Is(err, ErrGap):
 				st.blocked = err

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
 )
 
 // The in-row handler's setup is checked before anything runs.
@@ -67,5 +68,40 @@ func TestInRowReports(t *testing.T) {
 		if c.want != idem.Applied && c.want != idem.Duplicate && c.want != idem.Stale && err == nil {
 			t.Errorf("%s: no error", c.name)
 		}
+	}
+}
+
+// TestInRowBatchUnreadableAdvancedWriteRollsBack: in a batch, a guarded
+// write that changed its row but reported a previous sequence idem cannot
+// read (negative) fails the batch, as it fails Process: its messages are
+// not applied, so the write must not commit with the rest of the batch.
+// It was committed, its messages reported OutcomeNone, and their effect
+// stayed in the projection.
+func TestInRowBatchUnreadableAdvancedWriteRollsBack(t *testing.T) {
+	t.Parallel()
+	db, drv := testenv.SQLite(t, ":memory:", nil)
+	if _, err := db.Exec(`CREATE TABLE rows (id TEXT PRIMARY KEY, last INTEGER NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.Handler[*sql.Tx]{Name: "rows", Ordering: &idem.Ordering{}, ApplyInRow: func(ctx context.Context, tx *sql.Tx, g *idem.RowGuard) (idem.RowWrite, error) {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO rows VALUES (?, ?)`, g.AggregateID, g.To()); err != nil {
+			return idem.RowWrite{}, err
+		}
+		if g.AggregateID == "broken" {
+			return idem.RowWrite{Advanced: true, Prev: -1}, nil // a report idem cannot read
+		}
+		return idem.RowWrite{Advanced: true, Prev: g.From() - 1}, nil
+	}}
+	outs, err := p.ProcessBatch(context.Background(), h, []*idem.Message{{ID: "b-1", AggregateID: "broken", Seq: 1}, {ID: "o-1", AggregateID: "ok", Seq: 1}})
+	var n int
+	if qerr := db.QueryRow(`SELECT count(*) FROM rows`).Scan(&n); qerr != nil {
+		t.Fatal(qerr)
+	}
+	if err == nil || outs != nil || n != 0 {
+		t.Fatalf("batch with a write reported advanced from sequence -1: outcomes %v, error %v, %d rows committed; want an error and nothing committed", outs, err, n)
 	}
 }
