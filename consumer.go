@@ -323,12 +323,20 @@ func (c *deliveries) held(d *Delivery, waitErr, last error) Verdict {
 }
 
 // NewConsumer returns a Consumer applying h through p, with dead letters in
-// dl, normally the same driver as p's.
+// dl, normally the same driver as p's. A handler whose setup every message
+// would fail on (an in-row handler without Ordering, an unknown gap
+// policy, Ordering on a driver without driver.SequenceGuard) is refused
+// with an error matching ErrInvalidConfig.
 func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLetterStore, cfg *ConsumerConfig) (*Consumer[TTx], error) {
 	if p == nil || dl == nil {
 		return nil, fmt.Errorf("%w: NewConsumer needs a processor and a dead-letter store", ErrInvalidConfig)
 	}
 	if err := checkHandler(h); err != nil {
+		return nil, err
+	}
+	// A setup no message can pass is refused here, not retried with
+	// every delivery (or dead-lettered as the messages' failure).
+	if err := p.checkSetup(h); err != nil {
 		return nil, err
 	}
 	d, err := newDeliveries(h.Name, func(ctx context.Context, msg *Message) (Outcome, time.Duration, error) {
@@ -563,7 +571,10 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 		if d.Raw == nil {
 			dl.Raw = d.Msg.Payload
 		}
-		if d.Msg.Validate() == nil { // invalid IDs are not storable as keys
+		// An invalid ID is not storable as a key. A valid one is, also
+		// when another field failed validation (a negative Seq): the dead
+		// letter then names its message, and keeps its envelope.
+		if checkText(d.Msg.ID, MaxIDLen) == "" {
 			dl.MessageID, dl.PayloadHash = d.Msg.ID, d.Msg.PayloadHash()
 			// Lossless and storable whatever the headers, Type or Time
 			// hold (see envelope.go): a dead letter without an envelope

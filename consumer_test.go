@@ -1,10 +1,14 @@
 package idem_test
 
 import (
+	"context"
 	"database/sql"
+	"errors"
+	"strings"
 	"testing"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 )
 
@@ -30,5 +34,72 @@ func TestConsumerAggregateKey(t *testing.T) {
 		if got := k.AggregateKey(" ACC"); got != c.want {
 			t.Errorf("ordering %+v: AggregateKey(\" ACC\") = %q, want %q", c.ordering, got, c.want)
 		}
+	}
+}
+
+// TestNewConsumerRefusesSetupNoMessagePasses: a handler whose setup fails
+// every message (an in-row handler without Ordering or with Apply too, an
+// unknown gap policy, Ordering on a driver without a sequence guard) is
+// refused by NewConsumer with ErrInvalidConfig. It was accepted, and every
+// delivery then failed with ErrInvalidConfig as a retriable error: retried
+// for good, or with MaxAttempts dead-lettered as the message's failure.
+func TestNewConsumerRefusesSetupNoMessagePasses(t *testing.T) {
+	t.Parallel()
+	l := newLedger(t)
+	write := func(context.Context, *sql.Tx, *idem.RowGuard) (idem.RowWrite, error) {
+		return idem.RowWrite{Advanced: true}, nil
+	}
+	for name, h := range map[string]*idem.Handler[*sql.Tx]{
+		"in-row without Ordering":   {Name: "h", ApplyInRow: write},
+		"in-row with Apply":         {Name: "h", ApplyInRow: write, Apply: idem.Ignore[*sql.Tx], Ordering: &idem.Ordering{}},
+		"unknown gap policy":        {Name: "h", Apply: idem.Ignore[*sql.Tx], Ordering: &idem.Ordering{Gap: 9}},
+		"in-row unknown gap policy": {Name: "h", ApplyInRow: write, Ordering: &idem.Ordering{Gap: 9}},
+	} {
+		if _, err := idem.NewConsumer(l.proc, h, l.dl, nil); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("%s: NewConsumer: %v; want ErrInvalidConfig", name, err)
+		}
+	}
+	_, drv := testenv.SQLite(t, ":memory:", nil)
+	noGuard, err := idem.NewProcessor(struct{ driver.Driver[*sql.Tx] }{drv}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ordered := &idem.Handler[*sql.Tx]{Name: "h", Apply: idem.Ignore[*sql.Tx], Ordering: &idem.Ordering{}}
+	if _, err := idem.NewConsumer(noGuard, ordered, drv, nil); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("Ordering on a driver without a sequence guard: NewConsumer: %v; want ErrInvalidConfig", err)
+	}
+	inRow := &idem.Handler[*sql.Tx]{Name: "h", ApplyInRow: write, Ordering: &idem.Ordering{Gap: idem.GapFail}}
+	if _, err := idem.NewConsumer(noGuard, inRow, drv, nil); err != nil {
+		t.Errorf("in-row handler under GapFail on a driver without a sequence guard: %v; it needs none", err)
+	}
+}
+
+// TestDeadLetterOfInvalidMessageKeepsItsValidID: a message whose ID is
+// valid but another field is not (a Seq without an AggregateID) is
+// dead-lettered under its ID, with its envelope, once however often it is
+// delivered. Its dead letter had no message ID and no envelope, as if the
+// delivery had not decoded: an operator could not tell which message it
+// was, nor which aggregate and sequence it claimed, and, without a Source
+// to key it by, each redelivery added another dead letter.
+func TestDeadLetterOfInvalidMessageKeepsItsValidID(t *testing.T) {
+	t.Parallel()
+	l := newLedger(t)
+	ctx := context.Background()
+	c, err := idem.NewConsumer(l.proc, noop(), l.dl, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		v := c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "m-1", Seq: 3, Payload: []byte("p")}, Attempt: 1})
+		if !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterPermanent || !errors.Is(v.Err, idem.ErrInvalidMessage) {
+			t.Fatalf("%+v, want a permanent dead letter for the invalid message", v)
+		}
+	}
+	dls, err := l.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: "noop"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dls) != 1 || dls[0].MessageID != "m-1" || !strings.Contains(string(dls[0].Envelope), `"Seq":3`) {
+		t.Fatalf("dead letters %+v; want one, of message m-1, with its envelope", dls)
 	}
 }

@@ -14,8 +14,11 @@ type Hook any
 
 // HookOutcome is called once per message after its outcome is final: the
 // transaction committed (Applied), was not needed (Duplicate, Conflict), or
-// failed (OutcomeNone with Err set). It runs on the processing goroutine:
-// keep it fast and never block.
+// failed (OutcomeNone with Err set). Under ProcessTx and ProcessBatchTx
+// the caller commits: the hook runs when the call returns, before that
+// commit, so Applied there means applied in the caller's transaction,
+// which may still roll back. It runs on the processing goroutine: keep it
+// fast and never block.
 type HookOutcome interface {
 	OnOutcome(ctx context.Context, ev *OutcomeEvent)
 }
@@ -26,9 +29,11 @@ type OutcomeEvent struct {
 	Handler string
 	// MessageID is the message ID (empty if the message was nil).
 	MessageID string
-	// Outcome is what happened; OutcomeNone when Err is set.
+	// Outcome is what happened; OutcomeNone when Err is set, except for
+	// Conflict, whose Err is the *ConflictError.
 	Outcome Outcome
-	// Err is the error returned to the caller, if any.
+	// Err is the error returned to the caller, if any; in a batch that
+	// committed, the message's own (a *ConflictError, a *GapError).
 	Err error
 	// Duration is the wall time of the whole call: for a batch, of the
 	// whole batch.

@@ -708,13 +708,34 @@ func (p *LeaseProcessor) guardKey(h *LeaseHandler, msg *Message) (string, bool, 
 	if h.Ordering == nil {
 		return "", false, nil
 	}
-	if h.Ordering.VersionOnly {
-		return "", false, fmt.Errorf("%w: lease handler %q: Ordering.VersionOnly is for atomic mode (in lease mode the marker row is the lease)", ErrInvalidConfig, h.Name)
-	}
-	if p.seq == nil {
-		return "", false, fmt.Errorf("%w: lease handler %q has Ordering but the driver does not implement driver.LeaseSequencer", ErrInvalidConfig, h.Name)
+	if err := p.checkOrdering(h); err != nil {
+		return "", false, err
 	}
 	return orderingKey(h.Name, h.Ordering, msg)
+}
+
+// checkOrdering validates h's Ordering, which must be set, for lease mode
+// and p's driver.
+func (p *LeaseProcessor) checkOrdering(h *LeaseHandler) error {
+	if h.Ordering.VersionOnly {
+		return fmt.Errorf("%w: lease handler %q: Ordering.VersionOnly is for atomic mode (in lease mode the marker row is the lease)", ErrInvalidConfig, h.Name)
+	}
+	if p.seq == nil {
+		return fmt.Errorf("%w: lease handler %q has Ordering but the driver does not implement driver.LeaseSequencer", ErrInvalidConfig, h.Name)
+	}
+	return nil
+}
+
+// checkSetup validates what of h's setup no message changes: its
+// Ordering's gap policy, and what lease mode and p's driver allow.
+func (p *LeaseProcessor) checkSetup(h *LeaseHandler) error {
+	if h.Ordering == nil {
+		return nil
+	}
+	if err := checkGap(h.Name, h.Ordering); err != nil {
+		return err
+	}
+	return p.checkOrdering(h)
 }
 
 // guard runs the ordering guard for a claimed lease before the call. done

@@ -32,7 +32,10 @@ type LeaseConsumer struct {
 }
 
 // NewLeaseConsumer returns a LeaseConsumer running h through p, with dead
-// letters in dl, normally the same driver as p's.
+// letters in dl, normally the same driver as p's. As NewConsumer, it
+// refuses with an error matching ErrInvalidConfig an Ordering every
+// message would fail on (VersionOnly, an unknown gap policy, a driver
+// without driver.LeaseSequencer).
 func NewLeaseConsumer(p *LeaseProcessor, h *LeaseHandler, dl driver.DeadLetterStore, cfg *ConsumerConfig) (*LeaseConsumer, error) {
 	if p == nil || dl == nil {
 		return nil, fmt.Errorf("%w: NewLeaseConsumer needs a lease processor and a dead-letter store", ErrInvalidConfig)
@@ -41,6 +44,10 @@ func NewLeaseConsumer(p *LeaseProcessor, h *LeaseHandler, dl driver.DeadLetterSt
 		return nil, fmt.Errorf("%w: NewLeaseConsumer needs a lease handler with a Call", ErrInvalidConfig)
 	}
 	if err := ValidateHandlerName(h.Name); err != nil {
+		return nil, err
+	}
+	// As NewConsumer: a setup no message can pass is refused here.
+	if err := p.checkSetup(h); err != nil {
 		return nil, err
 	}
 	d, err := newDeliveries(h.Name, func(ctx context.Context, msg *Message) (Outcome, time.Duration, error) {

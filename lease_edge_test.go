@@ -263,3 +263,31 @@ func TestLeaseCallerDeadlineIsAFailure(t *testing.T) {
 		t.Fatalf("row after the deadline: %+v, %v; want failed, one attempt, a retry time ahead (the backoff)", row, err)
 	}
 }
+
+// TestNewLeaseConsumerRefusesSetupNoMessagePasses: as NewConsumer, a lease
+// handler whose Ordering fails every message (VersionOnly, which lease
+// mode refuses; an unknown gap policy) is refused by NewLeaseConsumer with
+// ErrInvalidConfig, not retried with every delivery as the message's
+// failure.
+func TestNewLeaseConsumerRefusesSetupNoMessagePasses(t *testing.T) {
+	t.Parallel()
+	drv := leaseDriver(t)
+	p, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	call := func(context.Context, *idem.Lease, *idem.Message) error { return nil }
+	for name, o := range map[string]*idem.Ordering{
+		"version-only":       {VersionOnly: true},
+		"unknown gap policy": {Gap: 9},
+	} {
+		h := &idem.LeaseHandler{Name: "shipper", Ordering: o, Call: call}
+		if _, err := idem.NewLeaseConsumer(p, h, drv, nil); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("%s: NewLeaseConsumer: %v; want ErrInvalidConfig", name, err)
+		}
+	}
+	h := &idem.LeaseHandler{Name: "shipper", Ordering: &idem.Ordering{Gap: idem.GapWait}, Call: call}
+	if _, err := idem.NewLeaseConsumer(p, h, drv, nil); err != nil {
+		t.Errorf("a valid Ordering: %v", err)
+	}
+}

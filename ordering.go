@@ -153,11 +153,42 @@ func (p *Processor[TTx]) guardKey(h *Handler[TTx], msg *Message) (string, bool, 
 	return orderingKey(h.Name, o, msg)
 }
 
+// checkSetup validates what of h's setup no message changes: the in-row
+// guard's, and the ordering guard's gap policy and driver. Process finds
+// the same errors with each message.
+func (p *Processor[TTx]) checkSetup(h *Handler[TTx]) error {
+	if h.inRow() {
+		if err := p.checkInRow(h); err != nil {
+			return err
+		}
+	}
+	o := h.Ordering
+	if o == nil {
+		return nil
+	}
+	if err := checkGap(h.Name, o); err != nil {
+		return err
+	}
+	if !h.inRow() && p.seq == nil {
+		return fmt.Errorf("%w: handler %q has Ordering but the driver does not implement driver.SequenceGuard", ErrInvalidConfig, h.Name)
+	}
+	return nil
+}
+
+// checkGap refuses a gap policy that is none of GapFail, GapWait and
+// GapAllow.
+func checkGap(handler string, o *Ordering) error {
+	if o.Gap > GapAllow {
+		return fmt.Errorf("%w: handler %q: unknown gap policy %d", ErrInvalidConfig, handler, o.Gap)
+	}
+	return nil
+}
+
 // orderingKey validates o for msg and returns the guard's aggregate key
 // and whether the guard applies. Atomic and lease mode share it.
 func orderingKey(handler string, o *Ordering, msg *Message) (string, bool, error) {
-	if o.Gap > GapAllow {
-		return "", false, fmt.Errorf("%w: handler %q: unknown gap policy %d", ErrInvalidConfig, handler, o.Gap)
+	if err := checkGap(handler, o); err != nil {
+		return "", false, err
 	}
 	if msg.Seq == 0 {
 		if o.VersionOnly {
