@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/errtext"
+	"github.com/idemhq/idem/internal/lograte"
 )
 
 // Metadata keys the default mapping reads and Publisher writes. Every other
@@ -57,9 +58,10 @@ const (
 
 // Config configures a Handler. The zero value is valid.
 type Config struct {
-	// Map turns a Watermill message into an idem message; an error, or a
-	// panic, makes the delivery a decode failure, dead-lettered with the
-	// reason, never dropped. Default: DefaultMap.
+	// Map turns a Watermill message into an idem message; an error, a
+	// panic or no message makes the delivery a decode failure,
+	// dead-lettered with the reason, never dropped (a panic is logged with
+	// its stack, one line every 10 s). Default: DefaultMap.
 	Map func(msg *message.Message) (*idem.Message, error)
 	// Retry says how a retry verdict goes back to Watermill. Default
 	// NackAfterDelay.
@@ -123,6 +125,9 @@ const maxAttempt = 1 << 30
 type Handler struct {
 	dh  idem.DeliveryHandler
 	cfg Config
+	// logs summarizes lines that every message of a producer may cause
+	// alike (a Map that panics on them).
+	logs *lograte.Limiter
 
 	mu       sync.Mutex
 	attempts map[string]*list.Element // message ID → its count in order
@@ -140,7 +145,7 @@ func New(dh idem.DeliveryHandler, cfg *Config) (*Handler, error) {
 	if dh == nil {
 		return nil, fmt.Errorf("%w: watermill: New needs a DeliveryHandler (an idem.Consumer or idem.LeaseConsumer)", idem.ErrInvalidConfig)
 	}
-	h := &Handler{dh: dh, attempts: map[string]*list.Element{}, order: list.New()}
+	h := &Handler{dh: dh, attempts: map[string]*list.Element{}, order: list.New(), logs: lograte.New(10 * time.Second)}
 	if cfg != nil {
 		h.cfg = *cfg
 	}
@@ -196,9 +201,6 @@ func (h *Handler) Handle(msg *message.Message) error {
 	defer release()
 	d := &idem.Delivery{Raw: msg.Payload, Source: source(msg), Stopping: stopping}
 	d.Msg, d.DecodeErr = h.mapMessage(msg)
-	if d.DecodeErr != nil {
-		d.Msg = nil
-	}
 	key := ""
 	if d.Msg != nil {
 		key = d.Msg.ID
@@ -243,16 +245,26 @@ func (h *Handler) Handle(msg *message.Message) error {
 // mapMessage is Config.Map, a panic in which (a hostile payload meeting
 // a bug in a custom Map) is a decode failure: dead-lettered with the
 // reason, like an error, rather than a panic out of Handle that every
-// redelivery would repeat.
+// redelivery would repeat. So is a Map that returns neither a message nor
+// an error. The message is nil whenever the error is not.
 func (h *Handler) mapMessage(msg *message.Message) (m *idem.Message, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			h.cfg.Logger.Error("watermill: Config.Map panicked; the message is a decode failure",
+			// A producer's poison messages are alike: one line every
+			// 10 s, counting the others.
+			h.logs.Log(h.cfg.Logger, slog.LevelError, "", "watermill: Config.Map panicked; the message is a decode failure",
 				slog.String("uuid", msg.UUID), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
-			m, err = nil, fmt.Errorf("%w: watermill: mapping message %s panicked: %v", idem.ErrInvalidMessage, errtext.Quote(msg.UUID), r)
+			m, err = nil, fmt.Errorf("%w: watermill: mapping message %s panicked: %s", idem.ErrInvalidMessage, errtext.Quote(msg.UUID), errtext.Quote(fmt.Sprint(r)))
 		}
 	}()
-	return h.cfg.Map(msg)
+	m, err = h.cfg.Map(msg)
+	switch {
+	case err != nil:
+		return nil, err
+	case m == nil:
+		return nil, fmt.Errorf("%w: watermill: Config.Map returned no message and no error for message %s", idem.ErrInvalidMessage, errtext.Quote(msg.UUID))
+	}
+	return m, nil
 }
 
 // HandlerFunc is Handle with the shape of message.HandlerFunc: it never

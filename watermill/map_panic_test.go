@@ -1,12 +1,17 @@
 package watermill_test
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
 	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testenv"
 	idemwm "github.com/idemhq/idem/watermill"
 )
 
@@ -48,5 +53,53 @@ func TestMapPanicIsADecodeFailure(t *testing.T) {
 	}
 	if n := e.seen(t); n != 1 {
 		t.Fatalf("%d rows applied, want 1 (evt-ok)", n)
+	}
+}
+
+// A Map that panics on every message of a poison producer logs one line
+// (with its stack) per interval, not one per message; each message is
+// still dead-lettered with the reason.
+func TestMapPanicLoggedOncePerInterval(t *testing.T) {
+	t.Parallel()
+	e := newLiteEnv(t, idem.ConsumerConfig{}, nil)
+	var buf testenv.Buffer
+	h, err := idemwm.New(e.c, &idemwm.Config{Logger: slog.New(slog.NewTextHandler(&buf, nil)),
+		Map: func(*message.Message) (*idem.Message, error) { panic("boom") }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 20
+	for i := range n {
+		if err := h.Handle(message.NewMessage(fmt.Sprintf("evt-%d", i), []byte("x"))); err != nil {
+			t.Fatalf("Handle: %v, want nil (dead-lettered)", err)
+		}
+	}
+	if got := strings.Count(buf.String(), "Config.Map panicked"); got != 1 {
+		t.Fatalf("%d lines about the panic for %d messages, want 1", got, n)
+	}
+	if dls := e.deadLetters(t); len(dls) != n {
+		t.Fatalf("%d dead letters, want %d", len(dls), n)
+	}
+}
+
+// A Map that returns neither a message nor an error hands the
+// DeliveryHandler a DecodeErr matching idem.ErrInvalidMessage, as
+// idem.Delivery promises for a message that could not be mapped.
+func TestMapReturningNothingIsADecodeFailure(t *testing.T) {
+	t.Parallel()
+	var got *idem.Delivery
+	dh := idem.DeliveryHandlerFunc(func(_ context.Context, d *idem.Delivery) idem.Verdict {
+		got = d
+		return idem.Verdict{Ack: true}
+	})
+	h, err := idemwm.New(dh, &idemwm.Config{Map: func(*message.Message) (*idem.Message, error) { return nil, nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Handle(message.NewMessage("evt-1", []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	if got == nil || got.Msg != nil || !errors.Is(got.DecodeErr, idem.ErrInvalidMessage) {
+		t.Fatalf("delivery %+v; want no message and a DecodeErr matching idem.ErrInvalidMessage", got)
 	}
 }
