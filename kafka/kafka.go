@@ -6,16 +6,17 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/errtext"
+	"github.com/idemhq/idem/internal/lograte"
 	"github.com/idemhq/idem/internal/verdicts"
 )
 
@@ -37,9 +38,10 @@ type Config struct {
 	Topics []string
 	// Handler decides every record. Required.
 	Handler idem.DeliveryHandler
-	// Map turns a record into an idem message; an error makes the record
-	// a decode failure (dead-lettered with the reason, never dropped).
-	// Default: DefaultMap.
+	// Map turns a record into an idem message; an error, a panic or no
+	// message makes the record a decode failure (dead-lettered with the
+	// reason, never dropped; a panic is logged with its stack, one line
+	// every 10 s). Default: DefaultMap.
 	Map func(r *kgo.Record) (*idem.Message, error)
 	// MaxPoll bounds the records handled between two commits. Default 500.
 	// With Concurrency above 1 it does not apply: see there.
@@ -71,9 +73,11 @@ type Config struct {
 	// every partition of this one. Default 1: a poll's records one after
 	// another.
 	Concurrency int
-	// Logger receives commit failures, and the client's warnings and
-	// errors (a broker it cannot reach, a group it cannot join). Default
-	// slog.Default().
+	// Logger receives commit failures, fetch errors, and the client's
+	// warnings and errors (a broker it cannot reach, a group it cannot
+	// join): one line of a kind every 10 s, the next one counting those
+	// left out (similar_not_logged), so that an outage does not flood it.
+	// Default slog.Default().
 	Logger *slog.Logger
 	// Options are extra franz-go client options (TLS, SASL, ...), applied
 	// after the Consumer's own. Of those, kgo.FetchMaxWait is 250 ms
@@ -101,6 +105,9 @@ const FaultBeforeCommit = "before-commit"
 // or many, to share the partitions.
 type Consumer struct {
 	cfg Config
+	// logs summarizes lines that every record of a producer may cause
+	// alike (a Map that panics on them).
+	logs *lograte.Limiter
 }
 
 // New returns a Consumer; it connects when Run starts.
@@ -117,7 +124,7 @@ func New(cfg *Config) (*Consumer, error) {
 	case cfg.Handler == nil:
 		return nil, fmt.Errorf("%w: kafka: Config.Handler is required", idem.ErrInvalidConfig)
 	}
-	c := &Consumer{cfg: *cfg}
+	c := &Consumer{cfg: *cfg, logs: lograte.New(10 * time.Second)}
 	if c.cfg.Map == nil {
 		c.cfg.Map = DefaultMap
 	}
@@ -158,8 +165,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	// A rebalance waiting on this member's poll says so: the poll stops
 	// at its next record or batch, commits what it settled and lets the
 	// rebalance through.
-	hurry := new(atomic.Bool)
-	blocked := func(context.Context, *kgo.Client) { hurry.Store(true) }
+	hurry := newYield()
+	blocked := func(context.Context, *kgo.Client) { hurry.raise() }
 	// A partition revoked or lost is no longer this member's to hold for
 	// a retry: its pause would outlive the assignment (kgo keeps pauses),
 	// and should it come back, it would not be fetched until the old
@@ -182,7 +189,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		// The client's own warnings and errors (a broker it cannot
 		// reach, a group it cannot join) go to Logger; a kgo.WithLogger
 		// in Options replaces this.
-		kgo.WithLogger(kgoLogger{c.cfg.Logger}),
+		kgo.WithLogger(kgoLogger{c.cfg.Logger, c.logs}),
 	}, c.cfg.Options...)
 	opts = append(opts, own...)
 	cl, err := kgo.NewClient(opts...)
@@ -223,8 +230,14 @@ func (h *holds) forget(cl *kgo.Client, gone map[string][]int32) {
 	}
 }
 
-// kgoLogger passes franz-go's warnings and errors to a slog.Logger.
-type kgoLogger struct{ l *slog.Logger }
+// kgoLogger passes franz-go's warnings and errors to a slog.Logger, one
+// line of a message every interval of logs: an unreachable cluster makes
+// the client say the same every few hundred milliseconds (a connection it
+// cannot open, a group loop that failed), which would bury the cause.
+type kgoLogger struct {
+	l    *slog.Logger
+	logs *lograte.Limiter
+}
 
 // Level implements kgo.Logger.
 func (kgoLogger) Level() kgo.LogLevel { return kgo.LogLevelWarn }
@@ -234,6 +247,13 @@ func (k kgoLogger) Log(level kgo.LogLevel, msg string, keyvals ...any) {
 	lvl := slog.LevelWarn
 	if level == kgo.LogLevelError {
 		lvl = slog.LevelError
+	}
+	ok, n := k.logs.Allow(msg)
+	if !ok {
+		return
+	}
+	if n > 0 {
+		keyvals = append(keyvals, "similar_not_logged", n)
 	}
 	k.l.Log(context.Background(), lvl, "kafka: "+msg, keyvals...)
 }
@@ -254,8 +274,11 @@ type retry struct {
 type member struct {
 	*Consumer
 	cl    *kgo.Client
-	held  *holds       // partitions paused for a retry
-	hurry *atomic.Bool // a rebalance waits on the poll
+	held  *holds // partitions paused for a retry
+	hurry *yield // a rebalance waits on the poll
+	// stop is closed when the poll's handling is to end: Run stopping, or
+	// a rebalance waiting on it. It ends a delivery's wait for the store.
+	stop <-chan struct{}
 
 	mu sync.Mutex // guards tries and ahead: partitions are handled at once with Concurrency
 	// tries counts, per partition and offset, the deliveries of records
@@ -287,9 +310,10 @@ type tried struct {
 	n int
 }
 
-func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool, held *holds) error {
+func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *yield, held *holds) error {
 	m := &member{Consumer: c, cl: cl, hurry: hurry, held: held, tries: map[partition]map[int64]tried{}, ahead: map[partition]map[int64]stamp{}}
 	maxPoll := c.cfg.MaxPoll
+	var idle time.Duration // the pause after a poll of errors only
 	if c.cfg.Concurrency > 1 {
 		// Everything fetched: under a backlog a poll of MaxPoll records
 		// would hold one partition's and leave nothing to handle at once.
@@ -306,12 +330,18 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool,
 		if fetches.IsClientClosed() {
 			return errors.New("kafka: client closed")
 		}
+		failed := false
 		for _, fe := range fetches.Errors() {
 			if !errors.Is(fe.Err, context.Canceled) && !errors.Is(fe.Err, context.DeadlineExceeded) {
-				c.cfg.Logger.Warn("kafka: fetch error", slog.String("topic", fe.Topic), slog.Int("partition", int(fe.Partition)), slog.Any("error", fe.Err))
+				failed = true
+				// Per partition every poll while the cluster is down:
+				// one line per topic every 10 s.
+				c.logs.Warn(c.cfg.Logger, fe.Topic, "kafka: fetch error", slog.String("topic", fe.Topic), slog.Int("partition", int(fe.Partition)), slog.Any("error", fe.Err))
 			}
 		}
 		m.prune(fetches)
+		var endPoll func()
+		m.stop, endPoll = m.stopping(ctx)
 		var (
 			done    []*kgo.Record
 			retries []retry
@@ -322,22 +352,101 @@ func (c *Consumer) loop(ctx context.Context, cl *kgo.Client, hurry *atomic.Bool,
 		} else {
 			done, retries, stopped = m.handleRecords(ctx, fetches.Records())
 		}
+		endPoll()
 		if c.cfg.FaultHook != nil {
 			c.cfg.FaultHook(FaultBeforeCommit)
 		}
 		if len(done) > 0 {
 			if err := cl.CommitRecords(context.WithoutCancel(ctx), done...); err != nil {
-				c.cfg.Logger.Warn("kafka: commit failed; a later commit covers the records, or, should their partitions move first, they are redelivered as duplicates", slog.Any("error", err))
+				c.logs.Warn(c.cfg.Logger, "", "kafka: commit failed; a later commit covers the records, or, should their partitions move first, they are redelivered as duplicates", slog.Any("error", err))
 			}
 		}
 		m.hold(retries)
 		m.resumeDue()
 		cl.AllowRebalance()
-		m.hurry.Store(false)
+		m.hurry.reset()
 		if stopped {
 			return ctx.Err()
 		}
+		// A poll of errors only: some the client returns at once, poll
+		// after poll, for as long as they last (a topic recreated under
+		// the member, an authorization withdrawn): without a pause the
+		// loop spun on them.
+		if !failed || fetches.NumRecords() > 0 {
+			idle = 0
+			continue
+		}
+		idle = min(max(2*idle, 50*time.Millisecond), time.Second)
+		t := time.NewTimer(idle)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
 	}
+}
+
+// yield is a rebalance waiting on the member's poll: raised from kgo's
+// OnPartitionsCallbackBlocked, reset once the poll let it through.
+type yield struct {
+	mu sync.Mutex
+	up bool
+	ch chan struct{} // closed when raised
+}
+
+func newYield() *yield { return &yield{ch: make(chan struct{})} }
+
+// raise says a rebalance waits.
+func (y *yield) raise() {
+	y.mu.Lock()
+	defer y.mu.Unlock()
+	if !y.up {
+		y.up = true
+		close(y.ch)
+	}
+}
+
+// raised reports whether a rebalance waits.
+func (y *yield) raised() bool {
+	y.mu.Lock()
+	defer y.mu.Unlock()
+	return y.up
+}
+
+// done returns a channel closed once a rebalance waits.
+func (y *yield) done() <-chan struct{} {
+	y.mu.Lock()
+	defer y.mu.Unlock()
+	return y.ch
+}
+
+// reset forgets the rebalance, let through.
+func (y *yield) reset() {
+	y.mu.Lock()
+	defer y.mu.Unlock()
+	if y.up {
+		y.up, y.ch = false, make(chan struct{})
+	}
+}
+
+// stopping returns the channel that ends the waits of a poll's deliveries
+// for the store (see member.stop): closed when ctx ends or a rebalance
+// waits on the poll; and the func that ends the poll, to call once its
+// records are decided.
+func (m *member) stopping(ctx context.Context) (<-chan struct{}, func()) {
+	stop, end := make(chan struct{}), make(chan struct{})
+	rebalance := m.hurry.done()
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-rebalance:
+		case <-end:
+			return
+		}
+		close(stop)
+	}()
+	return stop, func() { close(end) }
 }
 
 // hold rewinds the partition of every retry to its record and pauses it
@@ -451,7 +560,7 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		if ctx.Err() != nil {
 			return done, retries, true
 		}
-		if m.hurry.Load() {
+		if m.hurry.raised() {
 			// Yield to the rebalance: each partition's unhandled records
 			// come again from the first, or go to its next owner.
 			return done, append(retries, rewinds(recs, skip)...), false
@@ -499,8 +608,10 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 				// Stopping Run during an outage ends the wait for the
 				// store: the delivery comes back held (no attempt) and
 				// its partition is not committed past it. Without it,
-				// Run returned only once the store answered again.
-				ds[j].Stopping = ctx.Done()
+				// Run returned only once the store answered again. A
+				// rebalance waiting on the poll ends it too, or it
+				// waited for the store, and the group with it.
+				ds[j].Stopping = m.stop
 				attempts[i], msgs[i] = ds[j].Attempt, ds[j].Msg
 			}
 			for j, v := range m.decide(ctx, bh, batched, ds) {
@@ -528,7 +639,7 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 				switch {
 				case vs[i].Ack && !ahead[i]:
 					m.aheadOf(p, r)
-				case !vs[i].Ack && !errors.Is(vs[i].Err, idem.ErrWaitsForAggregate):
+				case !vs[i].Ack && !noAttempt(vs[i].Err):
 					m.failed(p, r, attempts[i])
 				}
 			case vs[i].Ack:
@@ -540,8 +651,10 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 			default:
 				// The partition's first record not settled. Waiting
 				// behind a record of its aggregate later in the
-				// partition but earlier in sequence is no attempt.
-				if !errors.Is(vs[i].Err, idem.ErrWaitsForAggregate) {
+				// partition but earlier in sequence is no attempt, nor
+				// is a wait for the store that a stop or a rebalance
+				// ended.
+				if !noAttempt(vs[i].Err) {
 					m.failed(p, r, attempts[i])
 				}
 				skip[p] = true
@@ -550,6 +663,13 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 		}
 	}
 	return done, retries, false
+}
+
+// noAttempt reports whether err, of a verdict to retry, says that the
+// record was not tried: it waited behind an earlier record of its
+// aggregate, or for the store until the poll ended.
+func noAttempt(err error) bool {
+	return errors.Is(err, idem.ErrWaitsForAggregate) || errors.Is(err, idem.ErrStoreUnavailable)
 }
 
 // fillsGap reports whether r, a record behind a retry of its partition,
@@ -567,8 +687,8 @@ func (m *member) fillsGap(held map[string]int64, r *kgo.Record) bool {
 	if len(held) == 0 {
 		return false
 	}
-	msg, err := m.cfg.Map(r)
-	if err != nil || msg == nil {
+	msg, err := m.mapRecord(r)
+	if err != nil {
 		return false
 	}
 	k := m.aggregateKey(msg.AggregateID)
@@ -613,11 +733,32 @@ func (m *member) delivery(r *kgo.Record) *idem.Delivery {
 		d.Attempt = t.n + 1
 	}
 	m.mu.Unlock()
-	d.Msg, d.DecodeErr = m.cfg.Map(r)
-	if d.DecodeErr != nil {
-		d.Msg = nil
-	}
+	d.Msg, d.DecodeErr = m.mapRecord(r)
 	return d
+}
+
+// mapRecord is Config.Map, with what it may do wrong made a decode failure
+// (an error matching idem.ErrInvalidMessage): a panic (a hostile record
+// meeting a bug in a custom Map), which would otherwise end the process
+// and, the record being uncommitted, every restart after it; and neither
+// a message nor an error. The message is nil whenever the error is not.
+func (m *member) mapRecord(r *kgo.Record) (msg *idem.Message, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			src := fmt.Sprintf("%s/%d@%d", r.Topic, r.Partition, r.Offset)
+			m.logs.Log(m.cfg.Logger, slog.LevelError, "", "kafka: Config.Map panicked; the record is a decode failure",
+				slog.String("record", src), slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			msg, err = nil, fmt.Errorf("%w: kafka: mapping record %s panicked: %s", idem.ErrInvalidMessage, src, errtext.Quote(fmt.Sprint(p)))
+		}
+	}()
+	msg, err = m.cfg.Map(r)
+	switch {
+	case err != nil:
+		return nil, err
+	case msg == nil:
+		return nil, fmt.Errorf("%w: kafka: Config.Map returned no message and no error for record %s/%d@%d", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset)
+	}
+	return msg, nil
 }
 
 // settled forgets the tries of r, settled, and of p's records before it.
