@@ -28,23 +28,8 @@ import (
 func TestBrokerOutageCountsNoAttempts(t *testing.T) {
 	var _ outbox.BrokerProber = (*jetstream.Publisher)(nil)
 	srv := testenv.NewNATSServer(t)
-	nc, err := nats.Connect(srv.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := natsjs.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	js, jp := privatePublisher(t, srv, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
 	ctx := context.Background()
-	if _, err := js.CreateStream(ctx, natsjs.StreamConfig{Name: natsStream, Subjects: []string{"credits.>"}}); err != nil {
-		t.Fatal(err)
-	}
-	jp, err := jetstream.NewPublisher(js)
-	if err != nil {
-		t.Fatal(err)
-	}
 	p := sqliteProducer(t)
 	const rows, aggregates = 40, 20
 	if err := p.fill(ctx, "credits.ledger", rows, aggregates); err != nil {
@@ -118,23 +103,8 @@ func TestBrokerOutageCountsNoAttempts(t *testing.T) {
 // rows stay pending, with no attempt, for a relay on a new connection.
 func TestRelayStopsOnAConnectionClosedForGood(t *testing.T) {
 	srv := testenv.NewNATSServer(t)
-	nc, err := nats.Connect(srv.URL(), nats.MaxReconnects(2), nats.ReconnectWait(20*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := natsjs.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, jp := privatePublisher(t, srv, nats.MaxReconnects(2), nats.ReconnectWait(20*time.Millisecond))
 	ctx := context.Background()
-	if _, err := js.CreateStream(ctx, natsjs.StreamConfig{Name: natsStream, Subjects: []string{"credits.>"}}); err != nil {
-		t.Fatal(err)
-	}
-	jp, err := jetstream.NewPublisher(js)
-	if err != nil {
-		t.Fatal(err)
-	}
 	p := sqliteProducer(t)
 	const rows = 6
 	if err := p.fill(ctx, "credits.ledger", rows, 3); err != nil {
@@ -162,4 +132,28 @@ func TestRelayStopsOnAConnectionClosedForGood(t *testing.T) {
 	if st := outboxStats(t, p); st.Failing != 0 || st.Pending != rows {
 		t.Errorf("after the stop: %d rows failing, %d pending; want 0 failing, %d pending", st.Failing, st.Pending, rows)
 	}
+}
+
+// privatePublisher connects to srv, a NATS server of the test's own, with
+// opts, creates the stream of credits.>, and returns JetStream and a
+// publisher on it. The connection closes when t ends.
+func privatePublisher(t *testing.T, srv *testenv.NATSServer, opts ...nats.Option) (natsjs.JetStream, *jetstream.Publisher) {
+	t.Helper()
+	nc, err := nats.Connect(srv.URL(), opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := natsjs.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.CreateStream(context.Background(), natsjs.StreamConfig{Name: natsStream, Subjects: []string{"credits.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	jp, err := jetstream.NewPublisher(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js, jp
 }

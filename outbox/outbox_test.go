@@ -437,68 +437,53 @@ func (p *stalledPublisher) Publish(ctx context.Context, msgs []*idem.Message) er
 }
 
 // TestStoppedRelayLeavesNoFailure: a relay stopped in the middle of a
-// publish records no failed attempt and leaves no hold on the key, so the
-// next relay publishes it at once.
+// publish, its context cancelled or past its deadline, records no failed
+// attempt and leaves no hold on the key, so the next relay publishes it at
+// once. Before, only a cancellation counted as a stop: the deadline failed
+// the key, counting an attempt and keeping every relay off it for its
+// backoff.
 func TestStoppedRelayLeavesNoFailure(t *testing.T) {
-	p := sqliteProducer(t)
-	b := newNATSBroker(t)
-	ctx := context.Background()
-	if err := p.add(ctx, &idem.Message{ID: "m-1", Stream: b.stream(), AggregateID: "acct-1", Seq: 1, Payload: []byte("1")}); err != nil {
-		t.Fatal(err)
-	}
-	stalled := &stalledPublisher{next: b.publisher(t), started: make(chan struct{})}
-	r1, err := outbox.NewRelay(p.drv, stalled, &outbox.RelayConfig{Owner: "r1", Backoff: idem.Backoff{Base: time.Minute, Max: time.Minute}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, stop := context.WithCancel(ctx)
-	go func() { <-stalled.started; stop() }()
-	if res, err := r1.RunOnce(rctx); err == nil || res.Published != 0 {
-		t.Fatalf("stopped cycle: %+v, %v; want nothing published and the stop's error", res, err)
-	}
-	if s := outboxStats(t, p); s.Failing != 0 || s.Pending != 1 {
-		t.Fatalf("stats %+v after a stop, want 1 pending and no failing row", s)
-	}
-	r2, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r2"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if res, err := r2.RunOnce(ctx); err != nil || res.Published != 1 {
-		t.Fatalf("next relay: %+v, %v; want the row published at once", res, err)
-	}
-}
-
-// TestRelayStoppedByDeadlineLeavesNoFailure: a relay whose context
-// reaches its deadline in the middle of a publish is stopping too, as
-// when it is cancelled: no failed attempt, no hold on the key. Before,
-// only a cancellation counted as a stop, and the deadline failed the key,
-// counting an attempt and keeping every relay off it for its backoff.
-func TestRelayStoppedByDeadlineLeavesNoFailure(t *testing.T) {
-	p := sqliteProducer(t)
-	b := newNATSBroker(t)
-	ctx := context.Background()
-	if err := p.add(ctx, &idem.Message{ID: "m-1", Stream: b.stream(), AggregateID: "acct-1", Seq: 1, Payload: []byte("1")}); err != nil {
-		t.Fatal(err)
-	}
-	stalled := &stalledPublisher{next: b.publisher(t), started: make(chan struct{})}
-	r1, err := outbox.NewRelay(p.drv, stalled, &outbox.RelayConfig{Owner: "r1", Backoff: idem.Backoff{Base: time.Minute, Max: time.Minute}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, stop := context.WithTimeout(ctx, 300*time.Millisecond)
-	defer stop()
-	if res, err := r1.RunOnce(rctx); err == nil || res.Published != 0 {
-		t.Fatalf("cycle cut off by its deadline: %+v, %v; want nothing published and an error", res, err)
-	}
-	if s := outboxStats(t, p); s.Failing != 0 || s.Pending != 1 {
-		t.Fatalf("stats %+v after the deadline, want 1 pending and no failing row", s)
-	}
-	r2, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r2"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if res, err := r2.RunOnce(ctx); err != nil || res.Published != 1 {
-		t.Fatalf("next relay: %+v, %v; want the row published at once", res, err)
+	for _, c := range []struct {
+		name string
+		stop func(ctx context.Context, started <-chan struct{}) (context.Context, context.CancelFunc)
+	}{
+		{"cancelled", func(ctx context.Context, started <-chan struct{}) (context.Context, context.CancelFunc) {
+			rctx, stop := context.WithCancel(ctx)
+			go func() { <-started; stop() }()
+			return rctx, stop
+		}},
+		{"deadline", func(ctx context.Context, _ <-chan struct{}) (context.Context, context.CancelFunc) {
+			return context.WithTimeout(ctx, 300*time.Millisecond)
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := sqliteProducer(t)
+			b := newNATSBroker(t)
+			ctx := context.Background()
+			if err := p.add(ctx, &idem.Message{ID: "m-1", Stream: b.stream(), AggregateID: "acct-1", Seq: 1, Payload: []byte("1")}); err != nil {
+				t.Fatal(err)
+			}
+			stalled := &stalledPublisher{next: b.publisher(t), started: make(chan struct{})}
+			r1, err := outbox.NewRelay(p.drv, stalled, &outbox.RelayConfig{Owner: "r1", Backoff: idem.Backoff{Base: time.Minute, Max: time.Minute}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rctx, stop := c.stop(ctx, stalled.started)
+			defer stop()
+			if res, err := r1.RunOnce(rctx); err == nil || res.Published != 0 {
+				t.Fatalf("stopped cycle: %+v, %v; want nothing published and the stop's error", res, err)
+			}
+			if s := outboxStats(t, p); s.Failing != 0 || s.Pending != 1 {
+				t.Fatalf("stats %+v after a stop, want 1 pending and no failing row", s)
+			}
+			r2, err := outbox.NewRelay(p.drv, b.publisher(t), &outbox.RelayConfig{Owner: "r2"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res, err := r2.RunOnce(ctx); err != nil || res.Published != 1 {
+				t.Fatalf("next relay: %+v, %v; want the row published at once", res, err)
+			}
+		})
 	}
 }
 

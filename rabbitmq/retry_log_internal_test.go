@@ -1,11 +1,9 @@
 package rabbitmq
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,24 +12,6 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
 )
-
-// lockedBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // A broker that refuses every retry copy (here: the retry channel is
 // gone) makes every retried message fail alike. One line tells the
@@ -59,10 +39,10 @@ func TestRetryCopyFailuresAreSummarized(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	var logs lockedBuffer
+	logs := &testenv.Buffer{}
 	c, err := New(&Config{URL: testenv.RabbitMQURL(), Queue: queue, QueueType: QueueClassic,
 		Handler: idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{} }),
-		Logger:  slog.New(slog.NewTextHandler(&logs, nil))})
+		Logger:  slog.New(slog.NewTextHandler(logs, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
