@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 )
@@ -106,29 +107,48 @@ type consoleAuth struct {
 	// guesses, in parallel or not, are answered one after another, a few
 	// a second at most.
 	turn chan struct{}
+	// waiting counts the checks waiting for their turn (maxTokenWaiting).
+	waiting atomic.Int32
 }
 
-// tryToken reports whether tok is the token, in its turn: the checks run
-// one at a time, and a wrong token keeps the turn for loginFailDelay
-// before it is answered. A right one is answered at once, but in its turn
-// too: answered while the wrong ones wait, it would tell a guesser which
-// guess was right without waiting for any answer, at whatever rate. A
-// request whose client goes away while it waits for its turn leaves
-// unchecked: nobody reads its answer, and held, it would keep its
-// connection and delay every token after it. Once its turn has come, a
-// wrong token takes the whole delay, gone or not.
-func (a *consoleAuth) tryToken(ctx context.Context, tok string) bool {
+// maxTokenWaiting bounds the token checks waiting for their turn. Past it
+// a check is refused at once (errTokenChecksBusy, 429): wrong tokens sent
+// faster than they are answered would otherwise build a queue that a
+// right one, a login or a script's, waits behind without end.
+const maxTokenWaiting = 8
+
+// errTokenChecksBusy refuses a token check when maxTokenWaiting are
+// already waiting.
+var errTokenChecksBusy = errors.New("too many tokens are waiting to be checked (is something sending wrong ones?); try again in a few seconds")
+
+// tryToken checks tok in its turn: nil if it is the token,
+// errNoCredentials if not, errTokenChecksBusy if too many checks wait
+// already. The checks run one at a time, and a wrong token keeps the turn
+// for loginFailDelay before it is answered. A right one is answered at
+// once, but in its turn too: answered while the wrong ones wait, it would
+// tell a guesser which guess was right without waiting for any answer, at
+// whatever rate. A request whose client goes away while it waits for its
+// turn leaves unchecked: nobody reads its answer, and held, it would keep
+// its connection and delay every token after it. Once its turn has come,
+// a wrong token takes the whole delay, gone or not.
+func (a *consoleAuth) tryToken(ctx context.Context, tok string) error {
+	if a.waiting.Add(1) > maxTokenWaiting {
+		a.waiting.Add(-1)
+		return errTokenChecksBusy
+	}
 	select {
 	case a.turn <- struct{}{}:
+		a.waiting.Add(-1)
 	case <-ctx.Done():
-		return false
+		a.waiting.Add(-1)
+		return errNoCredentials
 	}
 	defer func() { <-a.turn }()
 	if a.tokenOK(tok) {
-		return true
+		return nil
 	}
 	time.Sleep(loginFailDelay)
-	return false
+	return errNoCredentials
 }
 
 // newConsoleAuth returns the checker for token, or nil (read-only) when
@@ -213,8 +233,8 @@ func (a *consoleAuth) authorize(r *http.Request) (string, error) {
 		return "", errReadOnly
 	}
 	if tok, ok := bearerToken(r); ok {
-		if !a.tryToken(r.Context(), strings.TrimSpace(tok)) {
-			return "", errNoCredentials
+		if err := a.tryToken(r.Context(), strings.TrimSpace(tok)); err != nil {
+			return "", err
 		}
 		actor := cleanActor(r.Header.Get("X-Idem-Actor"))
 		if actor == "" {

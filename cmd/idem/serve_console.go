@@ -204,8 +204,11 @@ func (c *console) authorizeForm(w http.ResponseWriter, r *http.Request) (actor s
 	actor, err := c.auth.authorize(r)
 	if err != nil {
 		code := http.StatusForbidden
-		if errors.Is(err, errNoCredentials) {
+		switch {
+		case errors.Is(err, errNoCredentials):
 			code = http.StatusUnauthorized
+		case errors.Is(err, errTokenChecksBusy):
+			code = http.StatusTooManyRequests
 		}
 		c.fail(w, r, code, err)
 		return "", false
@@ -271,17 +274,22 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 	}
 	p := loginPage{Next: safeNext(r.PostFormValue("next")), Name: r.PostFormValue("name")}
 	actor := cleanActor(p.Name)
-	switch {
-	case !sameOrigin(r) || !loginCSRFOK(r):
+	code := http.StatusUnauthorized
+	if !sameOrigin(r) || !loginCSRFOK(r) {
 		p.Err = errBadCSRF.Error()
-	case !c.auth.tryToken(r.Context(), r.PostFormValue("token")):
-		p.Err = "wrong token"
-	case actor == "":
-		p.Err = "give your name: it is recorded with each of your actions"
+	} else {
+		switch err := c.auth.tryToken(r.Context(), r.PostFormValue("token")); {
+		case errors.Is(err, errTokenChecksBusy):
+			p.Err, code = err.Error(), http.StatusTooManyRequests
+		case err != nil:
+			p.Err = "wrong token"
+		case actor == "":
+			p.Err = "give your name: it is recorded with each of your actions"
+		}
 	}
 	if p.Err != "" {
 		p.CSRF = loginCSRF(w, r)
-		c.render(w, r, http.StatusUnauthorized, "login", "Log in", p)
+		c.render(w, r, code, "login", "Log in", p)
 		return
 	}
 	id, _ := c.auth.login(actor)

@@ -138,6 +138,12 @@ func countState(t *testing.T, db *sql.DB, state string, ids []int64) int {
 // and a live view sampling every interval.
 func consoleServer(t *testing.T, path, token string, every time.Duration) (*httptest.Server, *store) {
 	t.Helper()
+	return consoleServerAuth(t, path, newConsoleAuth(token), every)
+}
+
+// consoleServerAuth is consoleServer with the token checker given.
+func consoleServerAuth(t *testing.T, path string, auth *consoleAuth, every time.Duration) (*httptest.Server, *store) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	s, err := openStore(ctx, path, storeOptions{Prefix: defaultPrefix})
@@ -148,7 +154,7 @@ func consoleServer(t *testing.T, path, token string, every time.Duration) (*http
 	cache := newReadingCache(ctx, s, every, 5*time.Second)
 	live := newLiveRing(every)
 	go live.run(ctx, cache)
-	mux := serveMuxFor(s, cache, 5*time.Second, &consoleOptions{Auth: newConsoleAuth(token), Live: live, Logger: testenv.Logger(t)})
+	mux := serveMuxFor(s, cache, 5*time.Second, &consoleOptions{Auth: auth, Live: live, Logger: testenv.Logger(t)})
 	srv := httptest.NewServer(guard(newHostPolicy("127.0.0.1:0", nil), mux))
 	t.Cleanup(srv.Close)
 	return srv, s

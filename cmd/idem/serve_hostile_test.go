@@ -395,6 +395,48 @@ func TestConsoleRightTokenAnsweredInItsTurn(t *testing.T) {
 	}
 }
 
+// TestConsoleTokenQueueIsBounded: wrong tokens sent faster than they are
+// answered build no queue without end. With maxTokenWaiting checks
+// waiting, a token is refused at once with 429, the right one included,
+// which then knows to try again instead of hanging; once the wrong ones
+// are answered, it passes.
+func TestConsoleTokenQueueIsBounded(t *testing.T) {
+	seed := seedConsoleStore(t)
+	auth := newConsoleAuth(testToken)
+	srv, _ := consoleServerAuth(t, seed.path, auth, time.Hour)
+	one := url.Values{"action": {"replay"}, "scope": {"ids"}, "id": {fmt.Sprint(seed.tmpl[0])}}
+	const wrong = 1 + maxTokenWaiting // one in its turn, the rest waiting
+	codes := make(chan int, wrong)
+	var wg sync.WaitGroup
+	for i := range wrong {
+		wg.Go(func() {
+			code, _ := do(t, client(t), "POST", srv.URL+"/dlq/apply", one, map[string]string{"Authorization": fmt.Sprintf("Bearer %s-%d", testToken, i)})
+			codes <- code
+		})
+	}
+	for deadline := time.Now().Add(10 * time.Second); auth.waiting.Load() < maxTokenWaiting; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d checks waiting after 10 s, want %d", auth.waiting.Load(), maxTokenWaiting)
+		}
+	}
+	start := time.Now()
+	code, body := do(t, client(t), "POST", srv.URL+"/dlq/apply", one, map[string]string{"Authorization": "Bearer " + testToken})
+	if took := time.Since(start); code != http.StatusTooManyRequests || took > loginFailDelay {
+		t.Errorf("the right token behind %d wrong ones: %d after %s, want 429 at once\n%s", wrong, code, took, body)
+	}
+	wg.Wait()
+	close(codes)
+	for c := range codes {
+		if c != http.StatusUnauthorized {
+			t.Errorf("a wrong token admitted to the queue: %d, want 401", c)
+		}
+	}
+	code, body = do(t, client(t), "POST", srv.URL+"/dlq/apply", one, map[string]string{"Authorization": "Bearer " + testToken})
+	if code != 200 || !strings.Contains(body, `<strong id="moved">1</strong>`) {
+		t.Fatalf("the right token once the queue is gone: %d\n%s", code, body)
+	}
+}
+
 // TestConsoleBearerSchemeAnyCase: the Authorization scheme's name is
 // case-insensitive (RFC 9110), so "bearer" and "BEARER" carry the token
 // as "Bearer" does. Before, such a script was refused with "actions need
