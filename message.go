@@ -76,8 +76,8 @@ const ReservedHeaderPrefix = "idem-"
 // Stream, Type and every header name and value as text a store or broker
 // keeps as given (valid UTF-8, no NUL byte; ID, AggregateID, Type and
 // Stream without line breaks or white space at either end; a header name
-// printable ASCII without spaces or colons), and a Time, when set, within
-// the years 1 to 9999 that RFC 3339 (the idem-time header) can write. A
+// printable ASCII without spaces or colons), and a Time within the years
+// 0 to 9999 that RFC 3339 (the idem-time header) can write. A
 // header name may not be one
 // a publisher writes itself (beginning with
 // ReservedHeaderPrefix, or JetStream's Nats-Msg-Id): a consumer would read
@@ -106,8 +106,8 @@ func (m *Message) ValidatePublish() error {
 			return &ValidationError{Field: f.name, Reason: "has a line break, or white space at an end, which a broker's headers do not keep", Value: f.v, err: ErrInvalidMessage}
 		}
 	}
-	if y := m.Time.Year(); !m.Time.IsZero() && (y < 1 || y > 9999) {
-		return &ValidationError{Field: "Time", Reason: "is outside the years 1 to 9999, which RFC 3339 cannot write: a consumer could not read it back", Value: m.Time.String(), err: ErrInvalidMessage}
+	if y := m.Time.Year(); y < 0 || y > 9999 {
+		return &ValidationError{Field: "Time", Reason: "is outside the years 0 to 9999, which RFC 3339 cannot write: a consumer could not read it back", Value: m.Time.String(), err: ErrInvalidMessage}
 	}
 	for k, v := range m.Headers {
 		if reason := checkText(k, MaxIDLen); reason != "" {

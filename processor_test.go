@@ -214,7 +214,8 @@ func TestValidatePublishBoundaries(t *testing.T) {
 		{idem.Message{ID: "x", Stream: "s", Headers: map[string]string{"k": " spaced value\n"}}, ""},
 		{idem.Message{ID: "x", Stream: "s", Time: time.Date(9999, 12, 31, 23, 59, 59, 0, time.UTC)}, ""},
 		{idem.Message{ID: "x", Stream: "s", Time: time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)}, "Time"},
-		{idem.Message{ID: "x", Stream: "s", Time: time.Date(-1, 1, 1, 0, 0, 0, 0, time.UTC)}, "Time"},
+		{idem.Message{ID: "x", Stream: "s", Time: time.Date(0, 1, 1, 0, 0, 0, 0, time.UTC)}, ""},
+		{idem.Message{ID: "x", Stream: "s", Time: time.Date(-1, 12, 31, 0, 0, 0, 0, time.UTC)}, "Time"},
 	}
 	for _, c := range cases {
 		err := c.msg.ValidatePublish()

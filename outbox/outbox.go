@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
@@ -73,6 +74,13 @@ func (o *Outbox[TTx]) Add(ctx context.Context, tx TTx, msgs ...*idem.Message) er
 
 // newRow validates m and turns it into an outbox row.
 func newRow(m *idem.Message) (driver.OutboxRow, error) {
+	// Time is not kept (the row's time is published): it cannot make a
+	// row unpublishable.
+	if m != nil && !m.Time.IsZero() {
+		c := *m
+		c.Time = time.Time{}
+		m = &c
+	}
 	if err := m.ValidatePublish(); err != nil {
 		return driver.OutboxRow{}, fmt.Errorf("outbox: %w", err)
 	}

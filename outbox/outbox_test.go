@@ -809,3 +809,21 @@ func TestAdminRefusesTextNoStoreKeeps(t *testing.T) {
 		})
 	}
 }
+
+// Add keeps no Message.Time (the row's own time is published), so a time
+// no header could carry does not refuse the row, as it refuses a message
+// published directly (ValidatePublish).
+func TestAddIgnoresTheTimeItDoesNotKeep(t *testing.T) {
+	p := sqliteProducer(t)
+	m := &idem.Message{ID: "m-1", Stream: "credits.ledger", AggregateID: "acct-1", Seq: 1, Payload: []byte("1"),
+		Time: time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)}
+	if err := m.ValidatePublish(); !errors.Is(err, idem.ErrInvalidMessage) {
+		t.Fatalf("ValidatePublish of a year-10000 time: %v, want ErrInvalidMessage", err)
+	}
+	if err := p.add(context.Background(), m); err != nil {
+		t.Fatalf("Add with a year-10000 time: %v", err)
+	}
+	if st := outboxStats(t, p); st.Pending != 1 {
+		t.Fatalf("%d rows pending, want 1", st.Pending)
+	}
+}
