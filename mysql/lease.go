@@ -25,8 +25,9 @@ var (
 // conditional UPDATE takes over an expired or due row (it waits on a
 // concurrent claimer's row lock, then re-checks the condition on the
 // committed row, so two claimers never both win), and where there is no
-// row a plain INSERT creates it (a concurrent insert makes it fail with a
-// duplicate key: the other claimer won). The new token and lease are read
+// row an INSERT creates it, unless the handler has an atomic or imported
+// marker of the message, which LeaseGet then reads as done (a concurrent
+// insert makes it fail with a duplicate key: the other claimer won). The new token and lease are read
 // back inside the transaction, under the row's lock.
 func (d *Driver) LeaseClaim(ctx context.Context, p *driver.LeaseClaimParams) (driver.LeaseClaimResult, error) {
 	ttl := p.TTL.Microseconds()

@@ -290,7 +290,10 @@ func (r *Relay) fault(point string) {
 // pending for a later cycle, and a key whose publish failed is skipped by
 // every relay until its backoff (RelayConfig.Backoff) has passed. A
 // publish cut off by the end of ctx (cancelled, or past its deadline) is
-// the relay stopping, not the key's failure: no attempt, no hold.
+// the relay stopping, not the key's failure: no attempt, no hold. So give
+// ctx no deadline shorter than ClaimTTL: the relay cuts a slow publish
+// off itself, at nine tenths of the claim, and that one is the key's
+// failure, held for its backoff.
 func (r *Relay) RunOnce(ctx context.Context) (CycleResult, error) {
 	res, _, _, err := r.runOnce(ctx)
 	return res, err
