@@ -11,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/redisstore"
 )
@@ -337,5 +338,81 @@ func TestMigrateRefusesEviction(t *testing.T) {
 	}
 	if err := drv.Migrate(ctx); err != nil {
 		t.Fatalf("Migrate as a user without CONFIG: %v", err)
+	}
+}
+
+// TestHandSetKeysWithoutExpiryAreNotWaitedOn: every hold and lock the
+// driver takes expires, so a pending marker value or a lock key without
+// an expiry (set by hand, or by another writer sharing the prefix), or a
+// sequence or lock key of another type, is reported at once with
+// ErrNotMarker naming the key, on every path, instead of being waited on
+// until the context ends (forever, under a consumer without a deadline).
+func TestHandSetKeysWithoutExpiryAreNotWaitedOn(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	c, prefix := testenv.Redis(t)
+	applied := 0
+	h := &idem.Handler[*redisstore.Tx]{Name: "h", Apply: func(context.Context, *redisstore.Tx, *idem.Message) error {
+		applied++
+		return nil
+	}}
+	check := func(what, key string, run func(context.Context) error) {
+		t.Helper()
+		cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		defer cancel()
+		start := time.Now()
+		err := run(cctx)
+		if !errors.Is(err, redisstore.ErrNotMarker) || !strings.Contains(err.Error(), key) {
+			t.Errorf("%s: %v after %v; want ErrNotMarker naming %q", what, err, time.Since(start).Round(time.Millisecond), key)
+		}
+	}
+	for _, writeOnly := range []bool{false, true} {
+		drv, err := redisstore.New(c, &redisstore.Config{Prefix: prefix, WriteOnly: writeOnly})
+		if err != nil {
+			t.Fatal(err)
+		}
+		proc, err := idem.NewProcessor(drv, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := fmt.Sprintf("persisted-hold-%v", writeOnly)
+		key := drv.MarkerKey("h", id)
+		if err := c.Set(ctx, key, "p:0123456789abcdef", 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+		check(fmt.Sprintf("a pending value without an expiry (WriteOnly %v)", writeOnly), key, func(ctx context.Context) error {
+			_, err := proc.Process(ctx, h, &idem.Message{ID: id, Payload: []byte("x")})
+			return err
+		})
+		if v, err := c.Get(ctx, key).Result(); err != nil || v != "p:0123456789abcdef" {
+			t.Errorf("the key was not left alone: %q, %v", v, err)
+		}
+	}
+	if applied > 1 { // a write-only handler runs before its commit looks
+		t.Errorf("applied %d times", applied)
+	}
+	drv, err := redisstore.New(c, &redisstore.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seq := func(agg string) func(context.Context) error {
+		return func(ctx context.Context) error {
+			tx, err := drv.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			defer func() { _ = drv.Rollback(ctx, tx) }()
+			_, err = drv.SequenceAdvance(ctx, tx, &driver.SequenceAdvanceParams{Handler: "h", AggregateID: agg, Seq: 1})
+			return err
+		}
+	}
+	c.Set(ctx, prefix+"ls:h|lock-string", "junk", 0)
+	check("a sequence lock without an expiry", prefix+"ls:h|lock-string", seq("lock-string"))
+	c.HSet(ctx, prefix+"ls:h|lock-hash", "f", "v")
+	check("a sequence lock of another type", prefix+"ls:h|lock-hash", seq("lock-hash"))
+	c.HSet(ctx, prefix+"s:h|seq-hash", "f", "v")
+	check("a sequence of another type", prefix+"s:h|seq-hash", seq("seq-hash"))
+	if v, err := c.Get(ctx, prefix+"ls:h|lock-string").Result(); err != nil || v != "junk" {
+		t.Errorf("the lock key was not left alone: %q, %v", v, err)
 	}
 }

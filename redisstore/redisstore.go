@@ -149,10 +149,13 @@ var (
 	// ErrNotMarker matches a marker insert or commit that found, at a
 	// marker's key, something no transaction of the driver writes there:
 	// a key of another type, or a string that is neither a pending value
-	// ("p:" and a token) nor an applied one ("d:" and a hash), the empty
-	// string included. Another writer shares the prefix, or the key was
-	// set by hand. Nothing is applied and the key is left alone; the
-	// error names it. Delete or fix the key, then retry the delivery.
+	// ("p:" and a token, with an expiry) nor an applied one ("d:" and a
+	// hash), the empty string included. It matches too a sequence or
+	// version of another type, or its lock key holding a key of another
+	// type or a string without an expiry. Another writer shares the
+	// prefix, or the key was set by hand. Nothing is applied and the key
+	// is left alone; the error names it. Delete or fix the key, then retry
+	// the delivery.
 	ErrNotMarker = errors.New("redisstore: not an idem marker")
 )
 
@@ -474,14 +477,20 @@ func pendingValue(v string) bool {
 
 // lockScript takes the locks in KEYS in order, or extends the ones this
 // transaction holds, and returns how many it holds: all of them, or those
-// before the first one another transaction holds. ARGV: token, lock TTL in
-// milliseconds.
+// before the first one another transaction holds. A key that is no
+// transaction's lock (a key of another type, or a string without an
+// expiry: every lock expires) would be waited on forever: for the i-th
+// such key it returns -i. ARGV: token, lock TTL in milliseconds.
 var lockScript = redis.NewScript(`
 for i = 1, #KEYS do
-  local l = redis.call('GET', KEYS[i])
+  local l = redis.pcall('GET', KEYS[i])
+  if type(l) == 'table' and l.err then return -i end
   if l == ARGV[1] then
     redis.call('PEXPIRE', KEYS[i], ARGV[2])
-  elseif l or not redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  elseif l then
+    if redis.call('PTTL', KEYS[i]) == -1 then return -i end
+    return i - 1
+  elseif not redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return i - 1
   end
 end
@@ -511,6 +520,15 @@ for a = 3, #ARGV, 2 do
   end
 end
 return 1
+`)
+
+// noExpiryScript returns 1 if KEYS[1] still holds ARGV[1] and has no
+// expiry, else 0: read together, so that a hold its transaction replaced
+// meanwhile by an applied marker (which need not expire) is not taken for
+// one without an expiry.
+var noExpiryScript = redis.NewScript(`
+if redis.call('GET', KEYS[1]) == ARGV[1] and redis.call('PTTL', KEYS[1]) == -1 then return 1 end
+return 0
 `)
 
 // setNXScript sets each key in KEYS that does not exist to ARGV[1], to
@@ -765,8 +783,14 @@ func (tx *Tx) lockValues(ctx context.Context, keys, locks []string) error {
 			if err != nil {
 				return false, fmt.Errorf("redisstore: take locks: %w", err)
 			}
+			if held < 0 {
+				return false, fmt.Errorf("redisstore: take locks: key %q is no lock (a key of another type, or one without an expiry): %w", locks[-held-1], ErrNotMarker)
+			}
 			for k := range held {
 				v, err := gets[k].Result()
+				if redis.HasErrorPrefix(err, "WRONGTYPE") {
+					return false, fmt.Errorf("redisstore: read %q: a key of another type: %w", keys[k], ErrNotMarker)
+				}
 				if err != nil && !errors.Is(err, redis.Nil) {
 					return false, fmt.Errorf("redisstore: read %q: %w", keys[k], err)
 				}
@@ -898,6 +922,13 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 					}
 					blocked = k
 				case pendingValue(v):
+					// Every hold expires: one without an expiry was set
+					// by hand, and would be waited on forever.
+					if stuck, err := noExpiryScript.Eval(ctx, tx.conn, []string{keys[k]}, v).Int(); err != nil {
+						return false, err
+					} else if stuck == 1 {
+						return false, fmt.Errorf("key %q holds %q without an expiry, which no transaction's hold lacks: %w", keys[k], v, ErrNotMarker)
+					}
 					blocked = k
 				default:
 					// The empty string too: it is no hold to wait for,

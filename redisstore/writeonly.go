@@ -97,7 +97,11 @@ end
 if v then
   local kind = string.sub(v, 1, 2)
   if kind == 'd:' then return {1, string.sub(v, 3)} end
-  if kind == 'p:' and #v > 2 then return {2} end
+  if kind == 'p:' and #v > 2 then
+    -- Every hold expires: one without an expiry was set by hand.
+    if redis.call('PTTL', KEYS[1]) == -1 then return {3, v} end
+    return {2}
+  end
   return {3, v}
 end
 -- Every command must unpack before anything is written: an unpack that
