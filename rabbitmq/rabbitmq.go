@@ -8,7 +8,9 @@ import (
 	"hash/maphash"
 	"log/slog"
 	"maps"
+	"math"
 	"net"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -18,6 +20,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/lograte"
 	"github.com/idemhq/idem/internal/verdicts"
 )
@@ -72,9 +75,10 @@ type Config struct {
 	Passive bool
 	// Handler decides every delivery. Required.
 	Handler idem.DeliveryHandler
-	// Map turns a delivery into an idem message; an error makes the
-	// delivery a decode failure (dead-lettered with the reason, never
-	// dropped). Default: DefaultMap.
+	// Map turns a delivery into an idem message; an error, a panic or no
+	// message makes the delivery a decode failure (dead-lettered with the
+	// reason, never dropped); a panic is logged with its stack, one line
+	// per interval. Default: DefaultMap.
 	Map func(d *amqp.Delivery) (*idem.Message, error)
 	// MaxDeliver marks the delivery whose attempt reaches it LastAttempt,
 	// so that a failure is dead-lettered instead of retried. 0, the
@@ -105,9 +109,10 @@ type Config struct {
 	Concurrency int
 	// Prefetch is the channel's QoS prefetch count: how many
 	// unacknowledged deliveries the broker pushes to this consumer. It
-	// must cover what the lanes work on, Concurrency × Batch. Default
-	// Concurrency × Batch + 32, so that the next messages are on their
-	// way while those are decided.
+	// must cover what the lanes work on, Concurrency × Batch, and be at
+	// most 65,535 (AMQP's limit). Default Concurrency × Batch + 32 (at
+	// most 65,535), so that the next messages are on their way while
+	// those are decided.
 	Prefetch int
 	// Reconnect spaces the attempts to connect again after the
 	// connection was lost (and the first one, when the broker is down at
@@ -180,7 +185,12 @@ func New(cfg *Config) (*Consumer, error) {
 		c.cfg.BatchWait = 50 * time.Millisecond
 	}
 	if c.cfg.Prefetch == 0 {
-		c.cfg.Prefetch = c.cfg.Concurrency*c.cfg.Batch + 32
+		c.cfg.Prefetch = min(c.cfg.Concurrency*c.cfg.Batch+32, math.MaxUint16)
+	}
+	if c.cfg.Prefetch > math.MaxUint16 {
+		// AMQP's prefetch count is 16 bits: amqp091 would truncate it,
+		// 65,536 to 0, which the broker takes for no limit at all.
+		return nil, fmt.Errorf("%w: rabbitmq: Prefetch %d is above AMQP's limit of %d", idem.ErrInvalidConfig, c.cfg.Prefetch, math.MaxUint16)
 	}
 	if c.cfg.Prefetch < c.cfg.Concurrency*c.cfg.Batch {
 		return nil, fmt.Errorf("%w: rabbitmq: Prefetch %d is below Concurrency × Batch (%d): the lanes could never fill", idem.ErrInvalidConfig, c.cfg.Prefetch, c.cfg.Concurrency*c.cfg.Batch)
@@ -768,11 +778,32 @@ func (c *Consumer) delivery(m *amqp.Delivery, stopping <-chan struct{}) *idem.De
 		d.Source += "#" + m.MessageId
 	}
 	d.LastAttempt = c.cfg.MaxDeliver > 0 && d.Attempt >= c.cfg.MaxDeliver
-	d.Msg, d.DecodeErr = c.cfg.Map(m)
-	if d.DecodeErr != nil {
-		d.Msg = nil
-	}
+	d.Msg, d.DecodeErr = c.mapMessage(m, d.Source)
 	return d
+}
+
+// mapMessage is Config.Map, with what it may do wrong made a decode
+// failure (an error matching idem.ErrInvalidMessage): a panic (a hostile
+// message meeting a bug in a custom Map), which would otherwise end the
+// process and, the message being unacknowledged, every restart after it;
+// and neither a message nor an error. The message is nil whenever the
+// error is not.
+func (c *Consumer) mapMessage(m *amqp.Delivery, source string) (msg *idem.Message, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			c.logs.Log(c.cfg.Logger, slog.LevelError, "", "rabbitmq: Config.Map panicked; the message is a decode failure",
+				slog.String("source", source), slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			msg, err = nil, fmt.Errorf("%w: rabbitmq: mapping message %s panicked: %s", idem.ErrInvalidMessage, source, errtext.Quote(fmt.Sprint(p)))
+		}
+	}()
+	msg, err = c.cfg.Map(m)
+	switch {
+	case err != nil:
+		return nil, err
+	case msg == nil:
+		return nil, fmt.Errorf("%w: rabbitmq: Config.Map returned no message and no error for %s", idem.ErrInvalidMessage, source)
+	}
+	return msg, nil
 }
 
 // key returns what orders m, mapped to d: its aggregate as the Handler's

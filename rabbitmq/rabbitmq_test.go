@@ -284,3 +284,25 @@ func (b *broker) ready(t testing.TB) int {
 	}
 	return q.Messages
 }
+
+// TestNewRejectsPrefetchAboveAMQPLimit: AMQP's prefetch count has 16
+// bits, and the client library truncates a larger one: 65,536 becomes 0,
+// which the broker takes for no limit, pushing the whole queue to the
+// consumer. Before, New took such a Prefetch, given or computed from
+// Concurrency.
+func TestNewRejectsPrefetchAboveAMQPLimit(t *testing.T) {
+	h := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })
+	url := testenv.RabbitMQURL()
+	for name, cfg := range map[string]*rabbitmq.Config{
+		"Prefetch 65536":                   {URL: url, Queue: "q", Handler: h, Prefetch: 65536},
+		"Concurrency 65536, no Prefetch":   {URL: url, Queue: "q", Handler: h, Concurrency: 65536},
+		"Concurrency 65536, Prefetch 2^17": {URL: url, Queue: "q", Handler: h, Concurrency: 65536, Prefetch: 1 << 17},
+	} {
+		if _, err := rabbitmq.New(cfg); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("New with %s: %v, want ErrInvalidConfig", name, err)
+		}
+	}
+	if _, err := rabbitmq.New(&rabbitmq.Config{URL: url, Queue: "q", Handler: h, Concurrency: 65500}); err != nil {
+		t.Errorf("New with Concurrency 65500: %v; want the default Prefetch capped at 65535", err)
+	}
+}

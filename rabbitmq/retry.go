@@ -205,15 +205,18 @@ func (r *retrier) putBack(ms []*amqp.Delivery) error {
 }
 
 // copyOf returns a copy of m for attempt: m's body, properties and headers
-// (but an expiration, x-delivery-count, and the x-death history the retry
-// queues add), with the attempt in HeaderAttempt and m's first routing key
-// in HeaderRoutingKey.
+// (but an expiration, x-delivery-count, the x-death history the retry
+// queues add, and the CC and BCC headers, whose queues the broker routed
+// m to when it was published: a copy is for this consumer's queue only),
+// with the attempt in HeaderAttempt and m's first routing key in
+// HeaderRoutingKey.
 func copyOf(m *amqp.Delivery, attempt int) amqp.Publishing {
 	h := amqp.Table{}
 	for k, v := range m.Headers {
 		switch k {
 		case "x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", headerDeliveryCount:
+			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", headerDeliveryCount,
+			"CC", "BCC":
 			continue
 		}
 		h[k] = v
