@@ -23,7 +23,10 @@
 //	idem.not_applied
 //	idem.lease                      true in lease mode
 //
-// and an error status when the call returned an error.
+// and an error status when the call returned an error. Invalid UTF-8 in
+// a span's name and strings (a handler name or message ID not validated
+// yet, an error's text) is replaced by U+FFFD: OTLP exporters cannot
+// encode it.
 //
 // Installed in an idem.Consumer's hooks (idem.ConsumerConfig.Hooks) as
 // well, the Tracer adds a span "dead-letter <handler>" for every delivery
@@ -49,6 +52,8 @@ package tracing
 import (
 	"context"
 	"fmt"
+	"strings"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -113,7 +118,7 @@ type spanKey struct{ t *Tracer }
 // OnCallStart implements idem.HookCall: it starts the call's span.
 func (t *Tracer) OnCallStart(ctx context.Context, ev *idem.CallStart) context.Context {
 	attrs := []attribute.KeyValue{
-		attribute.String("idem.handler", ev.Handler),
+		attribute.String("idem.handler", text(ev.Handler)),
 		attribute.String("messaging.operation.type", "process"),
 	}
 	if ev.Lease {
@@ -123,7 +128,7 @@ func (t *Tracer) OnCallStart(ctx context.Context, ev *idem.CallStart) context.Co
 	parent := ctx
 	if !ev.Batch && len(ev.Messages) == 1 {
 		if m := ev.Messages[0]; m != nil {
-			attrs = append(attrs, attribute.String("messaging.message.id", m.ID))
+			attrs = append(attrs, attribute.String("messaging.message.id", text(m.ID)))
 			parent, opts = t.continueProducer(ctx, m, opts)
 		}
 	} else {
@@ -145,7 +150,7 @@ func (t *Tracer) OnCallStart(ctx context.Context, ev *idem.CallStart) context.Co
 		}
 	}
 	opts = append(opts, trace.WithAttributes(attrs...))
-	ctx, span := t.tracer.Start(parent, "process "+ev.Handler, opts...)
+	ctx, span := t.tracer.Start(parent, "process "+text(ev.Handler), opts...)
 	return context.WithValue(ctx, spanKey{t}, span)
 }
 
@@ -172,22 +177,45 @@ func (t *Tracer) OnVerdict(ctx context.Context, ev *idem.VerdictEvent) {
 		return
 	}
 	attrs := []attribute.KeyValue{
-		attribute.String("idem.handler", ev.Handler),
+		attribute.String("idem.handler", text(ev.Handler)),
 		attribute.Int("idem.attempt", ev.Attempt),
 		attribute.String("idem.dead_letter.class", ev.Verdict.DeadLetterClass),
 	}
 	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
 	parent := ctx
 	if ev.Message != nil {
-		attrs = append(attrs, attribute.String("messaging.message.id", ev.Message.ID))
+		attrs = append(attrs, attribute.String("messaging.message.id", text(ev.Message.ID)))
 		parent, opts = t.continueProducer(ctx, ev.Message, opts)
 	}
-	_, span := t.tracer.Start(parent, "dead-letter "+ev.Handler, append(opts, trace.WithAttributes(attrs...))...)
+	_, span := t.tracer.Start(parent, "dead-letter "+text(ev.Handler), append(opts, trace.WithAttributes(attrs...))...)
 	if err := ev.Verdict.Err; err != nil {
-		span.RecordError(err)
-		span.SetStatus(codes.Error, err.Error())
+		recordError(span, err)
+		span.SetStatus(codes.Error, text(err.Error()))
 	}
 	span.End()
+}
+
+// text returns s with its invalid UTF-8 bytes replaced by U+FFFD. A
+// span's names and strings must be UTF-8: OTLP carries them in protobuf
+// strings, and an exporter that meets invalid bytes fails to encode the
+// whole batch, dropping the other calls' spans with it. A call's message
+// ID and handler name reach the hook before they are validated.
+func text(s string) string {
+	return strings.ToValidUTF8(s, "\uFFFD")
+}
+
+// recordError is span.RecordError, with the message made UTF-8 (see
+// text): an error may quote a message's bytes.
+func recordError(span trace.Span, err error) {
+	msg := err.Error()
+	if utf8.ValidString(msg) {
+		span.RecordError(err)
+		return
+	}
+	span.AddEvent("exception", trace.WithAttributes(
+		attribute.String("exception.type", fmt.Sprintf("%T", err)),
+		attribute.String("exception.message", text(msg)),
+	))
 }
 
 // producer returns the span context m's headers carry, if any. It
@@ -234,8 +262,8 @@ func (t *Tracer) OnCallEnd(ctx context.Context, ev *idem.CallEnd) {
 		)
 	}
 	if ev.Err != nil {
-		span.RecordError(ev.Err)
-		span.SetStatus(codes.Error, ev.Err.Error())
+		recordError(span, ev.Err)
+		span.SetStatus(codes.Error, text(ev.Err.Error()))
 	}
 	span.End()
 }
