@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"hash/maphash"
 	"log/slog"
-	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -698,30 +697,17 @@ func (c *Consumer) delivery(ctx context.Context, m jetstream.Msg) *idem.Delivery
 		d.Source += "@" + strconv.FormatUint(md.Sequence.Stream, 10)
 	}
 	d.Msg, d.DecodeErr = c.mapMessage(m, d.Source)
-	if d.DecodeErr == nil && d.Msg == nil {
-		d.DecodeErr = fmt.Errorf("%w: jetstream: Config.Map returned no message and no error", idem.ErrInvalidMessage)
-	}
 	if d.DecodeErr != nil {
-		d.Msg = nil
 		return d
 	}
 	c.warnTrimmedID(m, d)
 	return d
 }
 
-// mapMessage is Config.Map, a panic in which (a hostile message meeting a
-// bug in a custom Map) is a decode failure: dead-lettered with the
-// reason, like an error, rather than a panic that ends the process and
-// that every redelivery would repeat.
-func (c *Consumer) mapMessage(m jetstream.Msg, source string) (msg *idem.Message, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			c.logs.Log(c.cfg.Logger, slog.LevelError, "", "jetstream: Config.Map panicked; the message is a decode failure",
-				slog.String("source", source), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
-			msg, err = nil, fmt.Errorf("%w: jetstream: mapping message %s panicked: %s", idem.ErrInvalidMessage, source, errtext.Quote(fmt.Sprint(r)))
-		}
-	}()
-	return c.cfg.Map(m)
+// mapMessage is Config.Map through verdicts.Decode: a panic or no message
+// is a decode failure.
+func (c *Consumer) mapMessage(m jetstream.Msg, source string) (*idem.Message, error) {
+	return verdicts.Decode(c.logs, c.cfg.Logger, "jetstream", source, func() (*idem.Message, error) { return c.cfg.Map(m) })
 }
 
 // warnTrimmedID logs a warning when the ID that Map gave d differs from

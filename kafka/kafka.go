@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -737,28 +736,11 @@ func (m *member) delivery(r *kgo.Record) *idem.Delivery {
 	return d
 }
 
-// mapRecord is Config.Map, with what it may do wrong made a decode failure
-// (an error matching idem.ErrInvalidMessage): a panic (a hostile record
-// meeting a bug in a custom Map), which would otherwise end the process
-// and, the record being uncommitted, every restart after it; and neither
-// a message nor an error. The message is nil whenever the error is not.
-func (m *member) mapRecord(r *kgo.Record) (msg *idem.Message, err error) {
-	defer func() {
-		if p := recover(); p != nil {
-			src := fmt.Sprintf("%s/%d@%d", r.Topic, r.Partition, r.Offset)
-			m.logs.Log(m.cfg.Logger, slog.LevelError, "", "kafka: Config.Map panicked; the record is a decode failure",
-				slog.String("record", src), slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
-			msg, err = nil, fmt.Errorf("%w: kafka: mapping record %s panicked: %s", idem.ErrInvalidMessage, src, errtext.Quote(fmt.Sprint(p)))
-		}
-	}()
-	msg, err = m.cfg.Map(r)
-	switch {
-	case err != nil:
-		return nil, err
-	case msg == nil:
-		return nil, fmt.Errorf("%w: kafka: Config.Map returned no message and no error for record %s/%d@%d", idem.ErrInvalidMessage, r.Topic, r.Partition, r.Offset)
-	}
-	return msg, nil
+// mapRecord is Config.Map through verdicts.Decode: a panic or no message
+// is a decode failure.
+func (m *member) mapRecord(r *kgo.Record) (*idem.Message, error) {
+	return verdicts.Decode(m.logs, m.cfg.Logger, "kafka", fmt.Sprintf("%s/%d@%d", r.Topic, r.Partition, r.Offset),
+		func() (*idem.Message, error) { return m.cfg.Map(r) })
 }
 
 // settled forgets the tries of r, settled, and of p's records before it.

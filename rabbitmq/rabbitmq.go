@@ -10,7 +10,6 @@ import (
 	"maps"
 	"math"
 	"net"
-	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -20,7 +19,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemhq/idem"
-	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/lograte"
 	"github.com/idemhq/idem/internal/verdicts"
 )
@@ -782,28 +780,10 @@ func (c *Consumer) delivery(m *amqp.Delivery, stopping <-chan struct{}) *idem.De
 	return d
 }
 
-// mapMessage is Config.Map, with what it may do wrong made a decode
-// failure (an error matching idem.ErrInvalidMessage): a panic (a hostile
-// message meeting a bug in a custom Map), which would otherwise end the
-// process and, the message being unacknowledged, every restart after it;
-// and neither a message nor an error. The message is nil whenever the
-// error is not.
-func (c *Consumer) mapMessage(m *amqp.Delivery, source string) (msg *idem.Message, err error) {
-	defer func() {
-		if p := recover(); p != nil {
-			c.logs.Log(c.cfg.Logger, slog.LevelError, "", "rabbitmq: Config.Map panicked; the message is a decode failure",
-				slog.String("source", source), slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
-			msg, err = nil, fmt.Errorf("%w: rabbitmq: mapping message %s panicked: %s", idem.ErrInvalidMessage, source, errtext.Quote(fmt.Sprint(p)))
-		}
-	}()
-	msg, err = c.cfg.Map(m)
-	switch {
-	case err != nil:
-		return nil, err
-	case msg == nil:
-		return nil, fmt.Errorf("%w: rabbitmq: Config.Map returned no message and no error for %s", idem.ErrInvalidMessage, source)
-	}
-	return msg, nil
+// mapMessage is Config.Map through verdicts.Decode: a panic or no message
+// is a decode failure.
+func (c *Consumer) mapMessage(m *amqp.Delivery, source string) (*idem.Message, error) {
+	return verdicts.Decode(c.logs, c.cfg.Logger, "rabbitmq", source, func() (*idem.Message, error) { return c.cfg.Map(m) })
 }
 
 // key returns what orders m, mapped to d: its aggregate as the Handler's

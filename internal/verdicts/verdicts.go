@@ -1,12 +1,16 @@
 // Package verdicts holds what the broker adapters share about the verdicts
-// of a batch handler.
+// of a batch handler, and about decoding a delivery with a custom Map.
 package verdicts
 
 import (
+	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/errtext"
+	"github.com/idemhq/idem/internal/lograte"
 )
 
 // Retry is the delay of the retries Check puts in place of a batch's
@@ -27,4 +31,30 @@ func Check(vs []idem.Verdict, n int, log *slog.Logger, adapter string) []idem.Ve
 		vs[i].RetryAfter = Retry
 	}
 	return vs
+}
+
+// Decode runs an adapter's Config.Map on one delivery (mapFn), making what
+// a custom Map may do wrong a decode failure, an error matching
+// idem.ErrInvalidMessage that the consumer dead-letters with the reason:
+// a panic (a hostile delivery meeting a bug in the Map), which would
+// otherwise end the process and, the delivery being unacknowledged, every
+// restart after it, logged at Error with its stack through logs (one line
+// per interval); and neither a message nor an error. source names the
+// delivery. The message is nil whenever the error is not.
+func Decode(logs *lograte.Limiter, log *slog.Logger, adapter, source string, mapFn func() (*idem.Message, error)) (msg *idem.Message, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			logs.Log(log, slog.LevelError, adapter, adapter+": Config.Map panicked; the delivery is a decode failure",
+				slog.String("source", source), slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			msg, err = nil, fmt.Errorf("%w: %s: Config.Map panicked on %s: %s", idem.ErrInvalidMessage, adapter, source, errtext.Quote(fmt.Sprint(p)))
+		}
+	}()
+	msg, err = mapFn()
+	switch {
+	case err != nil:
+		return nil, err
+	case msg == nil:
+		return nil, fmt.Errorf("%w: %s: Config.Map returned no message and no error for %s", idem.ErrInvalidMessage, adapter, source)
+	}
+	return msg, nil
 }

@@ -1,10 +1,15 @@
 package verdicts_test
 
 import (
+	"errors"
 	"log/slog"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/lograte"
+	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/internal/verdicts"
 )
 
@@ -24,5 +29,30 @@ func TestCheck(t *testing.T) {
 				t.Fatalf("Check(%d verdicts, 2) = %+v, want retries after %v", len(vs), got, verdicts.Retry)
 			}
 		}
+	}
+}
+
+func TestDecode(t *testing.T) {
+	logs := &testenv.Buffer{}
+	log := slog.New(slog.NewTextHandler(logs, nil))
+	limiter := lograte.New(time.Hour)
+	for range 3 {
+		msg, err := verdicts.Decode(limiter, log, "test", "q/1", func() (*idem.Message, error) { panic("boom") })
+		if msg != nil || !errors.Is(err, idem.ErrInvalidMessage) || !strings.Contains(err.Error(), `panicked on q/1: "boom"`) {
+			t.Fatalf("a panicking Map: %v, %v; want no message and ErrInvalidMessage naming the panic", msg, err)
+		}
+	}
+	if n := strings.Count(logs.String(), "Config.Map panicked"); n != 1 {
+		t.Errorf("3 panics logged %d times, want once per interval:\n%s", n, logs.String())
+	}
+	if msg, err := verdicts.Decode(limiter, log, "test", "q/2", func() (*idem.Message, error) { return nil, nil }); msg != nil || !errors.Is(err, idem.ErrInvalidMessage) {
+		t.Errorf("a Map returning nothing: %v, %v; want ErrInvalidMessage", msg, err)
+	}
+	bad := errors.New("bad header")
+	if msg, err := verdicts.Decode(limiter, log, "test", "q/3", func() (*idem.Message, error) { return &idem.Message{ID: "x"}, bad }); msg != nil || err != bad {
+		t.Errorf("a Map failing with a message too: %v, %v; want its error alone", msg, err)
+	}
+	if msg, err := verdicts.Decode(limiter, log, "test", "q/4", func() (*idem.Message, error) { return &idem.Message{ID: "x"}, nil }); err != nil || msg.ID != "x" {
+		t.Errorf("a Map that works: %v, %v", msg, err)
 	}
 }
