@@ -263,21 +263,7 @@ func TestMapPanicIsADecodeFailure(t *testing.T) {
 	}
 	done := b.runConsumer(t, jetstream.Config{Handler: e.Consumer(false), Map: panicky, AckWait: time.Second})
 	e.WaitMarkers(1)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		dls, err := e.Drv.DeadLetterList(context.Background(), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(dls) == 1 {
-			if dls[0].Class != "decode" || !strings.Contains(dls[0].Error, "panicked") {
-				t.Fatalf("dead letter %s: %s; want a decode failure saying the Map panicked", dls[0].Class, dls[0].Error)
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d dead letters, want 1", len(dls))
-		}
-	}
+	e.WaitPanickedMap("boom")
 	select {
 	case err := <-done:
 		t.Fatalf("Run returned: %v", err)

@@ -3,7 +3,6 @@ package kafka_test
 import (
 	"context"
 	"errors"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -43,21 +42,7 @@ func TestMapPanicIsADecodeFailure(t *testing.T) {
 		}
 		b.start(t, c)
 		e.WaitMarkers(1)
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-			dls, err := e.Drv.DeadLetterList(context.Background(), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(dls) == 1 {
-				if dls[0].Class != idem.DeadLetterDecode || !strings.Contains(dls[0].Error, "panicked") || string(dls[0].Raw) != "boom" {
-					t.Fatalf("dead letter %s: %s (%q); want the record's value as a decode failure saying the Map panicked", dls[0].Class, dls[0].Error, dls[0].Raw)
-				}
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("Concurrency %d: %d dead letters, want 1", concurrency, len(dls))
-			}
-		}
+		e.WaitPanickedMap("boom")
 	}
 }
 

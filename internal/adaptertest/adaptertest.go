@@ -12,6 +12,7 @@ import (
 	"database/sql"
 	"fmt"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -262,6 +263,28 @@ func (e *Env) WaitDups(n int, why string) {
 	for deadline := time.Now().Add(15 * time.Second); e.Dups.Load() < int64(n); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			e.t.Fatalf("%d deliveries came back as Duplicate after 15 s, want at least %d: %s", e.Dups.Load(), n, why)
+		}
+	}
+}
+
+// WaitPanickedMap waits until the store holds one dead letter, and checks
+// that it is the delivery of raw as a decode failure saying the Map
+// panicked (what the adapters make of a custom Map that panics).
+func (e *Env) WaitPanickedMap(raw string) {
+	e.t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		dls, err := e.Drv.DeadLetterList(context.Background(), nil)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		if len(dls) == 1 {
+			if dls[0].Class != idem.DeadLetterDecode || !strings.Contains(dls[0].Error, "panicked") || string(dls[0].Raw) != raw {
+				e.t.Fatalf("dead letter %s: %s (%q); want %q as a decode failure saying the Map panicked", dls[0].Class, dls[0].Error, dls[0].Raw, raw)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("%d dead letters after 10 s, want 1", len(dls))
 		}
 	}
 }
