@@ -139,18 +139,7 @@ func TestRelayStopsOnAConnectionClosedForGood(t *testing.T) {
 // publisher on it. The connection closes when t ends.
 func privatePublisher(t *testing.T, srv *testenv.NATSServer, opts ...nats.Option) (natsjs.JetStream, *jetstream.Publisher) {
 	t.Helper()
-	nc, err := nats.Connect(srv.URL(), opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := natsjs.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := js.CreateStream(context.Background(), natsjs.StreamConfig{Name: natsStream, Subjects: []string{"credits.>"}}); err != nil {
-		t.Fatal(err)
-	}
+	js := creditsStream(t, srv.URL(), opts...)
 	jp, err := jetstream.NewPublisher(js)
 	if err != nil {
 		t.Fatal(err)

@@ -265,7 +265,14 @@ const natsStream = "CREDITS"
 
 func newNATSBroker(t testing.TB) *natsBroker {
 	t.Helper()
-	nc, err := nats.Connect(testenv.EmbeddedNATS(t))
+	return &natsBroker{js: creditsStream(t, testenv.EmbeddedNATS(t))}
+}
+
+// creditsStream connects to the NATS server at url with opts and creates
+// the stream of credits.>; the connection closes when t ends.
+func creditsStream(t testing.TB, url string, opts ...nats.Option) natsjs.JetStream {
+	t.Helper()
+	nc, err := nats.Connect(url, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -277,7 +284,7 @@ func newNATSBroker(t testing.TB) *natsBroker {
 	if _, err := js.CreateStream(context.Background(), natsjs.StreamConfig{Name: natsStream, Subjects: []string{"credits.>"}}); err != nil {
 		t.Fatal(err)
 	}
-	return &natsBroker{js: js}
+	return js
 }
 
 func (b *natsBroker) stream() string { return "credits.ledger" }
