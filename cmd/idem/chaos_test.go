@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -80,19 +82,85 @@ func chaosKillCounts(t *testing.T, out string) map[string]int {
 	return kills
 }
 
-// buildIdem builds this command into a temporary directory.
-func buildIdem(t *testing.T) string {
-	t.Helper()
+// TestMain starts building the idem binary TestChaos runs before any test
+// does, when TestChaos is to run: without -race, nothing of the test
+// binary's build is reused, and on a cold build cache the build takes
+// minutes, which the package's other tests now overlap.
+func TestMain(m *testing.M) {
+	flag.Parse()
+	var dir string
+	if !testing.Short() && runsTest("TestChaos") {
+		var err error
+		if dir, err = os.MkdirTemp("", "idem-chaos-bin-"); err == nil {
+			go chaosBin.build(filepath.Join(dir, "idem"))
+		} else {
+			chaosBin.fail(err)
+		}
+	} else {
+		chaosBin.fail(errors.New("idem was not built: -short, or -run does not select TestChaos"))
+	}
+	code := m.Run()
+	<-chaosBin.done // the build writes into dir until it ends
+	if dir != "" {
+		os.RemoveAll(dir)
+	}
+	os.Exit(code)
+}
+
+// runsTest reports whether the -run pattern selects the top-level test
+// name.
+func runsTest(name string) bool {
+	f := flag.Lookup("test.run")
+	if f == nil || f.Value.String() == "" {
+		return true
+	}
+	top, _, _ := strings.Cut(f.Value.String(), "/")
+	ok, err := regexp.MatchString(top, name)
+	return err != nil || ok // a pattern that does not compile fails the run anyway
+}
+
+// chaosBin is the idem binary TestMain builds for TestChaos.
+var chaosBin = &binBuild{done: make(chan struct{})}
+
+// binBuild is a build of this command that tests wait for.
+type binBuild struct {
+	done chan struct{} // closed when path or err is set
+	path string
+	err  error
+}
+
+// build runs go build into path.
+func (b *binBuild) build(path string) {
 	goBin, err := exec.LookPath("go")
 	if err != nil {
 		goBin = filepath.Join(os.Getenv("GOROOT"), "bin", "go")
 	}
-	bin := filepath.Join(t.TempDir(), "idem")
-	cmd := exec.Command(goBin, "build", "-o", bin, ".")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	out, err := exec.Command(goBin, "build", "-o", path, ".").CombinedOutput()
+	if err != nil {
+		b.fail(fmt.Errorf("go build: %w\n%s", err, out))
+		return
 	}
-	return bin
+	b.path = path
+	close(b.done)
+}
+
+func (b *binBuild) fail(err error) {
+	b.err = err
+	close(b.done)
+}
+
+// buildIdem returns the idem binary TestMain is building, once built.
+func buildIdem(t *testing.T) string {
+	t.Helper()
+	select {
+	case <-chaosBin.done:
+	case <-time.After(15 * time.Minute):
+		t.Fatal("go build of idem did not end within 15 minutes")
+	}
+	if chaosBin.err != nil {
+		t.Fatal(chaosBin.err)
+	}
+	return chaosBin.path
 }
 
 // TestChaosVerifyCatches checks that the run's verification fails on what
