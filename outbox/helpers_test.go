@@ -66,7 +66,7 @@ func (p *producer) fill(ctx context.Context, stream string, n, aggregates int) e
 
 func sqliteProducer(t testing.TB) *producer {
 	t.Helper()
-	db, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "producer.db"), nil)
+	db, drv := testenv.SQLite(t, filepath.Join(t.TempDir(), "producer.db"), &sqlite.OpenOptions{Synchronous: "NORMAL"})
 	if _, err := db.Exec(`CREATE TABLE ledger (account TEXT PRIMARY KEY, amount INTEGER NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}

@@ -26,6 +26,7 @@ import (
 // broker: every kind of process is SIGKILLed at random and restarted, and
 // the run must verify every effect against the intended events and exit 0.
 func TestChaos(t *testing.T) {
+	t.Parallel() // so the tests after it run while TestMain's build goes on
 	if testing.Short() {
 		t.Skip("chaos runs take half a minute; skipped with -short")
 	}
