@@ -201,21 +201,29 @@ func TestLagDuringPartitionIsBounded(t *testing.T) {
 	t.Parallel()
 	b := newBroker(t, rabbitmq.QueueQuorum)
 	p := newProxy(t, false)
-	ack := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict { return idem.Verdict{Ack: true} })
+	consuming := make(chan struct{})
+	var once sync.Once
+	ack := idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
+		once.Do(func() { close(consuming) })
+		return idem.Verdict{Ack: true}
+	})
 	cfg := b.config(t, ack)
 	cfg.URL = p.url()
 	cfg.AMQP.Heartbeat = 20 * time.Second
 	c, stop := run(t, cfg)
 	defer func() { _ = stop(false) }()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if _, err := c.Lag(context.Background()); err == nil {
-			break // the consumer's connection is up
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no lag from the running consumer")
-		}
-		time.Sleep(50 * time.Millisecond)
+	// A delivery handled: the consumer's session is up and consuming, so
+	// Lag asks on its connection. (A Lag that merely succeeds may have
+	// dialled a connection of its own while the session was still being
+	// set up, which then could end before the partition.)
+	b.Publish(t, adaptertest.Messages(idemtest.Events(1)), 0)
+	select {
+	case <-consuming:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the consumer handled no delivery in 30 s")
+	}
+	if _, err := c.Lag(context.Background()); err != nil {
+		t.Fatalf("Lag of the running consumer: %v", err)
 	}
 	p.partition()
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
