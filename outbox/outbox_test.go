@@ -656,14 +656,22 @@ func relayCrash(t *testing.T, p *producer, b broker, point string) {
 	}
 
 	pub := newCountingPublisher(b.publisher(t))
-	cycles := 0
+	var (
+		cycles                int
+		ackedBefore, unmarked int64 // acknowledged sends before the cycle; those of the crashed cycle
+	)
 	crashed := make(chan struct{})
 	first, err := outbox.NewRelay(p.drv, pub, &outbox.RelayConfig{Owner: "first", BatchSize: 30, ClaimTTL: time.Second, PollInterval: 10 * time.Millisecond,
 		FaultHook: func(at string) {
 			if at == outbox.FaultBeforePublish {
 				cycles++
+				ackedBefore = pub.acked.Load()
 			}
-			if at == point && cycles == 2 {
+			// From the second cycle on; after publishing, one that
+			// published something (on a loaded machine a cycle's keys
+			// can all come too late in its claim).
+			if at == point && cycles >= 2 && (at != outbox.FaultAfterPublish || pub.acked.Load() > ackedBefore) {
+				unmarked = pub.acked.Load() - ackedBefore
 				close(crashed)
 				runtime.Goexit() // the relay stops here: no further code of the cycle runs
 			}
@@ -713,8 +721,8 @@ func relayCrash(t *testing.T, p *producer, b broker, point string) {
 		point, before.Pending, sent, events, v.duplicates.Load())
 	switch point {
 	case outbox.FaultAfterPublish:
-		if sent <= events {
-			t.Errorf("%d sends for %d events: the unmarked batch was not republished", sent, events)
+		if sent < events+unmarked {
+			t.Errorf("%d sends for %d events: the %d rows published but not marked were not all republished", sent, events, unmarked)
 		}
 	default:
 		if sent != events {
