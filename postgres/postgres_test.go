@@ -116,9 +116,11 @@ func TestConformance(t *testing.T) {
 }
 
 // The same suite with every marker insert conflict-aware, as
-// Config.ConflictAwareInserts sets it.
+// Config.ConflictAwareInserts sets it, at the sizes of the other modes'
+// runs (TestQueryExecModes): TestConformance and TestOrdering run the
+// full sizes once.
 func TestConformanceConflictAware(t *testing.T) {
-	h := &idemtest.Harness[postgres.Tx]{Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
+	h := &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Aggregates: 30, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
 		pool := testenv.PostgresPool(t, 40)
 		return storeWith(t, pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool), ConflictAwareInserts: true})
 	}}
