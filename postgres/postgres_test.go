@@ -112,6 +112,7 @@ func markerCountSQL(schema string) string {
 }
 
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
 }
 
@@ -120,6 +121,7 @@ func TestConformance(t *testing.T) {
 // runs (TestQueryExecModes): TestConformance and TestOrdering run the
 // full sizes once.
 func TestConformanceConflictAware(t *testing.T) {
+	t.Parallel()
 	h := &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Aggregates: 30, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
 		pool := testenv.PostgresPool(t, 40)
 		return storeWith(t, pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool), ConflictAwareInserts: true})
@@ -219,6 +221,7 @@ func TestImportMarkers(t *testing.T) {
 }
 
 func TestOrdering(t *testing.T) {
+	t.Parallel()
 	idemtest.RunOrdering(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
 }
 
@@ -350,6 +353,7 @@ func TestRetention(t *testing.T) {
 }
 
 func TestDeadLetters(t *testing.T) {
+	t.Parallel()
 	idemtest.RunDeadLetters(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
 }
 
