@@ -1,6 +1,8 @@
 package main
 
 import (
+	"math"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -32,4 +34,39 @@ func TestDurationFlagErrors(t *testing.T) {
 		!strings.Contains(errOut, "at most 106751d") {
 		t.Fatalf("exit %d, stderr:\n%s", code, errOut)
 	}
+}
+
+// FuzzParseDuration: any text is refused or read as what it says: a Go
+// duration as time.ParseDuration reads it, a number of days within
+// maxDays, with its sign (never wrapped around), whole days exactly.
+func FuzzParseDuration(f *testing.F) {
+	for _, s := range []string{"90s", "36h", "30d", "1.5d", "-2d", "106751d", "106752d", "1e300d", "NaNd", "-Infd", "0x10d", "d", "", "1h30m", "-0d"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		d, err := parseDuration(s)
+		if err != nil {
+			if d != 0 {
+				t.Fatalf("%q: %v and %v; want 0 with an error", s, d, err)
+			}
+			return
+		}
+		n, days := strings.CutSuffix(s, "d")
+		if !days {
+			if want, werr := time.ParseDuration(s); werr != nil || d != want {
+				t.Fatalf("%q read as %v; time.ParseDuration: %v, %v", s, d, want, werr)
+			}
+			return
+		}
+		v, perr := strconv.ParseFloat(n, 64)
+		if perr != nil || math.Abs(v) > float64(maxDays) {
+			t.Fatalf("%q read as %v; the number: %v, %v", s, d, v, perr)
+		}
+		if (v < 0 && d > 0) || (v > 0 && d < 0) {
+			t.Fatalf("%q read as %v: the sign turned", s, d)
+		}
+		if v == math.Trunc(v) && d != time.Duration(v)*24*time.Hour {
+			t.Fatalf("%q read as %v, want %v", s, d, time.Duration(v)*24*time.Hour)
+		}
+	})
 }
