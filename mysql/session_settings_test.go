@@ -34,7 +34,7 @@ func TestClientFoundRows(t *testing.T) {
 		cfg.ClientFoundRows = true
 		return storeOn(t, testenv.MySQL(t, cfg.FormatDSN(), 40), nil)
 	}
-	h := &idemtest.Harness[*sql.Tx]{Open: open, Goroutines: 16, IDs: 300, Aggregates: 30}
+	h := &idemtest.Harness[*sql.Tx]{Open: open, Goroutines: 16, IDs: 300, Aggregates: 10}
 	t.Run("Ordering", func(t *testing.T) { idemtest.RunOrdering(t, h) })
 	t.Run("Conformance", func(t *testing.T) { idemtest.Run(t, h) })
 	t.Run("DeadLetters", func(t *testing.T) { idemtest.RunDeadLetters(t, h) })

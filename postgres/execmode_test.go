@@ -29,7 +29,7 @@ func TestQueryExecModes(t *testing.T) {
 				pool := testenv.PostgresPoolWith(t, 40, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
 				return pool, testenv.FreshSchema(t, pool)
 			}
-			h := &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Aggregates: 30, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
+			h := &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Aggregates: 10, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
 				pool, schema := open(t)
 				return storeIn(t, pool, schema)
 			}}

@@ -122,7 +122,7 @@ func TestConformance(t *testing.T) {
 // full sizes once.
 func TestConformanceConflictAware(t *testing.T) {
 	t.Parallel()
-	h := &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Aggregates: 30, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
+	h := &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Aggregates: 10, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
 		pool := testenv.PostgresPool(t, 40)
 		return storeWith(t, pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool), ConflictAwareInserts: true})
 	}}
