@@ -22,7 +22,6 @@ import (
 // protocol that pools behind PgBouncer in transaction mode often use. The
 // driver's arrays must encode there as well as in the default mode.
 func TestQueryExecModes(t *testing.T) {
-	t.Parallel()
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
 		t.Run(mode.String(), func(t *testing.T) {
 			open := func(t testing.TB) (*pgxpool.Pool, string) {

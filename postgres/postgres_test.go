@@ -112,7 +112,6 @@ func markerCountSQL(schema string) string {
 }
 
 func TestConformance(t *testing.T) {
-	t.Parallel()
 	idemtest.Run(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
 }
 
@@ -121,7 +120,6 @@ func TestConformance(t *testing.T) {
 // runs (TestQueryExecModes): TestConformance and TestOrdering run the
 // full sizes once.
 func TestConformanceConflictAware(t *testing.T) {
-	t.Parallel()
 	h := &idemtest.Harness[postgres.Tx]{Goroutines: 16, IDs: 300, Aggregates: 10, Open: func(t testing.TB) *idemtest.Store[postgres.Tx] {
 		pool := testenv.PostgresPool(t, 40)
 		return storeWith(t, pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool), ConflictAwareInserts: true})
@@ -221,7 +219,6 @@ func TestImportMarkers(t *testing.T) {
 }
 
 func TestOrdering(t *testing.T) {
-	t.Parallel()
 	idemtest.RunOrdering(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
 }
 
@@ -353,7 +350,6 @@ func TestRetention(t *testing.T) {
 }
 
 func TestDeadLetters(t *testing.T) {
-	t.Parallel()
 	idemtest.RunDeadLetters(t, &idemtest.Harness[postgres.Tx]{Open: openStore})
 }
 
