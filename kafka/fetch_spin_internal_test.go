@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,10 +17,13 @@ import (
 	"github.com/idemhq/idem/internal/testenv"
 )
 
-// TestPersistentFetchErrorDoesNotSpin: the topic is deleted and created
-// again under a member, which the client then fails at once, poll after
-// poll (UNKNOWN_TOPIC_ID). The member pauses between such polls, up to a
-// second, instead of spinning on them: counted with every line logged.
+// TestPersistentFetchErrorDoesNotSpin: every fetch fails with an error
+// the client does not retry itself (TOPIC_AUTHORIZATION_FAILED, as a
+// revoked ACL or a topic deleted and created again under the member give),
+// so each poll returns it at once. The member pauses between such polls,
+// up to a second, instead of spinning on them: counted with every line
+// logged. The broker injects the error, so the test does not depend on
+// when a client notices a recreated topic.
 func TestPersistentFetchErrorDoesNotSpin(t *testing.T) {
 	t.Parallel()
 	const topic = "t"
@@ -28,6 +32,27 @@ func TestPersistentFetchErrorDoesNotSpin(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cluster.Close()
+	var failFetches atomic.Bool
+	cluster.ControlKey(int16(kmsg.Fetch), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		if !failFetches.Load() {
+			return nil, nil, false
+		}
+		req := kreq.(*kmsg.FetchRequest)
+		resp := req.ResponseKind().(*kmsg.FetchResponse)
+		for _, rt := range req.Topics {
+			st := kmsg.NewFetchResponseTopic()
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewFetchResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.TopicAuthorizationFailed.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
 	admin, err := kgo.NewClient(kgo.SeedBrokers(cluster.ListenAddrs()...), kgo.DefaultProduceTopic(topic))
 	if err != nil {
 		t.Fatal(err)
@@ -40,6 +65,8 @@ func TestPersistentFetchErrorDoesNotSpin(t *testing.T) {
 	var buf testenv.Buffer
 	handled := make(chan struct{}, 1)
 	c, err := New(&Config{Brokers: cluster.ListenAddrs(), Group: "g", Topics: []string{topic}, Logger: slog.New(slog.NewTextHandler(&buf, nil)),
+		// Every fetch request names its partitions, so each one fails.
+		Options: []kgo.Opt{kgo.DisableFetchSessions()},
 		Handler: idem.DeliveryHandlerFunc(func(context.Context, *idem.Delivery) idem.Verdict {
 			select {
 			case handled <- struct{}{}:
@@ -60,29 +87,11 @@ func TestPersistentFetchErrorDoesNotSpin(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("no record handled in 15 s")
 	}
-	del := kmsg.NewPtrDeleteTopicsRequest()
-	del.TopicNames = []string{topic}
-	dt := kmsg.NewDeleteTopicsRequestTopic()
-	dt.Topic = kmsg.StringPtr(topic)
-	del.Topics = append(del.Topics, dt)
-	if _, err := del.RequestWith(ctx, admin); err != nil {
-		t.Fatal(err)
-	}
-	create := kmsg.NewPtrCreateTopicsRequest()
-	ct := kmsg.NewCreateTopicsRequestTopic()
-	ct.Topic, ct.NumPartitions, ct.ReplicationFactor = topic, 1, 1
-	create.Topics = append(create.Topics, ct)
-	resp, err := create.RequestWith(ctx, admin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := kerr.ErrorForCode(resp.Topics[0].ErrorCode); err != nil {
-		t.Fatal(err)
-	}
-	// Until the member's client sees the new topic ID, then for 3 s.
-	for deadline := time.Now().Add(20 * time.Second); !strings.Contains(buf.String(), "UNKNOWN_TOPIC_ID"); time.Sleep(50 * time.Millisecond) {
+	failFetches.Store(true)
+	// Until the member logs the first failed poll, then for 3 s.
+	for deadline := time.Now().Add(20 * time.Second); !strings.Contains(buf.String(), "TOPIC_AUTHORIZATION_FAILED"); time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Skip("the client did not fail the recreated topic in 20 s")
+			t.Fatalf("no failed fetch logged in 20 s; log:\n%s", buf.String())
 		}
 	}
 	before := strings.Count(buf.String(), "kafka: fetch error")
@@ -90,7 +99,7 @@ func TestPersistentFetchErrorDoesNotSpin(t *testing.T) {
 	n := strings.Count(buf.String(), "kafka: fetch error") - before
 	t.Logf("%d fetch errors in 3 s", n)
 	if n == 0 {
-		t.Skip("the client stopped failing the recreated topic")
+		t.Fatalf("no fetch error logged in 3 s while every fetch failed; log:\n%s", buf.String())
 	}
 	if n > 30 {
 		t.Fatalf("%d polls failed at once in 3 s: the member spins on a fetch error that lasts", n)
