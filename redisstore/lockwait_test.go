@@ -3,6 +3,7 @@ package redisstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -10,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/redisstore"
 )
 
@@ -114,5 +116,77 @@ func TestLockCycleEnds(t *testing.T) {
 				t.Fatalf("the transaction that went on: commit: %v", err)
 			}
 		}
+	}
+}
+
+// A batch that trails others through its markers waits for one after
+// another, each briefly, as their holders apply them: progress, and no
+// lock cycle, however long it adds up to. Five holders take the markers
+// after the batch's first one 0.6 s apart and commit each 1.2 s after
+// taking it, so the batch, holding its first marker, waits 3.6 s in all
+// (more than LockTTL 2 s plus half of it) but at most 1.2 s for any one.
+// Counted over the whole call, that wait failed with ErrLockWait.
+func TestTrailingBatchWaitsPerKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, _, _, drv, _ := openProc(t, &redisstore.Config{LockTTL: 2 * time.Second})
+	ids := []string{"m0", "m1", "m2", "m3", "m4", "m5"}
+	hash := []byte("h")
+	start := time.Now()
+	var wg sync.WaitGroup
+	holderErrs := make([]error, len(ids))
+	for i := 1; i < len(ids); i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Until(start.Add(time.Duration(i-1) * 600 * time.Millisecond)))
+			tx, err := drv.Begin(ctx)
+			if err != nil {
+				holderErrs[i] = err
+				return
+			}
+			res, err := drv.MarkerInsert(ctx, tx, &driver.MarkerInsertParams{Handler: "h", MessageID: ids[i], PayloadHash: hash})
+			if err != nil || !res.Inserted {
+				_ = drv.Rollback(ctx, tx)
+				holderErrs[i] = fmt.Errorf("holder of %s: %+v, %v; want it inserted", ids[i], res, err)
+				return
+			}
+			time.Sleep(time.Until(start.Add(time.Duration(i-1)*600*time.Millisecond + 1200*time.Millisecond)))
+			holderErrs[i] = drv.Commit(ctx, tx)
+		}()
+	}
+	time.Sleep(100 * time.Millisecond) // after the first holder
+	tx, err := drv.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hashes := make([][]byte, len(ids))
+	for i := range hashes {
+		hashes[i] = hash
+	}
+	res, err := drv.MarkerInsertMany(ctx, tx, &driver.MarkerInsertManyParams{Handler: "h", MessageIDs: ids, PayloadHashes: hashes})
+	waited := time.Since(start)
+	if err == nil {
+		err = drv.Commit(ctx, tx)
+	} else {
+		_ = drv.Rollback(ctx, tx)
+	}
+	wg.Wait()
+	if err != nil {
+		t.Fatalf("the trailing batch, after %s: %v; want its markers inserted or found", waited.Round(time.Millisecond), err)
+	}
+	if err := errors.Join(holderErrs...); err != nil {
+		t.Fatal(err)
+	}
+	if !res[0].Inserted {
+		t.Fatalf("%s: %+v; want it inserted by the batch", ids[0], res[0])
+	}
+	for i := 1; i < len(ids); i++ {
+		if res[i].Inserted || string(res[i].ExistingHash) != string(hash) {
+			t.Fatalf("%s: %+v; want the holder's marker found", ids[i], res[i])
+		}
+	}
+	if waited < 3*time.Second {
+		t.Fatalf("the batch was done after %s; want it to have trailed all five holders (3.6 s)", waited.Round(time.Millisecond))
 	}
 }

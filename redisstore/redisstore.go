@@ -131,8 +131,8 @@ var (
 	// ProcessTx, say). Waiting would mean dropping the caller's watches,
 	// so it fails instead. Roll back and retry the transaction.
 	ErrLockBusy = errors.New("redisstore: message locked by a concurrent transaction")
-	// ErrLockWait matches a wait for another transaction's lock that
-	// lasted over LockTTL, plus up to half as much at random, in a
+	// ErrLockWait matches a wait for one key another transaction holds
+	// that lasted over LockTTL, plus up to half as much at random, in a
 	// transaction that holds locks of its own: Redis cannot see a lock
 	// cycle (two transactions each waiting for a lock the other holds),
 	// and the wait keeps the waiter's own locks alive, so a cycle ends
@@ -568,13 +568,20 @@ func (tx *Tx) addClaim(c *claim) {
 
 // waitFor runs attempt until it is not blocked. An attempt queues its
 // commands on pipe and returns a function that reads their results and
-// reports whether another transaction holds a key it needs. While blocked
+// returns the key it waits for, one another transaction holds ("" when
+// none). While blocked
 // the transaction keeps what it holds, drops its watches and sleeps, with
 // backoff; the next attempt first watches its claims again and checks that
 // nothing moved (a lock that expired meanwhile: ErrAborted). In a
 // transaction the caller watched keys in, it does not wait: ErrLockBusy;
-// nor for longer than lockWaitLimit while it holds locks: ErrLockWait.
-func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) func() (bool, error)) error {
+// nor for longer than lockWaitLimit for one key while it holds locks:
+// ErrLockWait.
+//
+// The bound is per key waited for, not for the whole call: a batch that
+// trails others through its markers waits for one after another, each
+// briefly, as their holders apply them, and that is progress however long
+// it adds up to. A lock cycle waits on the same key throughout.
+func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) func() (string, error)) error {
 	if tx.done {
 		return errors.New("redisstore: transaction is finished")
 	}
@@ -587,6 +594,7 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 	var (
 		waitStart time.Time
 		waitLimit time.Duration
+		waitKey   string // the key waited for since waitStart
 	)
 	for {
 		pipe := tx.conn.Pipeline()
@@ -631,8 +639,8 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 				return fmt.Errorf("redisstore: a lock of this transaction expired while it waited: %w", ErrAborted)
 			}
 		}
-		blocked, err := after()
-		if err != nil || !blocked {
+		blockedOn, err := after()
+		if err != nil || blockedOn == "" {
 			return err
 		}
 		if tx.userWatched {
@@ -643,8 +651,8 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 			// transaction's own locks alive: bound it, a little
 			// differently for each transaction so that one of a cycle
 			// gives up first.
-			if waitStart.IsZero() {
-				waitStart, waitLimit = time.Now(), lockWaitLimit(tx.d.lockTTL)
+			if waitStart.IsZero() || blockedOn != waitKey {
+				waitStart, waitLimit, waitKey = time.Now(), lockWaitLimit(tx.d.lockTTL), blockedOn
 			} else if waited := time.Since(waitStart); waited > waitLimit {
 				return fmt.Errorf("%w (%s, holding %d; a lock cycle?)", ErrLockWait, waited.Round(time.Millisecond), held)
 			}
@@ -771,34 +779,37 @@ func (tx *Tx) lockValues(ctx context.Context, keys, locks []string) error {
 	if err := tx.checkKeys(len(keys), "locking "+plural(len(keys), "key")); err != nil {
 		return err
 	}
-	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
+	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (string, error) {
 		n := lockScript.EvalSha(ctx, pipe, locks, tx.token, tx.d.lockTTL.Milliseconds())
 		pipe.Do(ctx, watchArgs(keys)...)
 		gets := make([]*redis.StringCmd, len(keys))
 		for i, k := range keys {
 			gets[i] = pipe.Get(ctx, k)
 		}
-		return func() (bool, error) {
+		return func() (string, error) {
 			held, err := n.Int()
 			if err != nil {
-				return false, fmt.Errorf("redisstore: take locks: %w", err)
+				return "", fmt.Errorf("redisstore: take locks: %w", err)
 			}
 			if held < 0 {
-				return false, fmt.Errorf("redisstore: take locks: key %q is no lock (a key of another type, or one without an expiry): %w", locks[-held-1], ErrNotMarker)
+				return "", fmt.Errorf("redisstore: take locks: key %q is no lock (a key of another type, or one without an expiry): %w", locks[-held-1], ErrNotMarker)
 			}
 			for k := range held {
 				v, err := gets[k].Result()
 				if redis.HasErrorPrefix(err, "WRONGTYPE") {
-					return false, fmt.Errorf("redisstore: read %q: a key of another type: %w", keys[k], ErrNotMarker)
+					return "", fmt.Errorf("redisstore: read %q: a key of another type: %w", keys[k], ErrNotMarker)
 				}
 				if err != nil && !errors.Is(err, redis.Nil) {
-					return false, fmt.Errorf("redisstore: read %q: %w", keys[k], err)
+					return "", fmt.Errorf("redisstore: read %q: %w", keys[k], err)
 				}
 				if _, ok := tx.claims[keys[k]]; !ok {
 					tx.addClaim(&claim{key: keys[k], lock: locks[k], seen: v})
 				}
 			}
-			return held < len(keys), nil
+			if held < len(keys) {
+				return locks[held], nil
+			}
+			return "", nil
 		}
 	})
 	if err != nil {
@@ -858,7 +869,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 		return nil, fmt.Errorf("redisstore: insert markers of %q: %w", p.Handler, err)
 	}
 	foreign := false // a marker applied by another transaction was watched
-	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (bool, error) {
+	err := tx.waitFor(ctx, func(pipe redis.Pipeliner) func() (string, error) {
 		var set redis.Cmder
 		if len(keys) == 1 {
 			set = pipe.SetNX(ctx, keys[0], tx.pending, d.lockTTL)
@@ -869,20 +880,20 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 		}
 		pipe.Do(ctx, watchArgs(keys)...)
 		mget := pipe.MGet(ctx, keys...)
-		return func() (bool, error) {
+		return func() (string, error) {
 			foreign = false
 			// A refused SET (out of memory, a replica) would read below
 			// as a marker another transaction holds: waited on forever.
 			if err := set.Err(); err != nil && !errors.Is(err, redis.Nil) {
-				return false, err
+				return "", err
 			}
 			// The caller below names the handler.
 			vals, err := mget.Result()
 			if err != nil {
-				return false, err
+				return "", err
 			}
 			if len(vals) != len(keys) {
-				return false, fmt.Errorf("MGET returned %d values for %d keys", len(vals), len(keys))
+				return "", fmt.Errorf("MGET returned %d values for %d keys", len(vals), len(keys))
 			}
 			gets := make([]string, len(vals))
 			strs := make([]bool, len(vals)) // a string, "" included
@@ -916,28 +927,28 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 					// another type, which SET NX leaves and MGET reads as
 					// nothing: that would be waited on forever.
 					if t, err := tx.conn.Type(ctx, keys[k]).Result(); err != nil {
-						return false, err
+						return "", err
 					} else if t != "none" && t != "string" {
-						return false, fmt.Errorf("key %q holds a %s: %w", keys[k], t, ErrNotMarker)
+						return "", fmt.Errorf("key %q holds a %s: %w", keys[k], t, ErrNotMarker)
 					}
 					blocked = k
 				case pendingValue(v):
 					// Every hold expires: one without an expiry was set
 					// by hand, and would be waited on forever.
 					if stuck, err := noExpiryScript.Eval(ctx, tx.conn, []string{keys[k]}, v).Int(); err != nil {
-						return false, err
+						return "", err
 					} else if stuck == 1 {
-						return false, fmt.Errorf("key %q holds %q without an expiry, which no transaction's hold lacks: %w", keys[k], v, ErrNotMarker)
+						return "", fmt.Errorf("key %q holds %q without an expiry, which no transaction's hold lacks: %w", keys[k], v, ErrNotMarker)
 					}
 					blocked = k
 				default:
 					// The empty string too: it is no hold to wait for,
 					// and SET NX leaves it.
-					return false, fmt.Errorf("key %q holds %q: %w", keys[k], v, ErrNotMarker)
+					return "", fmt.Errorf("key %q holds %q: %w", keys[k], v, ErrNotMarker)
 				}
 			}
 			if blocked < 0 {
-				return false, nil
+				return "", nil
 			}
 			var let []string
 			for k := blocked + 1; k < len(keys); k++ {
@@ -952,10 +963,10 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 					args[i] = tx.pending
 				}
 				if err := releaseScript.Run(ctx, tx.conn, let, args...).Err(); err != nil && !errors.Is(err, redis.Nil) {
-					return false, fmt.Errorf("redisstore: let go of markers: %w", err)
+					return "", fmt.Errorf("redisstore: let go of markers: %w", err)
 				}
 			}
-			return true, nil
+			return keys[blocked], nil
 		}
 	})
 	if err != nil {
