@@ -532,10 +532,18 @@ return 0
 `)
 
 // setNXScript sets each key in KEYS that does not exist to ARGV[1], to
-// expire after ARGV[2] milliseconds.
+// expire after ARGV[2] milliseconds, in order, and stops at the first that
+// holds another transaction's pending value (one starting with ARGV[3]):
+// the caller waits for that one and would let go of the keys after it, so
+// taking them would only block other transactions for a round trip.
 var setNXScript = redis.NewScript(`
-for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) end
-return 0
+for i = 1, #KEYS do
+  if not redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    local v = redis.pcall('GET', KEYS[i])
+    if type(v) == 'string' and v ~= ARGV[1] and #v > #ARGV[3] and string.sub(v, 1, #ARGV[3]) == ARGV[3] then return i - 1 end
+  end
+end
+return #KEYS
 `)
 
 // releaseScript deletes each key in KEYS whose value is the matching ARGV.
@@ -842,8 +850,10 @@ func (d *Driver) MarkerInsert(ctx context.Context, tx *Tx, p *driver.MarkerInser
 // other transaction holds any of the markers: SET NX of each marker to
 // this transaction's pending value, WATCH them, GET them. A marker that
 // holds another transaction's pending value is waited for (see waitFor);
-// the markers after it in ID order are let go meanwhile, so that
-// overlapping batches cannot wait on each other in a cycle.
+// the markers after it in ID order are not taken meanwhile (let go, if
+// this transaction took them on an earlier pass), so that overlapping
+// batches cannot wait on each other in a cycle, nor block each other on
+// markers their holders are not ready to use.
 func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerInsertManyParams) ([]driver.MarkerInsertResult, error) {
 	if tx == nil {
 		return nil, errNilTx
@@ -876,7 +886,7 @@ func (d *Driver) MarkerInsertMany(ctx context.Context, tx *Tx, p *driver.MarkerI
 		} else {
 			// One command rather than one per marker: for a batch the
 			// per-command cost, on both ends, is most of the work.
-			set = setNXScript.EvalSha(ctx, pipe, keys, tx.pending, d.lockTTL.Milliseconds())
+			set = setNXScript.EvalSha(ctx, pipe, keys, tx.pending, d.lockTTL.Milliseconds(), pendingPrefix)
 		}
 		pipe.Do(ctx, watchArgs(keys)...)
 		mget := pipe.MGet(ctx, keys...)
