@@ -105,6 +105,37 @@ func TestRunEndsWhenTheDurableIsDeleted(t *testing.T) {
 	}
 }
 
+// The JetStream server acts on the Nats- headers of a publish: Nats-Rollup
+// would purge the subject's earlier messages, Nats-Expected-Last-Sequence
+// would fail the relay's republished copy for good, Nats-Schedule would
+// store a schedule instead of the message. The Publisher refuses a
+// message's own header of that namespace, publishing nothing of the call;
+// another spelling is an ordinary header.
+func TestPublisherRefusesServerHeaders(t *testing.T) {
+	t.Parallel()
+	b, js, p := newPublisher(t)
+	ctx := context.Background()
+	for _, h := range []string{"Nats-Rollup", "Nats-Expected-Last-Sequence", "Nats-Schedule", "Nats-Msg-Id"} {
+		err := p.Publish(ctx, []*idem.Message{
+			{ID: "before", Stream: b.stream + ".x", Payload: []byte("x")},
+			{ID: "with-" + h, Stream: b.stream + ".x", Payload: []byte("x"), Headers: map[string]string{h: "1"}},
+		})
+		if !errors.Is(err, idem.ErrInvalidMessage) || !strings.Contains(err.Error(), h) {
+			t.Fatalf("%s: Publish: %v, want ErrInvalidMessage naming the header", h, err)
+		}
+	}
+	info, err := js.Stream(ctx, b.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := info.CachedInfo().State.Msgs; n != 0 {
+		t.Fatalf("%d messages in the stream, want none", n)
+	}
+	if err := p.Publish(ctx, []*idem.Message{{ID: "lower", Stream: b.stream + ".x", Payload: []byte("x"), Headers: map[string]string{"nats-rollup": "all"}}}); err != nil {
+		t.Fatalf("a header spelt nats-rollup: %v, want it published", err)
+	}
+}
+
 // A message with an empty payload and a Status header would be taken by
 // nats.go for a status message and never reach a consumer: the Publisher
 // refuses the call, publishing nothing of it.

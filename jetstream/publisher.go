@@ -83,13 +83,21 @@ func (p *Publisher) Probe(ctx context.Context) error {
 
 // Publish sends msgs in order, each once the previous one is stored. It
 // refuses the call, publishing nothing, if any message is invalid
-// (Message.ValidatePublish; Stream is the subject) or has an empty payload
-// and a Status header (ErrStatusHeader): a consumer could only
-// dead-letter it.
+// (Message.ValidatePublish; Stream is the subject), has a header the
+// server acts on (a name beginning with Nats-, see serverHeaderPrefix), or
+// has an empty payload and a Status header (ErrStatusHeader): a consumer
+// could only dead-letter it.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	for _, m := range msgs {
 		if err := m.ValidatePublish(); err != nil {
 			return fmt.Errorf("jetstream: publish: %w", err)
+		}
+		for k := range m.Headers {
+			if strings.HasPrefix(k, serverHeaderPrefix) {
+				return fmt.Errorf("jetstream: publish %q: %w: header %q is the JetStream server's: it acts on such headers at publish "+
+					"(Nats-Rollup purges the subject's earlier messages, Nats-Expected-* fails a republished copy, Nats-Schedule* stores a schedule, not the message); "+
+					"give it another name", m.ID, idem.ErrInvalidMessage, k)
+			}
 		}
 		if reason := badSubject(m.Stream); reason != "" {
 			return fmt.Errorf("jetstream: publish %q: %w: Stream %q is no subject to publish to: %s", m.ID, idem.ErrInvalidMessage, m.Stream, reason)
@@ -125,6 +133,14 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	}
 	return nil
 }
+
+// serverHeaderPrefix begins the names of the headers the JetStream server
+// reads on a publish and acts on (Nats-Msg-Id, Nats-Rollup,
+// Nats-Expected-Last-Sequence, Nats-TTL, Nats-Schedule, ...), a set that
+// grows with server releases. The publisher writes Nats-Msg-Id itself; a
+// message's own Headers may hold none of them. NATS header names are
+// case-sensitive: the server reads these spellings only.
+const serverHeaderPrefix = "Nats-"
 
 // badSubject says why subj cannot be published to, or "": NATS subjects
 // are dot-separated tokens, none empty, without white space, and a
