@@ -28,6 +28,7 @@ type proxy struct {
 	target string
 	mu     sync.Mutex
 	silent bool
+	stall  chan struct{} // closed: nothing more is read from the clients connected so far
 	conns  []net.Conn
 }
 
@@ -41,7 +42,7 @@ func newProxy(t testing.TB, silent bool) *proxy {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &proxy{ln: ln, target: net.JoinHostPort(u.Host, strconv.Itoa(u.Port)), silent: silent}
+	p := &proxy{ln: ln, target: net.JoinHostPort(u.Host, strconv.Itoa(u.Port)), silent: silent, stall: make(chan struct{})}
 	t.Cleanup(p.close)
 	go p.accept()
 	return p
@@ -68,16 +69,23 @@ func (p *proxy) accept() {
 		}
 		p.mu.Lock()
 		p.conns = append(p.conns, u)
+		stall := p.stall
 		p.mu.Unlock()
-		go p.pipe(c, u)
-		go p.pipe(u, c)
+		go p.pipe(c, u, stall)
+		go p.pipe(u, c, nil)
 	}
 }
 
-// pipe copies from to to, dropping what it reads once the proxy is silent.
-func (p *proxy) pipe(from, to net.Conn) {
+// pipe copies from to to, dropping what it reads once the proxy is
+// silent. It stops reading once stall is closed.
+func (p *proxy) pipe(from, to net.Conn, stall chan struct{}) {
 	buf := make([]byte, 32<<10)
 	for {
+		select {
+		case <-stall:
+			return
+		default:
+		}
 		n, err := from.Read(buf)
 		if err != nil {
 			return
@@ -92,6 +100,17 @@ func (p *proxy) pipe(from, to net.Conn) {
 			return
 		}
 	}
+}
+
+// stallClients stops reading from the clients connected so far, keeping
+// their sockets open: as a broker under a memory or disk alarm does (it
+// blocks the publishing connections), their writes block once the socket
+// buffers are full. Later connections are forwarded.
+func (p *proxy) stallClients() {
+	p.mu.Lock()
+	close(p.stall)
+	p.stall = make(chan struct{})
+	p.mu.Unlock()
 }
 
 func (p *proxy) partition() {
@@ -235,5 +254,66 @@ func TestLagDuringPartitionIsBounded(t *testing.T) {
 	}
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Lag returned %v, want the context's deadline", err)
+	}
+}
+
+// A broker that stops reading from the publisher (a memory or disk alarm
+// blocks publishing connections) leaves a Publish blocked in a write once
+// the socket buffers are full. The end of its context still ends it, so a
+// relay stops when asked, and the next Publish connects again; Close
+// ends a blocked Publish too, and does not wait for the broker for ever.
+func TestPublishReturnsWhenBrokerStopsReading(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, rabbitmq.QueueQuorum)
+	px := newProxy(t, false)
+	p, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: px.url()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ctx := context.Background()
+	if err := p.Publish(ctx, []*idem.Message{{ID: "first", Stream: b.queue, Payload: []byte("1")}}); err != nil {
+		t.Fatal(err)
+	}
+	px.stallClients()
+	big := make([]byte, 1<<20)
+	var msgs []*idem.Message
+	for i := range 32 { // 32 MiB: more than any socket buffer holds
+		msgs = append(msgs, &idem.Message{ID: "big-" + strconv.Itoa(i), Stream: b.queue, Payload: big})
+	}
+	pctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- p.Publish(pctx, msgs) }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("Publish to a broker that reads nothing succeeded")
+		}
+		t.Logf("Publish returned %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Publish still blocked 9 s after its context ended")
+	}
+	if err := p.Publish(ctx, []*idem.Message{{ID: "after", Stream: b.queue, Payload: []byte("2")}}); err != nil {
+		t.Fatalf("Publish on a new connection: %v", err)
+	}
+
+	px.stallClients()
+	go func() { done <- p.Publish(ctx, msgs) }() // no deadline
+	time.Sleep(500 * time.Millisecond)
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	for _, what := range []string{"Close", "the Publish Close interrupted"} {
+		select {
+		case <-closed:
+			closed = nil
+		case err := <-done:
+			if err == nil {
+				t.Fatal("Publish to a broker that reads nothing succeeded")
+			}
+			done = nil
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s still blocked 10 s after Close", what)
+		}
 	}
 }

@@ -50,15 +50,22 @@ type Publisher struct {
 	cfg   PublisherConfig
 	mu    sync.Mutex
 	conn  *amqp.Connection
+	sock  *socket // conn's network connection
 	idle  []*pubChannel
 	close bool
 }
 
-// pubChannel is a channel in confirm mode with its returns.
+// pubChannel is a channel in confirm mode with its returns, and the
+// network connection under it.
 type pubChannel struct {
 	ch      *amqp.Channel
 	returns chan amqp.Return
+	sock    *socket
 }
+
+// closeTimeout bounds Close's wait for the broker's answer: a broker that
+// stopped reading (a memory or disk alarm) never gives it.
+const closeTimeout = 2 * time.Second
 
 // NewPublisher returns a Publisher. It connects at the first Publish.
 func NewPublisher(cfg *PublisherConfig) (*Publisher, error) {
@@ -92,8 +99,8 @@ func (p *Publisher) Close() error {
 	if p.conn == nil {
 		return nil
 	}
-	err := p.conn.Close()
-	p.conn = nil
+	err := p.conn.CloseDeadline(time.Now().Add(closeTimeout))
+	p.conn, p.sock = nil, nil
 	if errors.Is(err, amqp.ErrClosed) {
 		return nil
 	}
@@ -124,7 +131,7 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 		if err != nil {
 			return nil, fmt.Errorf("rabbitmq: publisher: connect: %w", err)
 		}
-		p.conn, p.idle = conn, nil
+		p.conn, p.sock, p.idle = conn, sock, nil
 	}
 	ch, err := p.conn.Channel()
 	if err != nil {
@@ -137,7 +144,7 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	// Returns come before their publish's confirm; waiting for the
 	// confirms of at most confirmChunk messages, the buffer holds all
 	// the returns they can cause.
-	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk))}, nil
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk)), sock: p.sock}, nil
 }
 
 // release gives pc back, or closes it after a failure.
@@ -211,12 +218,28 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 }
 
 // publish sends msgs on pc, waiting for the confirms of each chunk.
+//
+// A broker under a memory or disk alarm stops reading from publishing
+// connections, and amqp091 writes without a deadline: once the socket
+// buffers are full a publish would block until the alarm clears, past
+// ctx's end. So if ctx ends while a message is being written, the
+// connection's socket is closed (the connection is wedged for every
+// channel on it anyway); the next Publish connects again.
 func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Message) error {
+	var w writeGuard
+	stop := context.AfterFunc(ctx, func() { w.end(pc.sock) })
+	defer stop()
 	for lo := 0; lo < len(msgs); lo += confirmChunk {
 		chunk := msgs[lo:min(lo+confirmChunk, len(msgs))]
 		dcs := make([]*amqp.DeferredConfirmation, len(chunk))
 		for i, m := range chunk {
+			if !w.begin() {
+				return fmt.Errorf("rabbitmq: publish %q to %q: %w", m.ID, m.Stream, context.Cause(ctx))
+			}
 			dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, m.Stream, true, false, publishing(m))
+			if w.done() {
+				err = fmt.Errorf("%w (the broker was not reading: its connection is closed): %w", context.Cause(ctx), err)
+			}
 			if err != nil {
 				return fmt.Errorf("rabbitmq: publish %q to %q: %w", m.ID, m.Stream, err)
 			}
@@ -244,6 +267,41 @@ func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Me
 		}
 	}
 	return nil
+}
+
+// writeGuard lets a context's end close a connection whose write blocks.
+type writeGuard struct {
+	mu      sync.Mutex
+	writing bool
+	ended   bool // the context ended
+	cut     bool // and a write was under way: the socket was closed
+}
+
+// begin reports whether a write may start: false once the context ended.
+func (w *writeGuard) begin() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.writing = !w.ended
+	return w.writing
+}
+
+// done ends a write and reports whether the socket was closed under it.
+func (w *writeGuard) done() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.writing = false
+	return w.cut
+}
+
+// end records the context's end and closes sock if a write is under way.
+func (w *writeGuard) end(sock *socket) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.ended = true
+	if w.writing && sock != nil {
+		w.cut = true
+		sock.close()
+	}
 }
 
 // publishing is m as DefaultMap reads it back.
