@@ -753,6 +753,23 @@ func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 		err = m.Term()
 	case v.Ack:
 		err = m.Ack()
+	case d.LastAttempt:
+		// Not decided on its last delivery (the consumer stopped while
+		// the store was down, or while its dead letter could not be
+		// written): JetStream drops a message Nak'd or left unacked
+		// now. Requeue a copy, which it delivers afresh, and end this
+		// delivery; Nak it only if the copy could not be published.
+		seq, rerr := c.requeue(m)
+		if rerr != nil {
+			c.cfg.Logger.Error("jetstream: last delivery not decided, and its copy could not be requeued: JetStream drops the message",
+				slog.String("source", d.Source), slog.Any("error", rerr), slog.Any("verdict_error", v.Err))
+			err = m.NakWithDelay(v.RetryAfter)
+			break
+		}
+		c.cfg.Logger.Warn("jetstream: last delivery not decided; requeued as a new stream message, delivered afresh",
+			slog.String("source", d.Source), slog.Uint64("requeued_as", seq), slog.Any("verdict_error", v.Err))
+		// Term, not TermWithReason, which servers before 2.10.4 ignore.
+		err = m.Term()
 	default:
 		err = m.NakWithDelay(v.RetryAfter)
 	}
@@ -761,6 +778,48 @@ func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 		// already durable, so that redelivery is a Duplicate.
 		c.cfg.Logger.Warn("jetstream: settling a message failed; it will be redelivered", slog.String("source", d.Source), slog.Any("error", err))
 	}
+}
+
+// HeaderRequeuedFrom is set on the copy of a message requeued on its last
+// delivery (see requeue): the original's stream sequence. DefaultMap
+// leaves it out of Message.Headers, as the other idem- headers.
+const HeaderRequeuedFrom = "idem-requeued-from"
+
+// requeueTimeout bounds the publish of a requeued copy.
+const requeueTimeout = 5 * time.Second
+
+// requeue publishes a copy of m to its subject on the stream and returns
+// the copy's stream sequence. The copy keeps the payload and the headers
+// but those the server acts on (Nats-*): its Nats-Msg-Id moves to idem-id,
+// which DefaultMap reads next, so the copy keeps its message ID (idem's
+// markers make it a Duplicate if the original was applied) and the
+// stream's duplicate window does not drop it. It lands at the stream's
+// end, behind later messages of its subject.
+func (c *Consumer) requeue(m jetstream.Msg) (uint64, error) {
+	if nc := c.js.Conn(); nc != nil && nc.Status() != nats.CONNECTED {
+		// Each of a stop's last deliveries would wait out the timeout.
+		return 0, fmt.Errorf("jetstream: requeue: connection %s", nc.Status())
+	}
+	orig := m.Headers()
+	h := nats.Header{}
+	for k, vs := range orig {
+		if !strings.HasPrefix(k, serverHeaderPrefix) {
+			h[k] = slices.Clone(vs)
+		}
+	}
+	if id := orig.Get(HeaderMsgID); id != "" {
+		h.Set(HeaderID, id)
+	}
+	if seq := streamSeq(m); seq > 0 {
+		h.Set(HeaderRequeuedFrom, strconv.FormatUint(seq, 10))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), requeueTimeout)
+	defer cancel()
+	ack, err := c.js.PublishMsg(ctx, &nats.Msg{Subject: m.Subject(), Header: h, Data: m.Data()}, jetstream.WithExpectStream(c.cfg.Stream))
+	if err != nil {
+		return 0, err
+	}
+	return ack.Sequence, nil
 }
 
 // DefaultMap reads the message ID from Nats-Msg-Id, else idem-id; the
@@ -788,7 +847,7 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 	msg := &idem.Message{ID: id, Stream: subject, Type: h.Get(HeaderType), AggregateID: h.Get(HeaderAggregate), Payload: data}
 	for k, vs := range h {
 		switch k {
-		case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType, HeaderTime:
+		case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType, HeaderTime, HeaderRequeuedFrom:
 			continue
 		}
 		if len(vs) == 0 {
