@@ -77,18 +77,18 @@ func (p *proxy) accept() {
 }
 
 // pipe copies from to to, dropping what it reads once the proxy is
-// silent. It stops reading once stall is closed.
+// silent. Once stall is closed it forwards nothing more and stops reading.
 func (p *proxy) pipe(from, to net.Conn, stall chan struct{}) {
 	buf := make([]byte, 32<<10)
 	for {
+		n, err := from.Read(buf)
+		if err != nil {
+			return
+		}
 		select {
 		case <-stall:
 			return
 		default:
-		}
-		n, err := from.Read(buf)
-		if err != nil {
-			return
 		}
 		p.mu.Lock()
 		silent := p.silent
@@ -258,62 +258,110 @@ func TestLagDuringPartitionIsBounded(t *testing.T) {
 }
 
 // A broker that stops reading from the publisher (a memory or disk alarm
-// blocks publishing connections) leaves a Publish blocked in a write once
-// the socket buffers are full. The end of its context still ends it, so a
-// relay stops when asked, and the next Publish connects again; Close
-// ends a blocked Publish too, and does not wait for the broker for ever.
+// blocks publishing connections) leaves a Publish waiting: for its write,
+// once the socket buffers are full, or for confirms that never come and
+// then for the close of its channel. The end of its context still ends
+// it, so a relay stops when asked, and the next Publish connects again;
+// Close ends a stuck Publish too, and does not wait for the broker for
+// ever.
 func TestPublishReturnsWhenBrokerStopsReading(t *testing.T) {
 	t.Parallel()
 	b := newBroker(t, rabbitmq.QueueQuorum)
-	px := newProxy(t, false)
-	p, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: px.url()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
 	ctx := context.Background()
-	if err := p.Publish(ctx, []*idem.Message{{ID: "first", Stream: b.queue, Payload: []byte("1")}}); err != nil {
-		t.Fatal(err)
-	}
-	px.stallClients()
 	big := make([]byte, 1<<20)
-	var msgs []*idem.Message
-	for i := range 32 { // 32 MiB: more than any socket buffer holds
-		msgs = append(msgs, &idem.Message{ID: "big-" + strconv.Itoa(i), Stream: b.queue, Payload: big})
-	}
-	pctx, cancel := context.WithTimeout(ctx, time.Second)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- p.Publish(pctx, msgs) }()
-	select {
-	case err := <-done:
-		if err == nil {
-			t.Fatal("Publish to a broker that reads nothing succeeded")
-		}
-		t.Logf("Publish returned %v", err)
-	case <-time.After(10 * time.Second):
-		t.Fatal("Publish still blocked 9 s after its context ended")
-	}
-	if err := p.Publish(ctx, []*idem.Message{{ID: "after", Stream: b.queue, Payload: []byte("2")}}); err != nil {
-		t.Fatalf("Publish on a new connection: %v", err)
-	}
-
-	px.stallClients()
-	go func() { done <- p.Publish(ctx, msgs) }() // no deadline
-	time.Sleep(500 * time.Millisecond)
-	closed := make(chan error, 1)
-	go func() { closed <- p.Close() }()
-	for _, what := range []string{"Close", "the Publish Close interrupted"} {
-		select {
-		case <-closed:
-			closed = nil
-		case err := <-done:
-			if err == nil {
-				t.Fatal("Publish to a broker that reads nothing succeeded")
+	for _, size := range []struct {
+		name string
+		msgs []*idem.Message
+	}{
+		{"one small message", []*idem.Message{{ID: "small", Stream: b.queue, Payload: []byte("s")}}},
+		{"32 MiB", func() (msgs []*idem.Message) {
+			for i := range 32 { // more than any socket buffer holds
+				msgs = append(msgs, &idem.Message{ID: "big-" + strconv.Itoa(i), Stream: b.queue, Payload: big})
 			}
-			done = nil
+			return msgs
+		}()},
+	} {
+		px := newProxy(t, false)
+		p, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: px.url()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Publish(ctx, []*idem.Message{{ID: "first", Stream: b.queue, Payload: []byte("1")}}); err != nil {
+			t.Fatal(err)
+		}
+		px.stallClients()
+		pctx, cancel := context.WithTimeout(ctx, time.Second)
+		done := make(chan error, 1)
+		go func() { done <- p.Publish(pctx, size.msgs) }()
+		select {
+		case err := <-done:
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Fatalf("%s: Publish to a broker that reads nothing: %v, want the context's error", size.name, err)
+			}
+			t.Logf("%s: Publish returned %v", size.name, err)
 		case <-time.After(10 * time.Second):
-			t.Fatalf("%s still blocked 10 s after Close", what)
+			t.Fatalf("%s: Publish still blocked 9 s after its context ended", size.name)
+		}
+		cancel()
+		if err := p.Publish(ctx, []*idem.Message{{ID: "after", Stream: b.queue, Payload: []byte("2")}}); err != nil {
+			t.Fatalf("%s: Publish on a new connection: %v", size.name, err)
+		}
+
+		px.stallClients()
+		go func() { done <- p.Publish(ctx, size.msgs) }() // no deadline
+		time.Sleep(500 * time.Millisecond)
+		closed := make(chan error, 1)
+		start := time.Now()
+		go func() { closed <- p.Close() }()
+		for _, what := range []string{"Close", "the Publish Close interrupted"} {
+			select {
+			case <-closed:
+				closed = nil
+			case err := <-done:
+				if err == nil {
+					t.Fatalf("%s: Publish to a broker that reads nothing succeeded", size.name)
+				}
+				done = nil
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s: %s still blocked 10 s after Close", size.name, what)
+			}
+		}
+		t.Logf("%s: Close and the stuck Publish returned in %s", size.name, time.Since(start).Round(time.Millisecond))
+	}
+}
+
+// A Publish whose context ends while the broker reads returns at once and
+// leaves the connection to the other calls: only a call still running a
+// second after its context ended takes the broker for one that stopped
+// reading and closes the connection.
+func TestCancelledPublishesLeaveTheConnection(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, rabbitmq.QueueQuorum)
+	p := newPublisherURL(t, testenv.RabbitMQURL())
+	ctx := context.Background()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // callers whose contexts end, some before the call
+		defer wg.Done()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			cctx, cancel := context.WithTimeout(ctx, time.Duration(i%4)*500*time.Microsecond)
+			_ = p.Publish(cctx, []*idem.Message{{ID: "c-" + strconv.Itoa(i), Stream: b.queue, Payload: []byte("c")}})
+			cancel()
+		}
+	}()
+	for i := range 300 {
+		if err := p.Publish(ctx, []*idem.Message{{ID: "k-" + strconv.Itoa(i), Stream: b.queue, Payload: []byte("k")}}); err != nil {
+			close(stop)
+			wg.Wait()
+			t.Fatalf("publish %d, beside cancelled ones: %v", i, err)
 		}
 	}
+	close(stop)
+	wg.Wait()
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -50,22 +51,28 @@ type Publisher struct {
 	cfg   PublisherConfig
 	mu    sync.Mutex
 	conn  *amqp.Connection
-	sock  *socket // conn's network connection
 	idle  []*pubChannel
 	close bool
+	// sock is conn's network connection, read without mu: a call stuck
+	// on a broker that stopped reading may hold mu (see cutWhenStuck).
+	sock atomic.Pointer[socket]
 }
 
-// pubChannel is a channel in confirm mode with its returns, and the
-// network connection under it.
-type pubChannel struct {
-	ch      *amqp.Channel
-	returns chan amqp.Return
-	sock    *socket
-}
+// stuckGrace is how long a Publish may go on after its context ended
+// before the publisher takes the broker for one that stopped reading and
+// closes the connection's socket (see cutWhenStuck). A broker that reads
+// answers a cancelled call's channel close in milliseconds.
+const stuckGrace = time.Second
 
 // closeTimeout bounds Close's wait for the broker's answer: a broker that
 // stopped reading (a memory or disk alarm) never gives it.
 const closeTimeout = 2 * time.Second
+
+// pubChannel is a channel in confirm mode with its returns.
+type pubChannel struct {
+	ch      *amqp.Channel
+	returns chan amqp.Return
+}
 
 // NewPublisher returns a Publisher. It connects at the first Publish.
 func NewPublisher(cfg *PublisherConfig) (*Publisher, error) {
@@ -90,8 +97,14 @@ func NewPublisher(cfg *PublisherConfig) (*Publisher, error) {
 	return p, nil
 }
 
-// Close closes the publisher's connection.
+// Close closes the publisher's connection. It waits for the broker at
+// most closeTimeout, then closes the socket, also when a Publish is stuck
+// on a broker that stopped reading.
 func (p *Publisher) Close() error {
+	if s := p.sock.Load(); s != nil {
+		t := time.AfterFunc(closeTimeout, s.close)
+		defer t.Stop()
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.close = true
@@ -99,8 +112,8 @@ func (p *Publisher) Close() error {
 	if p.conn == nil {
 		return nil
 	}
-	err := p.conn.CloseDeadline(time.Now().Add(closeTimeout))
-	p.conn, p.sock = nil, nil
+	err := p.conn.Close()
+	p.conn = nil
 	if errors.Is(err, amqp.ErrClosed) {
 		return nil
 	}
@@ -131,7 +144,8 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 		if err != nil {
 			return nil, fmt.Errorf("rabbitmq: publisher: connect: %w", err)
 		}
-		p.conn, p.sock, p.idle = conn, sock, nil
+		p.conn, p.idle = conn, nil
+		p.sock.Store(sock)
 	}
 	ch, err := p.conn.Channel()
 	if err != nil {
@@ -144,7 +158,7 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	// Returns come before their publish's confirm; waiting for the
 	// confirms of at most confirmChunk messages, the buffer holds all
 	// the returns they can cause.
-	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk)), sock: p.sock}, nil
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk))}, nil
 }
 
 // release gives pc back, or closes it after a failure.
@@ -208,38 +222,58 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	pc, err := p.channel(ctx)
-	if err != nil {
-		return err
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("rabbitmq: publish: %w", err)
 	}
-	err = p.publish(ctx, pc, msgs)
-	p.release(pc, err != nil)
+	defer p.cutWhenStuck(ctx)()
+	pc, err := p.channel(ctx)
+	if err == nil {
+		err = p.publish(ctx, pc, msgs)
+		p.release(pc, err != nil)
+	}
+	if err != nil && ctx.Err() != nil && !errors.Is(err, ctx.Err()) {
+		// Cut short: the call's own error says how.
+		err = fmt.Errorf("rabbitmq: publish: %w: %w", ctx.Err(), err)
+	}
 	return err
 }
 
+// cutWhenStuck watches a Publish: if it is still running stuckGrace after
+// ctx ended, the broker is taken for one that stopped reading, and the
+// connection's socket is closed. A broker under a memory or disk alarm
+// stops reading from publishing connections and amqp091 has no deadline
+// for its writes and calls: a publish whose write filled the socket
+// buffers, the close of a channel whose confirms never came, the opening
+// of one would each wait until the alarm clears, past the caller's stop,
+// and the publisher's mutex with them. The connection is wedged for every
+// channel on it by then; the next Publish connects again. It returns the
+// function that ends the watch.
+func (p *Publisher) cutWhenStuck(ctx context.Context) func() {
+	done := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		t := time.NewTimer(stuckGrace)
+		defer t.Stop()
+		select {
+		case <-done:
+		case <-t.C:
+			if s := p.sock.Load(); s != nil {
+				s.close()
+			}
+		}
+	})
+	return func() {
+		close(done)
+		stop()
+	}
+}
+
 // publish sends msgs on pc, waiting for the confirms of each chunk.
-//
-// A broker under a memory or disk alarm stops reading from publishing
-// connections, and amqp091 writes without a deadline: once the socket
-// buffers are full a publish would block until the alarm clears, past
-// ctx's end. So if ctx ends while a message is being written, the
-// connection's socket is closed (the connection is wedged for every
-// channel on it anyway); the next Publish connects again.
 func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Message) error {
-	var w writeGuard
-	stop := context.AfterFunc(ctx, func() { w.end(pc.sock) })
-	defer stop()
 	for lo := 0; lo < len(msgs); lo += confirmChunk {
 		chunk := msgs[lo:min(lo+confirmChunk, len(msgs))]
 		dcs := make([]*amqp.DeferredConfirmation, len(chunk))
 		for i, m := range chunk {
-			if !w.begin() {
-				return fmt.Errorf("rabbitmq: publish %q to %q: %w", m.ID, m.Stream, context.Cause(ctx))
-			}
 			dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, m.Stream, true, false, publishing(m))
-			if w.done() {
-				err = fmt.Errorf("%w (the broker was not reading: its connection is closed): %w", context.Cause(ctx), err)
-			}
 			if err != nil {
 				return fmt.Errorf("rabbitmq: publish %q to %q: %w", m.ID, m.Stream, err)
 			}
@@ -267,41 +301,6 @@ func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Me
 		}
 	}
 	return nil
-}
-
-// writeGuard lets a context's end close a connection whose write blocks.
-type writeGuard struct {
-	mu      sync.Mutex
-	writing bool
-	ended   bool // the context ended
-	cut     bool // and a write was under way: the socket was closed
-}
-
-// begin reports whether a write may start: false once the context ended.
-func (w *writeGuard) begin() bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.writing = !w.ended
-	return w.writing
-}
-
-// done ends a write and reports whether the socket was closed under it.
-func (w *writeGuard) done() bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.writing = false
-	return w.cut
-}
-
-// end records the context's end and closes sock if a write is under way.
-func (w *writeGuard) end(sock *socket) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.ended = true
-	if w.writing && sock != nil {
-		w.cut = true
-		sock.close()
-	}
 }
 
 // publishing is m as DefaultMap reads it back.

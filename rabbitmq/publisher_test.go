@@ -13,7 +13,12 @@ import (
 
 func newPublisher(t testing.TB) *rabbitmq.Publisher {
 	t.Helper()
-	p, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: testenv.RabbitMQURL()})
+	return newPublisherURL(t, testenv.RabbitMQURL())
+}
+
+func newPublisherURL(t testing.TB, url string) *rabbitmq.Publisher {
+	t.Helper()
+	p, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: url})
 	if err != nil {
 		t.Fatal(err)
 	}
