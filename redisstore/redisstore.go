@@ -602,7 +602,7 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 	var (
 		waitStart time.Time
 		waitLimit time.Duration
-		waitKey   string // the key waited for since waitStart
+		waitKey   string // the key waited for, since waitStart if set
 	)
 	for {
 		pipe := tx.conn.Pipeline()
@@ -654,13 +654,19 @@ func (tx *Tx) waitFor(ctx context.Context, attempt func(pipe redis.Pipeliner) fu
 		if tx.userWatched {
 			return ErrLockBusy
 		}
+		if blockedOn != waitKey {
+			// Past the key waited for: it was applied, or this
+			// transaction took it. Wait for the next one afresh, from
+			// the shortest backoff.
+			waitKey, waitStart, wait = blockedOn, time.Time{}, 200*time.Microsecond
+		}
 		if held := len(tx.held()); held > 0 {
 			// Redis sees no lock cycle, and this wait keeps the
 			// transaction's own locks alive: bound it, a little
 			// differently for each transaction so that one of a cycle
 			// gives up first.
-			if waitStart.IsZero() || blockedOn != waitKey {
-				waitStart, waitLimit, waitKey = time.Now(), lockWaitLimit(tx.d.lockTTL), blockedOn
+			if waitStart.IsZero() {
+				waitStart, waitLimit = time.Now(), lockWaitLimit(tx.d.lockTTL)
 			} else if waited := time.Since(waitStart); waited > waitLimit {
 				return fmt.Errorf("%w (%s, holding %d; a lock cycle?)", ErrLockWait, waited.Round(time.Millisecond), held)
 			}
