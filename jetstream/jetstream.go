@@ -827,7 +827,10 @@ func (c *Consumer) requeue(m jetstream.Msg) (uint64, error) {
 // idem-type and the time from idem-time; the payload is the message data
 // and Stream the subject. Every other header goes to Headers (its first
 // value), so metadata such as a producer's trace context (traceparent)
-// reaches the handler and the hooks. A message with neither ID header is a
+// reaches the handler and the hooks; so do headers the server set or acts
+// on (Nats-*, on a sourced stream's messages say), which Publisher
+// refuses: drop them from a message the handler forwards to JetStream
+// through the outbox. A message with neither ID header is a
 // decode failure: JetStream's own stream sequence would differ between a
 // message and its republished copy, so it cannot stand in for a producer's
 // ID.
