@@ -23,19 +23,7 @@ import (
 // exactly once and none is dead-lettered.
 func TestStoreOutageLongerThanAckWait(t *testing.T) {
 	b := newBroker(t, testenv.EmbeddedNATS(t))
-	path := filepath.Join(t.TempDir(), "store.db")
-	db, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
-	if _, err := db.Exec(`CREATE TABLE applied (id TEXT NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	p, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &idem.Handler[*sql.Tx]{Name: "h", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
-		_, err := tx.ExecContext(ctx, `INSERT INTO applied (id) VALUES (?)`, m.ID)
-		return err
-	}}
+	path, db, drv, p, h := outageStore(t)
 	c, err := idem.NewConsumer(p, h, drv, &idem.ConsumerConfig{MaxAttempts: 3, Logger: testenv.Logger(t)})
 	if err != nil {
 		t.Fatal(err)
@@ -105,4 +93,25 @@ func TestStoreOutageLongerThanAckWait(t *testing.T) {
 	for id, as := range attempts {
 		t.Logf("%s: deliveries %v", id, as)
 	}
+}
+
+// outageStore opens a SQLite store in a file of its own, which the test
+// can take down (testenv.HoldSQLite on path), and a processor and a
+// handler that records each applied message ID in the table applied.
+func outageStore(t *testing.T) (path string, db *sql.DB, drv *sqlite.Driver, p *idem.Processor[*sql.Tx], h *idem.Handler[*sql.Tx]) {
+	t.Helper()
+	path = filepath.Join(t.TempDir(), "store.db")
+	db, drv = testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
+	if _, err := db.Exec(`CREATE TABLE applied (id TEXT NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h = &idem.Handler[*sql.Tx]{Name: "h", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO applied (id) VALUES (?)`, m.ID)
+		return err
+	}}
+	return path, db, drv, p, h
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -16,7 +15,6 @@ import (
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/jetstream"
-	"github.com/idemhq/idem/sqlite"
 )
 
 // outageSeen is a HookOutage that signals an outage's start.
@@ -43,19 +41,7 @@ func (o *outageSeen) OnOutage(_ context.Context, ev *idem.OutageEvent) {
 func stopDuringOutage(t *testing.T, maxDeliver, preDeliveries int, natsMsgID, preApplied bool, tune ...func(*jetstream.Config)) {
 	t.Parallel()
 	b := newBroker(t, testenv.EmbeddedNATS(t))
-	path := filepath.Join(t.TempDir(), "store.db")
-	db, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
-	if _, err := db.Exec(`CREATE TABLE applied (id TEXT NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	p, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &idem.Handler[*sql.Tx]{Name: "h", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
-		_, err := tx.ExecContext(ctx, `INSERT INTO applied (id) VALUES (?)`, m.ID)
-		return err
-	}}
+	path, db, drv, p, h := outageStore(t)
 	seen := &outageSeen{down: make(chan struct{}, 1)}
 	c, err := idem.NewConsumer(p, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t), Hooks: []idem.Hook{seen}})
 	if err != nil {
