@@ -312,7 +312,9 @@ func (c *deliveries) held(d *Delivery, waitErr, last error) Verdict {
 		err = fmt.Errorf("%w: %w (last failure: %w)", ErrStoreUnavailable, waitErr, last)
 	}
 	if d != nil && d.LastAttempt && !d.replay {
-		c.cfg.Logger.Error("idem: stopped while the store was down, on the broker's last delivery: the broker may not deliver the message again",
+		// The JetStream and RabbitMQ adapters requeue such a delivery
+		// as a copy, and log an ERROR if they cannot.
+		c.cfg.Logger.Warn("idem: stopped while the store was down, on the broker's last delivery: the adapter must requeue it, or the broker may not deliver it again",
 			slog.String("handler", c.name), slog.String("source", d.Source), slog.Any("error", err))
 	}
 	attempt := 0
@@ -611,7 +613,7 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 	if err != nil {
 		err = fmt.Errorf("idem: dead-letter %s: %w (while handling: %w)", dl.MessageID, err, cause)
 		if d.LastAttempt && !d.replay {
-			c.cfg.Logger.Error("idem: dead letter not stored, and the broker's last delivery ended: the broker may not deliver the message again",
+			c.cfg.Logger.Warn("idem: dead letter not stored, and the broker's last delivery ended: the adapter must requeue it, or the broker may not deliver it again",
 				slog.String("handler", c.name), slog.String("message_id", dl.MessageID), slog.String("source", dl.Source), slog.Any("error", err))
 		} else {
 			c.cfg.Logger.Error("idem: dead letter not stored; will retry the delivery", slog.String("handler", c.name), slog.Any("error", err))

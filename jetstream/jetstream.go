@@ -753,15 +753,17 @@ func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 		err = m.Term()
 	case v.Ack:
 		err = m.Ack()
-	case d.LastAttempt:
-		// Not decided on its last delivery (the consumer stopped while
+	case d.LastAttempt && stopping(d):
+		// Not decided on its last delivery because Run stopped (while
 		// the store was down, or while its dead letter could not be
 		// written): JetStream drops a message Nak'd or left unacked
 		// now. Requeue a copy, which it delivers afresh, and end this
-		// delivery; Nak it only if the copy could not be published.
+		// delivery; Nak it only if the copy could not be published. A
+		// retry verdict on a last delivery without a stop is the
+		// handler's own, and JetStream's MaxDeliver applies to it.
 		seq, rerr := c.requeue(m)
 		if rerr != nil {
-			c.cfg.Logger.Error("jetstream: last delivery not decided, and its copy could not be requeued: JetStream drops the message",
+			c.cfg.Logger.Error("jetstream: last delivery not decided at the stop, and its copy could not be requeued (or its acknowledgement was lost): JetStream drops the original",
 				slog.String("source", d.Source), slog.Any("error", rerr), slog.Any("verdict_error", v.Err))
 			err = m.NakWithDelay(v.RetryAfter)
 			break
@@ -777,6 +779,16 @@ func (c *Consumer) settle(m jetstream.Msg, d *idem.Delivery, v idem.Verdict) {
 		// The message is redelivered after AckWait; the outcome is
 		// already durable, so that redelivery is a Duplicate.
 		c.cfg.Logger.Warn("jetstream: settling a message failed; it will be redelivered", slog.String("source", d.Source), slog.Any("error", err))
+	}
+}
+
+// stopping reports whether the Run that pulled d has stopped.
+func stopping(d *idem.Delivery) bool {
+	select {
+	case <-d.Stopping:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -800,6 +812,17 @@ func (c *Consumer) requeue(m jetstream.Msg) (uint64, error) {
 		// Each of a stop's last deliveries would wait out the timeout.
 		return 0, fmt.Errorf("jetstream: requeue: connection %s", nc.Status())
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), requeueTimeout)
+	defer cancel()
+	st, err := c.js.Stream(ctx, c.cfg.Stream)
+	if err != nil {
+		return 0, fmt.Errorf("jetstream: requeue: %w", err)
+	}
+	if n := st.CachedInfo().Config.MaxMsgsPerSubject; n > 0 {
+		// A copy would count against the subject's limit and could
+		// displace a newer message of it, not yet consumed.
+		return 0, fmt.Errorf("jetstream: requeue: stream %q keeps %d messages a subject: a copy could displace a newer one", c.cfg.Stream, n)
+	}
 	orig := m.Headers()
 	h := nats.Header{}
 	for k, vs := range orig {
@@ -813,8 +836,6 @@ func (c *Consumer) requeue(m jetstream.Msg) (uint64, error) {
 	if seq := streamSeq(m); seq > 0 {
 		h.Set(HeaderRequeuedFrom, strconv.FormatUint(seq, 10))
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), requeueTimeout)
-	defer cancel()
 	ack, err := c.js.PublishMsg(ctx, &nats.Msg{Subject: m.Subject(), Header: h, Data: m.Data()}, jetstream.WithExpectStream(c.cfg.Stream))
 	if err != nil {
 		return 0, err
@@ -851,6 +872,11 @@ func mapMessage(subject string, h nats.Header, data []byte) (*idem.Message, erro
 	for k, vs := range h {
 		switch k {
 		case HeaderMsgID, HeaderID, HeaderAggregate, HeaderSeq, HeaderType, HeaderTime, HeaderRequeuedFrom:
+			continue
+		}
+		if strings.HasPrefix(k, "Nats-Expected-") {
+			// A publisher's condition for the server (a requeued copy
+			// carries Nats-Expected-Stream): nothing for a handler.
 			continue
 		}
 		if len(vs) == 0 {

@@ -254,3 +254,42 @@ func (r *outageRecorder) HandleDeliveries(ctx context.Context, ds []*idem.Delive
 	}
 	return vs
 }
+
+// A handler's own retry verdict on the last delivery, with no stop, is
+// not requeued: MaxDeliver ends it as JetStream does (a handler that always
+// retries would otherwise be requeued for ever, and every durable on the
+// stream would receive the copies).
+func TestRetryOnLastDeliveryWithoutStopIsNotRequeued(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, testenv.EmbeddedNATS(t))
+	nc, js := b.connect(t)
+	defer nc.Close()
+	var mu sync.Mutex
+	var attempts []int
+	h := idem.DeliveryHandlerFunc(func(_ context.Context, d *idem.Delivery) idem.Verdict {
+		mu.Lock()
+		attempts = append(attempts, d.Attempt)
+		mu.Unlock()
+		return idem.Verdict{RetryAfter: 10 * time.Millisecond}
+	})
+	jc, err := jetstream.New(js, &jetstream.Config{Stream: b.stream, Durable: "idem", Handler: h, MaxDeliver: 2, AckWait: time.Second, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.Publish(t, []*idem.Message{{ID: "m-1", AggregateID: "a", Payload: []byte("x")}}, 0)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- jc.Run(ctx) }()
+	time.Sleep(2 * time.Second)
+	cancel()
+	<-done
+	info, err := js.Stream(context.Background(), b.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if n := info.CachedInfo().State.Msgs; n != 1 || len(attempts) != 2 {
+		t.Fatalf("%d messages in the stream, attempts %v; want the one published, delivered twice (MaxDeliver 2)", n, attempts)
+	}
+}
