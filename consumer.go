@@ -592,6 +592,9 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 		id, err = c.putDeadLetter(ctx, dl)
 		return err
 	})
+	// The wait for the store ended first (the adapter stopped): the
+	// delivery was held, as in decide, and is no attempt of the message.
+	held := errors.Is(err, outage.ErrStopped) || ctx.Err() != nil && errors.Is(err, ctx.Err())
 	// On the broker's last delivery a retry verdict would lose the
 	// message: the broker does not deliver it again. Keep writing while
 	// the delivery lasts (the adapter keeps the message in progress).
@@ -612,8 +615,14 @@ func (c *deliveries) deadLetter(ctx context.Context, d *Delivery, class string, 
 	}
 	if err != nil {
 		err = fmt.Errorf("idem: dead-letter %s: %w (while handling: %w)", dl.MessageID, err, cause)
+		if held {
+			err = fmt.Errorf("%w: %w", ErrStoreUnavailable, err)
+		}
 		if d.LastAttempt && !d.replay {
 			c.cfg.Logger.Warn("idem: dead letter not stored, and the broker's last delivery ended: the adapter must requeue it, or the broker may not deliver it again",
+				slog.String("handler", c.name), slog.String("message_id", dl.MessageID), slog.String("source", dl.Source), slog.Any("error", err))
+		} else if held {
+			c.cfg.Logger.Warn("idem: stopped while the store was down, before the dead letter was stored; the delivery comes again, no attempt counted",
 				slog.String("handler", c.name), slog.String("message_id", dl.MessageID), slog.String("source", dl.Source), slog.Any("error", err))
 		} else {
 			c.cfg.Logger.Error("idem: dead letter not stored; will retry the delivery", slog.String("handler", c.name), slog.Any("error", err))
