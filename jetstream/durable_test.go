@@ -239,6 +239,10 @@ func TestPublisherRefusesInvalidMessages(t *testing.T) {
 		{ID: "wildcard", Stream: subj + ".*", Payload: []byte("x")},
 		{ID: "empty-token", Stream: subj + "..x", Payload: []byte("x")},
 		{ID: "inner-space", Stream: "a b", Payload: []byte("x")},
+		// The server's API: it would act on the publish (delete the stream).
+		{ID: "api", Stream: "$JS.API.STREAM.DELETE." + b.stream, Payload: []byte("{}")},
+		{ID: "ack", Stream: "$JS.ACK." + b.stream + ".c.1.1.1.1.0", Payload: []byte("+TERM")},
+		{ID: "sys", Stream: "$SYS.REQ.SERVER.PING", Payload: []byte("x")},
 	} {
 		err := p.Publish(context.Background(), []*idem.Message{{ID: "before", Stream: subj, Payload: []byte("x")}, bad})
 		if !errors.Is(err, idem.ErrInvalidMessage) {

@@ -86,7 +86,9 @@ func (p *Publisher) Probe(ctx context.Context) error {
 // (Message.ValidatePublish; Stream is the subject), has a header the
 // server acts on (a name beginning with Nats-, see serverHeaderPrefix), or
 // has an empty payload and a Status header (ErrStatusHeader): a consumer
-// could only dead-letter it.
+// could only dead-letter it. A Stream that is no subject to publish to (a
+// wildcard, an empty token, white space, a subject of the server's own
+// API such as $JS.API.STREAM.DELETE.<name>) is an invalid message too.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	for _, m := range msgs {
 		if err := m.ValidatePublish(); err != nil {
@@ -144,10 +146,14 @@ const serverHeaderPrefix = "Nats-"
 
 // badSubject says why subj cannot be published to, or "": NATS subjects
 // are dot-separated tokens, none empty, without white space, and a
-// publish names no wildcard (* or >).
+// publish names no wildcard (* or >), nor a subject of the server's own
+// API (see serverSubject).
 func badSubject(subj string) string {
 	if strings.ContainsAny(subj, " \t\r\n") {
 		return "it holds white space"
+	}
+	if serverSubject(subj) {
+		return "it is in the server's own namespace ($JS, $JSC, $NRG, $SYS), where a publish is an API request the server acts on (deleting or purging a stream, acking a consumer's message) and no stream stores and acknowledges it"
 	}
 	for _, tok := range strings.Split(subj, ".") {
 		switch tok {
@@ -158,4 +164,18 @@ func badSubject(subj string) string {
 		}
 	}
 	return ""
+}
+
+// serverSubject reports whether subj is in a namespace of the server's
+// own API: $JS (the JetStream API, acks, flow control), $JSC, $NRG
+// (clustering) and $SYS (the system account). The server acts on a
+// publish there, and refuses a stream that acknowledges publishes and
+// covers such subjects, but for $JS.EVENT.> and $SYS.ACCOUNT.>.
+func serverSubject(subj string) bool {
+	for _, ns := range [...]string{"$JS.", "$JSC.", "$NRG.", "$SYS."} {
+		if strings.HasPrefix(subj, ns) {
+			return !strings.HasPrefix(subj, "$JS.EVENT.") && !strings.HasPrefix(subj, "$SYS.ACCOUNT.")
+		}
+	}
+	return false
 }
