@@ -126,7 +126,8 @@ func (p *Publisher) Probe(ctx context.Context) error {
 
 // Publish produces msgs and returns once all are acknowledged. An invalid
 // message (Message.ValidatePublish: Stream is the topic; a key that is no
-// aggregate ID is fine without a sequence), or one whose record may not fit
+// aggregate ID is fine without a sequence; a Stream that is no name Kafka
+// takes for a topic, see badTopic), or one whose record may not fit
 // the client's limits (ErrRecordTooLarge), fails the call before anything
 // is produced. A message without an AggregateID gets no record key.
 func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
@@ -143,6 +144,9 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		}
 		if err := v.ValidatePublish(); err != nil {
 			return fmt.Errorf("kafka: publish: %w", err)
+		}
+		if reason := badTopic(m.Stream); reason != "" {
+			return fmt.Errorf("kafka: publish %q: %w: Stream %q is no Kafka topic: %s", m.ID, idem.ErrInvalidMessage, m.Stream, reason)
 		}
 	}
 	recs := make([]*kgo.Record, len(msgs))
@@ -176,4 +180,27 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 		return fmt.Errorf("kafka: produce %d records from %q: %w", len(msgs), msgs[0].ID, err)
 	}
 	return nil
+}
+
+// maxTopicLen is the longest topic name Kafka takes.
+const maxTopicLen = 249
+
+// badTopic says why Kafka can never have topic, or "": a name of 1 to 249
+// ASCII letters, digits, '.', '_' and '-', other than "." and "..". The
+// client would wait for such a topic, once a record is buffered, until
+// the call's context ends, where a refusal here names the reason at once.
+func badTopic(topic string) string {
+	switch {
+	case len(topic) > maxTopicLen:
+		return fmt.Sprintf("it is %d bytes; the maximum is %d", len(topic), maxTopicLen)
+	case topic == "." || topic == "..":
+		return "it is . or .."
+	}
+	for i := 0; i < len(topic); i++ {
+		c := topic[i]
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return fmt.Sprintf("it has %q at offset %d; a topic is ASCII letters, digits, '.', '_' and '-'", topic[i:i+1], i)
+		}
+	}
+	return ""
 }

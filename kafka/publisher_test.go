@@ -98,6 +98,11 @@ func TestPublisherRefusesInvalidMessages(t *testing.T) {
 		{ID: "nul-type", Stream: topic, Type: "Cred\x00ited", Payload: []byte("x")},
 		{ID: "own-seq", Stream: topic, Payload: []byte("x"), Headers: map[string]string{kafka.HeaderSeq: "n/a"}},
 		{ID: "own-type", Stream: topic, Payload: []byte("x"), Headers: map[string]string{kafka.HeaderType: "Debited"}},
+		// No topic Kafka can have: the client would wait for it until the
+		// call's context ends.
+		{ID: "slash-topic", Stream: "bad/topic", Payload: []byte("x")},
+		{ID: "long-topic", Stream: strings.Repeat("t", 250), Payload: []byte("x")},
+		{ID: "dot-topic", Stream: "..", Payload: []byte("x")},
 	} {
 		err := pub.Publish(context.Background(), []*idem.Message{{ID: "before", Stream: topic, Payload: []byte("x")}, bad})
 		if !errors.Is(err, idem.ErrInvalidMessage) {
