@@ -68,10 +68,26 @@ const stuckGrace = time.Second
 // stopped reading (a memory or disk alarm) never gives it.
 const closeTimeout = 2 * time.Second
 
-// pubChannel is a channel in confirm mode with its returns.
+// pubChannel is a channel in confirm mode with its returns, and the
+// broker's reason when it closes the channel.
 type pubChannel struct {
 	ch      *amqp.Channel
 	returns chan amqp.Return
+	closed  chan *amqp.Error
+}
+
+// closeReason returns why the broker closed pc (a message over its
+// max_message_size, an exchange that does not exist: a refusal that a
+// row's last error must name), or amqp.ErrClosed when it gave none.
+func (pc *pubChannel) closeReason() error {
+	select {
+	case e, ok := <-pc.closed:
+		if ok && e != nil {
+			return e
+		}
+	default:
+	}
+	return amqp.ErrClosed
 }
 
 // NewPublisher returns a Publisher. It connects at the first Publish.
@@ -129,6 +145,9 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	if p.close {
 		return nil, fmt.Errorf("rabbitmq: publisher: %w", amqp.ErrClosed)
 	}
+	if p.sock.Load().isClosed() {
+		p.idle = nil // on the connection cutWhenStuck cut
+	}
 	for len(p.idle) > 0 {
 		pc := p.idle[len(p.idle)-1]
 		p.idle = p.idle[:len(p.idle)-1]
@@ -136,7 +155,12 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 			return pc, nil
 		}
 	}
-	if p.conn == nil || p.conn.IsClosed() {
+	// A socket cut under a stuck call (cutWhenStuck) closes the
+	// connection once amqp091's reader notices: do not wait for that.
+	if p.conn == nil || p.conn.IsClosed() || p.sock.Load().isClosed() {
+		if p.conn != nil {
+			_ = p.conn.Close()
+		}
 		sock := &socket{}
 		unwatch := context.AfterFunc(ctx, sock.close)
 		conn, err := dialContext(ctx, p.cfg.URL, p.cfg.AMQP, sock)
@@ -158,7 +182,9 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	// Returns come before their publish's confirm; waiting for the
 	// confirms of at most confirmChunk messages, the buffer holds all
 	// the returns they can cause.
-	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk))}, nil
+	// amqp091 sends the close reason to closed before it fails the
+	// confirms still awaited.
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk)), closed: ch.NotifyClose(make(chan *amqp.Error, 1))}, nil
 }
 
 // release gives pc back, or closes it after a failure.
@@ -275,6 +301,9 @@ func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Me
 		for i, m := range chunk {
 			dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, m.Stream, true, false, publishing(m))
 			if err != nil {
+				if errors.Is(err, amqp.ErrClosed) {
+					err = pc.closeReason() // closed by the broker after an earlier message
+				}
 				return fmt.Errorf("rabbitmq: publish %q to %q: %w", m.ID, m.Stream, err)
 			}
 			dcs[i] = dc
@@ -286,7 +315,7 @@ func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Me
 			}
 			if !ok {
 				if pc.ch.IsClosed() {
-					return fmt.Errorf("rabbitmq: confirm of %q: %w", chunk[i].ID, amqp.ErrClosed)
+					return fmt.Errorf("rabbitmq: confirm of %q: %w", chunk[i].ID, pc.closeReason())
 				}
 				return fmt.Errorf("%w: %q to %q", ErrNacked, chunk[i].ID, chunk[i].Stream)
 			}

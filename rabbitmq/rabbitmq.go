@@ -304,6 +304,16 @@ func (s *socket) set(nc net.Conn) {
 	}
 }
 
+// isClosed reports whether close was called; false on a nil socket.
+func (s *socket) isClosed() bool {
+	if s == nil {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
 // close closes the network connection: amqp091 then shuts the AMQP
 // connection down, and the broker returns what it had not acknowledged.
 func (s *socket) close() {
