@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"log/slog"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -569,4 +570,19 @@ func waitFor(t testing.TB, what string, timeout time.Duration, cond func() bool)
 
 func natsStreamConfig(name string, subjects ...string) natsjs.StreamConfig {
 	return natsjs.StreamConfig{Name: name, Subjects: subjects}
+}
+
+// unpublished lists p's unpublished rows in ID order, through the admin
+// API an operator uses.
+func unpublished(t testing.TB, p *producer) []driver.OutboxEntry {
+	t.Helper()
+	adm, err := outbox.NewAdmin(p.drv, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, err := adm.List(context.Background(), driver.OutboxFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return page.Rows
 }

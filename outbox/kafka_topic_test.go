@@ -50,22 +50,18 @@ func TestKafkaUnusableTopicIsVisible(t *testing.T) {
 			if strings.Contains(logs.String(), "broker unreachable") {
 				t.Errorf("taken for a broker outage:\n%s", logs.String())
 			}
-			adm, _ := outbox.NewAdmin(p.drv, slog.New(slog.DiscardHandler))
-			page, err := adm.List(ctx, driver.OutboxFilter{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, e := range page.Rows {
+			rows := unpublished(t, p)
+			for _, e := range rows {
 				t.Logf("%s: %s, %d attempts, %.300q", e.MessageID, e.State, e.Attempts, e.LastError)
 			}
-			if len(page.Rows) != 2 || page.Rows[0].State != driver.OutboxFailing || page.Rows[0].LastError == "" || page.Rows[1].Attempts != 0 {
-				t.Fatalf("want a-1 failing with a reason and a-2 waiting; got %d rows", len(page.Rows))
+			if len(rows) != 2 || rows[0].State != driver.OutboxFailing || rows[0].LastError == "" || rows[1].Attempts != 0 {
+				t.Fatalf("want a-1 failing with a reason and a-2 waiting; got %d rows", len(rows))
 			}
 			// A name Kafka never takes is refused at once, with the reason,
 			// not after a produce that waits out nine tenths of the claim
 			// (every cycle holding it stalls the relay's other keys).
 			if c.name != "missing" {
-				if e := page.Rows[0]; e.Attempts < 5 || !strings.Contains(e.LastError, "invalid message") {
+				if e := rows[0]; e.Attempts < 5 || !strings.Contains(e.LastError, "invalid message") {
 					t.Errorf("a-1 to topic %.20q: %d attempts in 3 s, last error %q; want it refused at once as an invalid message", c.topic, e.Attempts, e.LastError)
 				}
 			}

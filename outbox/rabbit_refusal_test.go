@@ -60,15 +60,11 @@ func TestRabbitRefusalReasonIsRecorded(t *testing.T) {
 			if strings.Contains(logs.String(), "broker unreachable") {
 				t.Errorf("a refusal was taken for a broker outage:\n%s", logs.String())
 			}
-			adm, _ := outbox.NewAdmin(p.drv, slog.New(slog.DiscardHandler))
-			page, err := adm.List(ctx, driver.OutboxFilter{})
-			if err != nil {
-				t.Fatal(err)
+			rows := unpublished(t, p)
+			if len(rows) != 2 {
+				t.Fatalf("%d rows unpublished, want a-1 and a-2", len(rows))
 			}
-			if len(page.Rows) != 2 {
-				t.Fatalf("%d rows unpublished, want a-1 and a-2", len(page.Rows))
-			}
-			f, w := page.Rows[0], page.Rows[1]
+			f, w := rows[0], rows[1]
 			t.Logf("a-1: %s, %d attempts, %q", f.State, f.Attempts, f.LastError)
 			if f.State != driver.OutboxFailing || !strings.Contains(f.LastError, c.want) {
 				t.Errorf("a-1 %s with last error %q; want failing with the broker's reason (%q)", f.State, f.LastError, c.want)

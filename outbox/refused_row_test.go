@@ -64,18 +64,11 @@ func TestRefusedRowIsVisibleAndBlocksItsKey(t *testing.T) {
 			if strings.Contains(logs.String(), "broker unreachable") {
 				t.Errorf("a refused row was taken for a broker outage:\n%s", logs.String())
 			}
-			adm, err := outbox.NewAdmin(p.drv, slog.New(slog.DiscardHandler))
-			if err != nil {
-				t.Fatal(err)
+			rows := unpublished(t, p)
+			if len(rows) != 2 {
+				t.Fatalf("%d unpublished rows, want a-1 and a-2: %+v", len(rows), rows)
 			}
-			page, err := adm.List(ctx, driver.OutboxFilter{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(page.Rows) != 2 {
-				t.Fatalf("%d unpublished rows, want a-1 and a-2: %+v", len(page.Rows), page.Rows)
-			}
-			f, w := page.Rows[0], page.Rows[1]
+			f, w := rows[0], rows[1]
 			t.Logf("a-1: state %s attempts %d last error %q; a-2: state %s attempts %d", f.State, f.Attempts, f.LastError, w.State, w.Attempts)
 			if f.MessageID != "a-1" || f.State != driver.OutboxFailing || f.Attempts < 2 || !strings.Contains(f.LastError, c.reason) {
 				t.Errorf("a-1: %s, %d attempts, last error %q; want failing, several attempts, an error naming %q", f.State, f.Attempts, f.LastError, c.reason)
@@ -85,6 +78,10 @@ func TestRefusedRowIsVisibleAndBlocksItsKey(t *testing.T) {
 			}
 			if got := b.messages(t); len(got) != 1 || got[0].ID != "b-1" {
 				t.Fatalf("stream holds %+v; want b-1 alone", got)
+			}
+			adm, err := outbox.NewAdmin(p.drv, slog.New(slog.DiscardHandler))
+			if err != nil {
+				t.Fatal(err)
 			}
 			if _, err := adm.Park(ctx, []int64{f.ID}, "alice", "refused"); err != nil {
 				t.Fatal(err)
