@@ -231,7 +231,15 @@ func (f *effects) consumer(t *testing.T, e *adaptertest.Env, stuck string) *idem
 // applied once, every partition's in offset order.
 func (f *effects) check(t *testing.T, e *adaptertest.Env, perPart int) {
 	t.Helper()
-	rows, err := e.DB.Query(`SELECT id FROM effects ORDER BY seq`)
+	checkEffects(t, e.DB, perPart)
+}
+
+// checkEffects compares the table effects in db with the unique intended
+// records of producePartitioned: each applied once, every partition's in
+// offset order.
+func checkEffects(t *testing.T, db *sql.DB, perPart int) {
+	t.Helper()
+	rows, err := db.Query(`SELECT id FROM effects ORDER BY seq`)
 	if err != nil {
 		t.Fatal(err)
 	}

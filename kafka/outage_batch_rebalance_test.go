@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
-	"github.com/idemhq/idem/sqlite"
 )
 
 // TestStoreOutageRebalanceBatchedConcurrent is
@@ -25,15 +23,6 @@ import (
 func TestStoreOutageRebalanceBatchedConcurrent(t *testing.T) {
 	t.Parallel()
 	const perPart = 20
-	path := filepath.Join(t.TempDir(), "idem.db")
-	db, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
-	if _, err := db.Exec(`CREATE TABLE effects (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
 	h := &idem.Handler[*sql.Tx]{Name: "proj", Apply: func(ctx context.Context, tx *sql.Tx, m *idem.Message) error {
 		_, err := tx.ExecContext(ctx, `INSERT INTO effects (id) VALUES (?)`, m.ID)
 		return err
@@ -42,16 +31,14 @@ func TestStoreOutageRebalanceBatchedConcurrent(t *testing.T) {
 		mu  sync.Mutex
 		bad []string // acknowledgements at another attempt than 1
 	)
-	consumer, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t),
-		ProbeBackoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond},
-		Hooks: []idem.Hook{idem.HookVerdict(verdictFunc(func(ev *idem.VerdictEvent) {
-			if ev.Verdict.Ack && ev.Attempt != 1 {
-				mu.Lock()
-				bad = append(bad, fmt.Sprintf("%s at attempt %d", ev.MessageID, ev.Attempt))
-				mu.Unlock()
-			}
-		}))}})
-	if err != nil {
+	path, db, drv, consumer := outageConsumer(t, h, idem.HookVerdict(verdictFunc(func(ev *idem.VerdictEvent) {
+		if ev.Verdict.Ack && ev.Attempt != 1 {
+			mu.Lock()
+			bad = append(bad, fmt.Sprintf("%s at attempt %d", ev.MessageID, ev.Attempt))
+			mu.Unlock()
+		}
+	})))
+	if _, err := db.Exec(`CREATE TABLE effects (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
 	b := newBroker(t).(*broker)
@@ -79,32 +66,7 @@ func TestStoreOutageRebalanceBatchedConcurrent(t *testing.T) {
 		}
 	}
 	time.Sleep(500 * time.Millisecond) // a second application would show by now
-	rows, err := db.Query(`SELECT id FROM effects ORDER BY seq`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	next := map[string]int{}
-	for rows.Next() {
-		var id string
-		if err := rows.Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		var p, i int
-		if _, err := fmt.Sscanf(id, "p%d-%d", &p, &i); err != nil {
-			t.Fatal(err)
-		}
-		if k := fmt.Sprint(p); i != next[k] {
-			t.Fatalf("%s applied when p%d-%03d was next", id, p, next[k])
-		}
-		next[fmt.Sprint(p)]++
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	if n := count(); n != 4*perPart {
-		t.Fatalf("%d effects, want %d", n, 4*perPart)
-	}
+	checkEffects(t, db, perPart)
 	dls, err := drv.DeadLetterList(context.Background(), nil)
 	if err != nil {
 		t.Fatal(err)

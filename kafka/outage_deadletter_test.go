@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -15,7 +14,6 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
 	"github.com/idemhq/idem/kafka"
-	"github.com/idemhq/idem/sqlite"
 )
 
 // TestDeadLetterHeldByOutageIsNoAttempt: records that do not decode (no
@@ -34,18 +32,7 @@ func TestDeadLetterHeldByOutageIsNoAttempt(t *testing.T) {
 	t.Cleanup(cluster.Close)
 	b := &broker{addrs: cluster.ListenAddrs(), concurrency: 4}
 
-	path := filepath.Join(t.TempDir(), "idem.db")
-	_, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &idem.Handler[*sql.Tx]{Name: "proj", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return nil }}
-	consumer, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t),
-		ProbeBackoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	path, _, drv, consumer := outageConsumer(t, &idem.Handler[*sql.Tx]{Name: "proj", Apply: func(context.Context, *sql.Tx, *idem.Message) error { return nil }})
 	var (
 		mu         sync.Mutex
 		deliveries []string // source@attempt: verdict

@@ -26,22 +26,11 @@ import (
 // which dropped the waiting member).
 func TestStoreOutageDoesNotBlockRebalance(t *testing.T) {
 	t.Parallel()
-	path := filepath.Join(t.TempDir(), "idem.db")
-	_, drv := testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
-	proc, err := idem.NewProcessor(drv, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var applied atomic.Int32
-	h := &idem.Handler[*sql.Tx]{Name: "proj", Apply: func(context.Context, *sql.Tx, *idem.Message) error {
+	path, _, _, consumer := outageConsumer(t, &idem.Handler[*sql.Tx]{Name: "proj", Apply: func(context.Context, *sql.Tx, *idem.Message) error {
 		applied.Add(1)
 		return nil
-	}}
-	consumer, err := idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t),
-		ProbeBackoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	}})
 	var (
 		mu       sync.Mutex
 		attempts []int // of the deliveries acknowledged
@@ -85,4 +74,23 @@ func TestStoreOutageDoesNotBlockRebalance(t *testing.T) {
 	if len(attempts) == 0 || attempts[0] != 1 {
 		t.Fatalf("acknowledged at attempts %v; want the first at attempt 1 (a wait for the store is no attempt)", attempts)
 	}
+}
+
+// outageConsumer opens a SQLite store in a file of its own, which the
+// test takes down with testenv.HoldSQLite(t, path), and returns it with a
+// consumer applying h through it that probes the store every 20 to 100 ms.
+func outageConsumer(t *testing.T, h *idem.Handler[*sql.Tx], hooks ...idem.Hook) (path string, db *sql.DB, drv *sqlite.Driver, c *idem.Consumer[*sql.Tx]) {
+	t.Helper()
+	path = filepath.Join(t.TempDir(), "idem.db")
+	db, drv = testenv.SQLite(t, path, &sqlite.OpenOptions{BusyTimeout: 50 * time.Millisecond})
+	proc, err := idem.NewProcessor(drv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err = idem.NewConsumer(proc, h, drv, &idem.ConsumerConfig{Logger: testenv.Logger(t), Hooks: hooks,
+		ProbeBackoff: idem.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return path, db, drv, c
 }
