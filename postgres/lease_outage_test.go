@@ -2,8 +2,6 @@ package postgres_test
 
 import (
 	"context"
-	"net"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -117,93 +115,6 @@ func TestLeaseOutageAfterClaimSpendsNoAttempt(t *testing.T) {
 	}
 }
 
-// blackhole is a TCP proxy to the Postgres server whose connections can
-// be made to swallow everything from some moment on, in both directions,
-// as a dead network path does (no reset, no answer): the connections
-// open at that moment hang, new ones go through.
-type blackhole struct {
-	ln     net.Listener
-	target string
-	mu     sync.Mutex
-	links  []*link
-}
-
-type link struct {
-	client, server net.Conn
-	dead           atomic.Bool
-}
-
-func newBlackhole(t *testing.T, target string) *blackhole {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := &blackhole{ln: ln, target: target}
-	t.Cleanup(b.close)
-	go b.accept()
-	return b
-}
-
-func (b *blackhole) accept() {
-	for {
-		c, err := b.ln.Accept()
-		if err != nil {
-			return
-		}
-		s, err := net.Dial("tcp", b.target)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		l := &link{client: c, server: s}
-		b.mu.Lock()
-		b.links = append(b.links, l)
-		b.mu.Unlock()
-		go l.pipe(c, s)
-		go l.pipe(s, c)
-	}
-}
-
-// pipe copies from src to dst until the link dies; then it reads on and
-// drops what it reads.
-func (l *link) pipe(src, dst net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 && !l.dead.Load() {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			if !l.dead.Load() {
-				dst.Close()
-			}
-			return
-		}
-	}
-}
-
-// cut makes every connection open now a dead path.
-func (b *blackhole) cut() {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	for _, l := range b.links {
-		l.dead.Store(true)
-	}
-}
-
-func (b *blackhole) close() {
-	_ = b.ln.Close()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	for _, l := range b.links {
-		l.client.Close()
-		l.server.Close()
-	}
-}
-
 // TestLeaseHungHeartbeatDoesNotHoldTheDoneWrite: the handler's effect is
 // done, but the heartbeat sent just before is stuck on a connection whose
 // network path died (a failover, a firewall change: no reset, no answer).
@@ -222,18 +133,7 @@ func TestLeaseHungHeartbeatDoesNotHoldTheDoneWrite(t *testing.T) {
 	} else if err := d.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := pgxpool.ParseConfig(testenv.PostgresDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	hole := newBlackhole(t, net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))
-	_, port, _ := net.SplitHostPort(hole.ln.Addr().String())
-	pool := testenv.PostgresPoolWith(t, 4, func(c *pgxpool.Config) {
-		c.ConnConfig.Host = "127.0.0.1"
-		p, _ := strconv.Atoi(port)
-		c.ConnConfig.Port = uint16(p)
-	})
-	t.Cleanup(hole.close) // before the pool closes: its dead connections fail at once
+	pool, hole := testenv.PostgresPoolThrough(t, 4)
 	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
 	if err != nil {
 		t.Fatal(err)
@@ -253,7 +153,7 @@ func TestLeaseHungHeartbeatDoesNotHoldTheDoneWrite(t *testing.T) {
 	}
 	var returned time.Time
 	h := &idem.LeaseHandler{Name: "mailer", Call: func(context.Context, *idem.Lease, *idem.Message) error {
-		hole.cut() // the path to the store dies while the mail goes out
+		hole.Cut() // the path to the store dies while the mail goes out
 		<-heartbeat
 		time.Sleep(200 * time.Millisecond) // the heartbeat is on the dead path
 		returned = time.Now()
