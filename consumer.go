@@ -77,6 +77,17 @@ type ConsumerConfig struct {
 	// store (HookOutage); each must implement one of them (the metrics
 	// package's hook implements both).
 	Hooks []Hook
+	// StopGrace bounds how long a delivery under way may run on once its
+	// adapter stops (Delivery.Stopping closes, as it does in every adapter
+	// of this module): past it, its transaction is cancelled and rolled
+	// back, and its verdict is a retry whose Err matches ErrStopped, no
+	// attempt of the message, which the broker delivers again as after a
+	// crash. This is what ends a stop while the store hangs without
+	// failing (a frozen server, a network path that dropped without a
+	// reset), which no error would report for minutes. Default 10 s;
+	// negative waits for ever. A LeaseConsumer never cuts a call under
+	// way: its lease bounds it.
+	StopGrace time.Duration
 	// ReplayClaimTimeout is how long a dead letter may stay claimed by a
 	// replay (state replaying) before a Replay run takes it for a claim
 	// left by a consumer that crashed, and requests it again. Set it
@@ -90,6 +101,9 @@ const logEvery = 10 * time.Second
 
 // defaultReplayClaimTimeout is ConsumerConfig.ReplayClaimTimeout's default.
 const defaultReplayClaimTimeout = 15 * time.Minute
+
+// defaultStopGrace is ConsumerConfig.StopGrace's default.
+const defaultStopGrace = 10 * time.Second
 
 // Consumer decides the fate of broker deliveries for one handler: it
 // processes each through a Processor, asks for a retry with a backoff when
@@ -124,6 +138,10 @@ type deliveries struct {
 	onOutage  []HookOutage
 	watch     *outage.Watch    // nil: the store cannot be probed
 	logs      *lograte.Limiter // summarizes repeated failure lines
+	// cuts is set when a delivery still running StopGrace after its
+	// adapter's stop is cancelled (a Consumer's: one transaction, rolled
+	// back; never a LeaseConsumer's call).
+	cuts bool
 
 	downMu sync.Mutex
 	downs  []downtime // the store's recent outages, oldest first (GapWait only)
@@ -153,6 +171,9 @@ func newDeliveries(name string, process func(context.Context, *Message) (Outcome
 	}
 	if c.cfg.ReplayClaimTimeout == 0 {
 		c.cfg.ReplayClaimTimeout = defaultReplayClaimTimeout
+	}
+	if c.cfg.StopGrace == 0 {
+		c.cfg.StopGrace = defaultStopGrace
 	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
@@ -349,6 +370,7 @@ func NewConsumer[TTx any](p *Processor[TTx], h *Handler[TTx], dl driver.DeadLett
 		return nil, err
 	}
 	d.ordering = h.Ordering
+	d.cuts = true
 	return &Consumer[TTx]{deliveries: d, proc: p, h: h}, nil
 }
 
@@ -398,12 +420,17 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 		notBefore time.Duration
 		err       error
 	)
+	pctx, release := c.cutOnStop(ctx, d.Stopping)
+	defer release()
 	for again := true; ; {
 		// Held while the store is down: neither processed nor counted.
 		if werr := c.watch.Wait(ctx, d.Stopping); werr != nil {
 			return c.held(d, werr, err)
 		}
-		out, notBefore, err = c.process(ctx, d.Msg)
+		out, notBefore, err = c.process(pctx, d.Msg)
+		if err != nil && wasCut(pctx) {
+			return c.cutShort(d, err)
+		}
 		if !c.storeDown(ctx, d.Stopping, err, &again) {
 			break
 		}
@@ -489,6 +516,8 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 		outs []Outcome
 		err  error
 	)
+	pctx, release := c.cutOnStop(ctx, ds[idx[0]].Stopping)
+	defer release()
 	for again := true; ; {
 		// Held while the store is down, as one delivery is.
 		if werr := c.watch.Wait(ctx, ds[idx[0]].Stopping); werr != nil {
@@ -498,12 +527,21 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 			}
 			return vs
 		}
-		outs, err = c.proc.processBatchCall(ctx, c.h, msgs, true)
+		outs, err = c.proc.processBatchCall(pctx, c.h, msgs, true)
+		if err != nil && wasCut(pctx) {
+			for _, i := range idx {
+				vs[i] = c.cutShort(ds[i], err)
+				c.report(ctx, ds[i], vs[i])
+			}
+			return vs
+		}
 		if !c.storeDown(ctx, ds[idx[0]].Stopping, err, &again) {
 			break
 		}
 	}
 	if err != nil {
+		// One by one within the batch's grace, should its adapter stop.
+		one = func(i int) { vs[i] = c.handle(pctx, ds[i]) }
 		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.name), slog.Int("size", len(msgs)), slog.Any("error", err))
 		held := map[string]int{} // aggregate → index of its delivery to be retried
 		// Each aggregate's messages in sequence order, as the batch would

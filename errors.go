@@ -30,6 +30,14 @@ var (
 	// no attempt, and adapters that count attempts themselves (Kafka) do
 	// not count it.
 	ErrStoreUnavailable = errors.New("idem: store unavailable")
+	// ErrStopped matches the Err of a retry verdict for a delivery still
+	// running ConsumerConfig.StopGrace after its adapter stopped, and
+	// cancelled then: its transaction was rolled back, nothing of it
+	// applied. Like a held delivery (ErrStoreUnavailable), it is no
+	// attempt: adapters that count attempts themselves (Kafka) do not
+	// count it, and those that requeue held deliveries at a stop
+	// (RabbitMQ, JetStream on a last delivery) requeue it as well.
+	ErrStopped = errors.New("idem: stopped before the delivery was decided")
 	// ErrSequenceMismatch matches the error of a batch whose store
 	// advanced an aggregate's sequence (driver.SequenceManyAdvancer) to
 	// another value than idem decided from the sequence before: a driver

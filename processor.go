@@ -318,7 +318,7 @@ func (p *Processor[TTx]) callOwned(ctx context.Context, tx TTx, f func() error) 
 	returned := false
 	defer func() {
 		if !returned {
-			p.rollback(context.WithoutCancel(ctx), tx)
+			p.rollback(ctx, tx)
 		}
 	}()
 	err := f()
@@ -1002,9 +1002,10 @@ func recoverPanic(err *error) {
 }
 
 func (p *Processor[TTx]) rollback(ctx context.Context, tx TTx) {
-	if err := p.drv.Rollback(context.WithoutCancel(ctx), tx); err != nil {
+	if err := p.drv.Rollback(rollbackContext(ctx), tx); err != nil && !wasCut(ctx) {
 		// A rollback fails when the connection broke, which the failed
-		// call reports already: one line per kind every 10 s.
+		// call reports already: one line per kind every 10 s. (After a
+		// stop's cut the driver drops the connection instead: no line.)
 		p.logs.Warn(p.logger, Fingerprint(err), "idem: rollback failed", slog.Any("error", err))
 	}
 }

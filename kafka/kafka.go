@@ -668,7 +668,7 @@ func (m *member) handleRecords(ctx context.Context, recs []*kgo.Record) ([]*kgo.
 // record was not tried: it waited behind an earlier record of its
 // aggregate, or for the store until the poll ended.
 func noAttempt(err error) bool {
-	return errors.Is(err, idem.ErrWaitsForAggregate) || errors.Is(err, idem.ErrStoreUnavailable)
+	return errors.Is(err, idem.ErrWaitsForAggregate) || verdicts.Unattempted(err)
 }
 
 // fillsGap reports whether r, a record behind a retry of its partition,

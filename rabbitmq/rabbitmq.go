@@ -670,7 +670,7 @@ func (s *session) settle(p pending, v idem.Verdict) {
 		}
 		return
 	}
-	if errors.Is(v.Err, idem.ErrStoreUnavailable) && s.stopped() {
+	if verdicts.Unattempted(v.Err) && s.stopped() {
 		// Held while the store was down and the session stopped: no
 		// attempt of the message. It goes back to the queue with those
 		// not started, once the lanes are done (returnLeftovers).

@@ -84,7 +84,9 @@ type Config struct {
 	Attempt func(msg *message.Message) int
 	// Stopping, when set, is closed when the consumer stops (close it
 	// before Router.Close). A delivery held while the store is down then
-	// ends with a retry whose error matches idem.ErrStoreUnavailable.
+	// ends with a retry whose error matches idem.ErrStoreUnavailable, and
+	// one still running idem.ConsumerConfig.StopGrace later with one
+	// matching idem.ErrStopped.
 	// The message's context ending does the same. Default: the
 	// message's context alone.
 	Stopping <-chan struct{}
@@ -115,7 +117,9 @@ const maxAttempt = 1 << 30
 //     pub/sub redelivers;
 //   - store unreachable: the call waits until the store answers and is
 //     then decided as above; if the delivery stops first, a *RetryError
-//     matching idem.ErrStoreUnavailable. Never nil: never acknowledged.
+//     matching idem.ErrStoreUnavailable (idem.ErrStopped for one still
+//     running idem.ConsumerConfig.StopGrace after the stop). Never nil:
+//     never acknowledged.
 //
 // A message without a usable ID (DefaultMap: an empty UUID) is a decode
 // failure, dead-lettered with the reason and then acknowledged.
@@ -169,7 +173,8 @@ func New(dh idem.DeliveryHandler, cfg *Config) (*Handler, error) {
 
 // RetryError is what a Handler returns for a delivery that is not
 // acknowledged: a retry verdict, or a delivery held while the store was
-// down whose consumer stopped (it then matches idem.ErrStoreUnavailable).
+// down whose consumer stopped (it then matches idem.ErrStoreUnavailable),
+// or cut short by the stop (idem.ErrStopped).
 type RetryError struct {
 	// MessageID is the idem message ID.
 	MessageID string
@@ -220,8 +225,9 @@ func (h *Handler) Handle(msg *message.Message) error {
 		}
 		return nil
 	}
-	if errors.Is(v.Err, idem.ErrStoreUnavailable) {
-		// Held while the store was down: no attempt of the message.
+	if unattempted(v.Err) {
+		// Held while the store was down, or cut short by the stop
+		// (idem.ConsumerConfig.StopGrace): no attempt of the message.
 		h.uncount(key)
 		if d.Attempt > 1 {
 			msg.Metadata.Set(MetadataAttempt, strconv.Itoa(d.Attempt-1))
@@ -230,7 +236,7 @@ func (h *Handler) Handle(msg *message.Message) error {
 		}
 	}
 	rerr := &RetryError{MessageID: key, Attempt: d.Attempt, RetryAfter: v.RetryAfter, Err: v.Err}
-	if h.cfg.Retry == NackAfterDelay && v.RetryAfter > 0 && !errors.Is(v.Err, idem.ErrStoreUnavailable) {
+	if h.cfg.Retry == NackAfterDelay && v.RetryAfter > 0 && !unattempted(v.Err) {
 		t := time.NewTimer(min(v.RetryAfter, h.cfg.MaxWait))
 		defer t.Stop()
 		select {
@@ -444,7 +450,14 @@ func Poisonable(err error) bool {
 // consumer is stopping (retrying it in the process would only wait
 // again), true otherwise.
 func ShouldRetry(p middleware.RetryParams) bool {
-	return !errors.Is(p.Err, idem.ErrStoreUnavailable)
+	return !unattempted(p.Err)
+}
+
+// unattempted reports whether err, of a verdict to retry, says the
+// delivery was not tried: held while the store was down, or cut short by
+// the consumer's stop, once the consumer stopped.
+func unattempted(err error) bool {
+	return errors.Is(err, idem.ErrStoreUnavailable) || errors.Is(err, idem.ErrStopped)
 }
 
 // PoisonQueue is Watermill's PoisonQueueWithFilter with Poisonable as the

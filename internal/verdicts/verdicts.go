@@ -3,6 +3,7 @@
 package verdicts
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"runtime/debug"
@@ -57,4 +58,12 @@ func Decode(logs *lograte.Limiter, log *slog.Logger, adapter, source string, map
 		return nil, fmt.Errorf("%w: %s: Config.Map returned no message and no error for %s", idem.ErrInvalidMessage, adapter, source)
 	}
 	return msg, nil
+}
+
+// Unattempted reports whether err, of a verdict to retry, says that the
+// delivery was not tried: held while the store was down, or cut short by
+// the consumer's stop (idem.ConsumerConfig.StopGrace), until the adapter
+// stopped. Such a retry is no attempt of the message.
+func Unattempted(err error) bool {
+	return errors.Is(err, idem.ErrStoreUnavailable) || errors.Is(err, idem.ErrStopped)
 }

@@ -1,7 +1,9 @@
 package verdicts_test
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
@@ -54,5 +56,22 @@ func TestDecode(t *testing.T) {
 	}
 	if msg, err := verdicts.Decode(limiter, log, "test", "q/4", func() (*idem.Message, error) { return &idem.Message{ID: "x"}, nil }); err != nil || msg.ID != "x" {
 		t.Errorf("a Map that works: %v, %v", msg, err)
+	}
+}
+
+func TestUnattempted(t *testing.T) {
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{fmt.Errorf("%w: stopped", idem.ErrStoreUnavailable), true},
+		{fmt.Errorf("%w: cancelled: %w", idem.ErrStopped, context.Canceled), true},
+		{context.Canceled, false},
+		{errors.New("handler failed"), false},
+		{nil, false},
+	} {
+		if got := verdicts.Unattempted(tc.err); got != tc.want {
+			t.Errorf("Unattempted(%v) = %v; want %v", tc.err, got, tc.want)
+		}
 	}
 }

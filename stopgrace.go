@@ -1,0 +1,77 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// errCut is the cause of a delivery context cancelled StopGrace after its
+// adapter stopped.
+var errCut = errors.New("idem: cancelled by the consumer's stop after its grace")
+
+// cutOnStop returns the context a delivery is processed under: ctx,
+// cancelled with cause errCut once stop has been closed for StopGrace
+// (a Consumer's; a LeaseConsumer's, whose calls are never cut, is ctx
+// itself), and the func that releases it.
+//
+// A ctx from cutOnStop is returned as it is: the deliveries of a batch
+// decided one by one after it keep the batch's grace, not one each.
+func (c *deliveries) cutOnStop(ctx context.Context, stop <-chan struct{}) (context.Context, func()) {
+	if !c.cuts || c.cfg.StopGrace <= 0 || stop == nil || ctx.Value(cutKey{}) != nil {
+		return ctx, func() {}
+	}
+	cctx, cancel := context.WithCancelCause(context.WithValue(ctx, cutKey{}, true))
+	done := make(chan struct{})
+	go func() {
+		select {
+		case <-done:
+			return
+		case <-stop:
+		}
+		t := time.NewTimer(c.cfg.StopGrace)
+		defer t.Stop()
+		select {
+		case <-done:
+		case <-t.C:
+			cancel(errCut)
+		}
+	}()
+	return cctx, func() { close(done); cancel(nil) }
+}
+
+// cutKey marks a context from cutOnStop.
+type cutKey struct{}
+
+// wasCut reports whether ctx, from cutOnStop, was cancelled by the stop.
+func wasCut(ctx context.Context) bool { return errors.Is(context.Cause(ctx), errCut) }
+
+// cutShort is the verdict of a delivery cancelled by its adapter's stop
+// (StopGrace), whose failure err is that cancellation's: no attempt of
+// the message, which the broker delivers again.
+func (c *deliveries) cutShort(d *Delivery, err error) Verdict {
+	err = fmt.Errorf("%w: still running %s after its consumer stopped, cancelled: %w", ErrStopped, c.cfg.StopGrace, err)
+	attrs := []slog.Attr{slog.String("handler", c.name), slog.String("source", d.Source), slog.Any("error", err)}
+	if d.Msg != nil {
+		attrs = append(attrs, slog.String("message_id", d.Msg.ID))
+	}
+	msg := "idem: delivery cut short by the stop; the broker delivers it again"
+	if d.LastAttempt && !d.replay {
+		msg = "idem: delivery cut short by the stop, on the broker's last delivery: the adapter must requeue it, or the broker may not deliver it again"
+	}
+	c.logs.Warn(c.cfg.Logger, "cut\x00"+d.Source, msg, attrs...)
+	return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), Err: err}
+}
+
+// rollbackContext is the context of a rollback after a call under ctx
+// failed: one that outlives ctx's end, so that a cancelled delivery
+// still ends its transaction cleanly, unless the stop cut it (the store
+// may hang: the driver drops the connection instead of waiting).
+func rollbackContext(ctx context.Context) context.Context {
+	if wasCut(ctx) {
+		return ctx
+	}
+	return context.WithoutCancel(ctx)
+}
