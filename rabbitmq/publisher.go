@@ -56,6 +56,16 @@ type Publisher struct {
 	// sock is conn's network connection, read without mu: a call stuck
 	// on a broker that stopped reading may hold mu (see cutWhenStuck).
 	sock atomic.Pointer[socket]
+	// blk is conn's connection.blocked state, read without mu.
+	blk atomic.Pointer[blocking]
+	// alarm is set while the broker is believed to block publishing: from
+	// a connection.blocked until a connection.unblocked, or a publish on
+	// a later connection (after a cut) that the broker confirms.
+	alarm atomic.Bool
+	// opening counts the channel opens under way (under mu): a
+	// connection blocked meanwhile is cut, since they would wait for the
+	// alarm to clear.
+	opening atomic.Int32
 }
 
 // stuckGrace is how long a Publish may go on after its context ended
@@ -147,6 +157,12 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	}
 	if p.sock.Load().isClosed() {
 		p.idle = nil // on the connection cutWhenStuck cut
+	} else if p.conn != nil && !p.conn.IsClosed() {
+		// Opening a channel on a blocked connection would wait for the
+		// alarm to clear, under mu.
+		if berr, _ := p.blk.Load().err(); berr != nil {
+			return nil, fmt.Errorf("rabbitmq: publisher: %w", berr)
+		}
 	}
 	for len(p.idle) > 0 {
 		pc := p.idle[len(p.idle)-1]
@@ -170,12 +186,28 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 		}
 		p.conn, p.idle = conn, nil
 		p.sock.Store(sock)
+		b := newBlocking()
+		p.blk.Store(b)
+		go b.watch(conn.NotifyBlocked(make(chan amqp.Blocking, 1)), func(active bool, _ string) {
+			p.alarm.Store(active)
+			if active && p.opening.Load() > 0 {
+				sock.close()
+			}
+		})
 	}
+	p.opening.Add(1)
+	defer p.opening.Add(-1)
 	ch, err := p.conn.Channel()
 	if err != nil {
+		if berr, _ := p.blk.Load().err(); berr != nil {
+			err = fmt.Errorf("%w (%w)", berr, err) // cut: the broker blocked the connection
+		}
 		return nil, fmt.Errorf("rabbitmq: publisher: open channel: %w", err)
 	}
 	if err := ch.Confirm(false); err != nil {
+		if berr, _ := p.blk.Load().err(); berr != nil {
+			err = fmt.Errorf("%w (%w)", berr, err)
+		}
 		ch.Close()
 		return nil, fmt.Errorf("rabbitmq: publisher: confirm mode: %w", err)
 	}
@@ -220,6 +252,13 @@ func (p *Publisher) Unavailable(err error) bool {
 // Publish does (connecting first if need be, then opening one in confirm
 // mode) and keeps it for the next Publish; see Unavailable. ctx bounds a
 // connect.
+//
+// A connection the broker blocked (a memory or disk alarm) fails the
+// probe with ErrBlocked until the broker unblocks it. After an alarm
+// seen on a connection since closed, the probe also publishes an empty
+// message that no queue takes (the default exchange, an empty routing
+// key, not mandatory) and waits for its confirm: a new connection is
+// blocked only once it publishes.
 func (p *Publisher) Probe(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -228,6 +267,39 @@ func (p *Publisher) Probe(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("rabbitmq: probe: %w", err)
 	}
+	b := p.blk.Load()
+	berr, on := b.err()
+	if berr != nil {
+		p.release(pc, false)
+		return fmt.Errorf("rabbitmq: probe: %w", berr)
+	}
+	if !p.alarm.Load() {
+		p.release(pc, false)
+		return nil
+	}
+	bctx, done := cancelWhenBlocked(ctx, b, on)
+	defer done()
+	// Twice: a broker under an alarm reads the first publish of a
+	// connection, and may confirm it, before it blocks the connection;
+	// the second it does not read.
+	for range 2 {
+		var dc *amqp.DeferredConfirmation
+		dc, err = pc.ch.PublishWithDeferredConfirmWithContext(bctx, "", "", false, false, amqp.Publishing{})
+		if err == nil {
+			_, err = dc.WaitContext(bctx)
+		}
+		if err != nil {
+			break
+		}
+	}
+	if err != nil {
+		if cause := context.Cause(bctx); errors.Is(cause, ErrBlocked) {
+			err = cause
+		}
+		go pc.ch.Close() // waits for the broker to read again
+		return fmt.Errorf("rabbitmq: probe: publish: %w", err)
+	}
+	p.alarm.Store(false)
 	p.release(pc, false)
 	return nil
 }
@@ -254,13 +326,35 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 	defer p.cutWhenStuck(ctx)()
 	pc, err := p.channel(ctx)
 	if err == nil {
-		err = p.publish(ctx, pc, msgs)
-		p.release(pc, err != nil)
+		err = p.publishUnblocked(ctx, pc, msgs)
 	}
 	if err != nil && ctx.Err() != nil && !errors.Is(err, ctx.Err()) {
 		// Cut short: the call's own error says how.
 		err = fmt.Errorf("rabbitmq: publish: %w: %w", ctx.Err(), err)
 	}
+	return err
+}
+
+// publishUnblocked publishes msgs on pc unless its connection is blocked,
+// and gives up with an error matching ErrBlocked as soon as the broker
+// blocks it: the broker reads nothing more from it, so no confirm would
+// come before the alarm clears.
+func (p *Publisher) publishUnblocked(ctx context.Context, pc *pubChannel, msgs []*idem.Message) error {
+	b := p.blk.Load()
+	berr, on := b.err()
+	if berr != nil {
+		p.release(pc, false)
+		return fmt.Errorf("rabbitmq: publish: %w", berr)
+	}
+	bctx, done := cancelWhenBlocked(ctx, b, on)
+	defer done()
+	err := p.publish(bctx, pc, msgs)
+	if cause := context.Cause(bctx); err != nil && errors.Is(cause, ErrBlocked) {
+		// Its close would wait for the broker to read again.
+		go pc.ch.Close()
+		return fmt.Errorf("rabbitmq: publish: %w", cause)
+	}
+	p.release(pc, err != nil)
 	return err
 }
 
