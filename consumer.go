@@ -84,9 +84,12 @@ type ConsumerConfig struct {
 	// attempt of the message, which the broker delivers again as after a
 	// crash. This is what ends a stop while the store hangs without
 	// failing (a frozen server, a network path that dropped without a
-	// reset), which no error would report for minutes. Default 10 s;
-	// negative waits for ever. A LeaseConsumer never cuts a call under
-	// way: its lease bounds it.
+	// reset), which no error would report for minutes. One grace counts
+	// from the stop for every delivery decided after it. The Kafka
+	// adapter stops its deliveries at a rebalance too (the partitions may
+	// move): one running StopGrace into it is cut the same way. Default
+	// 10 s; negative waits for ever. A LeaseConsumer never cuts a call
+	// under way: its lease bounds it.
 	StopGrace time.Duration
 	// ReplayClaimTimeout is how long a dead letter may stay claimed by a
 	// replay (state replaying) before a Replay run takes it for a claim
@@ -141,7 +144,8 @@ type deliveries struct {
 	// cuts is set when a delivery still running StopGrace after its
 	// adapter's stop is cancelled (a Consumer's: one transaction, rolled
 	// back; never a LeaseConsumer's call).
-	cuts bool
+	cuts  bool
+	stops stopClock // when each stop was first seen
 
 	downMu sync.Mutex
 	downs  []downtime // the store's recent outages, oldest first (GapWait only)
@@ -539,9 +543,10 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 			break
 		}
 	}
+	// Decided again one by one within the batch's grace, should its
+	// adapter stop.
+	one = func(i int) { vs[i] = c.handle(pctx, ds[i]) }
 	if err != nil {
-		// One by one within the batch's grace, should its adapter stop.
-		one = func(i int) { vs[i] = c.handle(pctx, ds[i]) }
 		c.cfg.Logger.Debug("idem: batch did not commit; deciding its deliveries one by one", slog.String("handler", c.name), slog.Int("size", len(msgs)), slog.Any("error", err))
 		held := map[string]int{} // aggregate → index of its delivery to be retried
 		// Each aggregate's messages in sequence order, as the batch would

@@ -33,7 +33,9 @@ var (
 	// ErrStopped matches the Err of a retry verdict for a delivery still
 	// running ConsumerConfig.StopGrace after its adapter stopped, and
 	// cancelled then: its transaction was rolled back, nothing of it
-	// applied. Like a held delivery (ErrStoreUnavailable), it is no
+	// applied, unless the cut came during the commit, whose outcome is
+	// then unknown (the delivery again is then a Duplicate). Like a held
+	// delivery (ErrStoreUnavailable), it is no
 	// attempt: adapters that count attempts themselves (Kafka) do not
 	// count it, and those that requeue held deliveries at a stop
 	// (RabbitMQ, JetStream on a last delivery) requeue it as well.

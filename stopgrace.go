@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 )
 
@@ -31,7 +32,10 @@ func (c *deliveries) cutOnStop(ctx context.Context, stop <-chan struct{}) (conte
 			return
 		case <-stop:
 		}
-		t := time.NewTimer(c.cfg.StopGrace)
+		// From the stop, not from this delivery's start: the deliveries
+		// an adapter decides one after another once stopped (JetStream's
+		// put back) share one grace.
+		t := time.NewTimer(c.cfg.StopGrace - time.Since(c.stops.firstSeen(stop, c.cfg.StopGrace)))
 		defer t.Stop()
 		select {
 		case <-done:
@@ -40,6 +44,35 @@ func (c *deliveries) cutOnStop(ctx context.Context, stop <-chan struct{}) (conte
 		}
 	}()
 	return cctx, func() { close(done); cancel(nil) }
+}
+
+// stopClock records when a consumer first saw each of its adapters'
+// stop channels closed.
+type stopClock struct {
+	mu   sync.Mutex
+	seen map[<-chan struct{}]time.Time
+}
+
+// firstSeen returns when stop, closed, was first seen so (now, if this is
+// the first time). Stops seen long before are forgotten: the map holds
+// those of the last minutes.
+func (s *stopClock) firstSeen(stop <-chan struct{}, grace time.Duration) time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := time.Now()
+	if at, ok := s.seen[stop]; ok {
+		return at
+	}
+	if s.seen == nil {
+		s.seen = map[<-chan struct{}]time.Time{}
+	}
+	for ch, at := range s.seen {
+		if now.Sub(at) > 2*grace+time.Minute {
+			delete(s.seen, ch)
+		}
+	}
+	s.seen[stop] = now
+	return now
 }
 
 // cutKey marks a context from cutOnStop.

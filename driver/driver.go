@@ -28,6 +28,10 @@ type Driver[TTx any] interface {
 	Commit(ctx context.Context, tx TTx) error
 	// Rollback aborts tx. Rolling back a finished transaction is not an
 	// error worth reporting to the user; drivers may return it anyway.
+	// ctx may be done already: a consumer's stop cut the delivery short
+	// (idem.ConsumerConfig.StopGrace), and the store may hang. The driver
+	// must then not wait, nor pool the connection with tx still open:
+	// drop the connection instead (the server rolls back when it goes).
 	Rollback(ctx context.Context, tx TTx) error
 
 	// MarkerInsert inserts one marker inside tx with ON CONFLICT DO NOTHING

@@ -144,7 +144,7 @@ func (c *foldConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.T
 		begin = append(begin, rcNext)
 	}
 	c.folded, c.began, c.pending, c.void = true, false, strings.Join(begin, ";"), nil
-	return &foldTx{c: c}, nil
+	return &foldTx{c: c, ctx: ctx}, nil
 }
 
 // ExecContext implements driver.ExecerContext: in a folded transaction,
@@ -360,8 +360,16 @@ func (c *foldConn) ResetSession(ctx context.Context) error {
 	return c.innerConn.ResetSession(ctx)
 }
 
-// foldTx ends a transaction whose begin may not have been sent.
-type foldTx struct{ c *foldConn }
+// foldTx ends a transaction whose begin may not have been sent. Its end
+// is sent under ctx, the begin's: database/sql's Commit and Rollback take
+// none, and a COMMIT that the end of the transaction's context cannot cut
+// would wait as long as TCP does on a path that died (a stop's
+// StopGrace cancels that context). A cancelled end drops the connection,
+// which the server then rolls back if it has not committed.
+type foldTx struct {
+	c   *foldConn
+	ctx context.Context
+}
 
 var errTxDone = errors.New("mysql: transaction already ended")
 
@@ -378,7 +386,7 @@ func (t *foldTx) end(stmt string) error {
 		// Whatever the failed first statement left open is undone, and
 		// autocommit, which it may have turned off, is back on; a
 		// commit says so.
-		if _, err := c.innerConn.ExecContext(context.Background(), "ROLLBACK;"+manualOff, nil); err != nil {
+		if _, err := c.innerConn.ExecContext(t.ctx, "ROLLBACK;"+manualOff, nil); err != nil {
 			c.lost = true
 			return err
 		}
@@ -391,7 +399,7 @@ func (t *foldTx) end(stmt string) error {
 		// No statement ran: nothing was begun.
 		return nil
 	default:
-		if _, err := c.innerConn.ExecContext(context.Background(), stmt, nil); err != nil {
+		if _, err := c.innerConn.ExecContext(t.ctx, stmt, nil); err != nil {
 			c.lost = true
 			return err
 		}

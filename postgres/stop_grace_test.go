@@ -190,14 +190,14 @@ func TestStopCutsAHungBatch(t *testing.T) {
 // cut, and commits.
 func TestStopCutsASlowHandler(t *testing.T) {
 	t.Parallel()
-	const grace = time.Second
 	for _, tc := range []struct {
-		name string
-		wait time.Duration // how long the handler runs on after the stop
-		cut  bool
+		name  string
+		grace time.Duration
+		wait  time.Duration // how long the handler runs on after the stop
+		cut   bool
 	}{
-		{"past the grace", 20 * time.Second, true},
-		{"within the grace", 300 * time.Millisecond, false},
+		{"past the grace", time.Second, 20 * time.Second, true},
+		{"within the grace", 5 * time.Second, 300 * time.Millisecond, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -220,7 +220,7 @@ func TestStopCutsASlowHandler(t *testing.T) {
 					return ctx.Err()
 				}
 			}
-			c := hs.consumer(t, grace)
+			c := hs.consumer(t, tc.grace)
 			events := idemtest.Events(1)
 			res := make(chan []idem.Verdict, 1)
 			go func() {
@@ -228,15 +228,47 @@ func TestStopCutsASlowHandler(t *testing.T) {
 				res <- []idem.Verdict{c.HandleDelivery(context.Background(), d)}
 			}()
 			stopped := hs.stopWhenEntered(stop)
-			vs, took := waitVerdicts(t, res, stopped, grace)
+			vs, took := waitVerdicts(t, res, stopped, tc.grace)
 			if !tc.cut {
 				if v := vs[0]; !v.Ack || v.Outcome != idem.Applied {
 					t.Fatalf("verdict %+v after %s; want applied: it ended within the grace", v, took)
 				}
 				return
 			}
-			checkCut(t, vs, took, grace)
+			checkCut(t, vs, took, tc.grace)
 			hs.applyAgain(t, events)
 		})
+	}
+}
+
+// TestStopGraceCountsFromTheStop: deliveries an adapter decides one after
+// another once stopped (JetStream puts its unstarted messages back so)
+// share one grace, counted from the stop: a second one started after the
+// first was cut is cut at once, not a grace later.
+func TestStopGraceCountsFromTheStop(t *testing.T) {
+	t.Parallel()
+	const grace = 2 * time.Second
+	hs := newHungStore(t, func(context.Context, *testenv.Blackhole) {})
+	credit := hs.h.Apply
+	hs.h.Apply = func(ctx context.Context, tx postgres.Tx, m *idem.Message) error {
+		if err := credit(ctx, tx, m); err != nil {
+			return err
+		}
+		<-ctx.Done() // slower than any grace
+		return ctx.Err()
+	}
+	c := hs.consumer(t, grace)
+	events := idemtest.Events(2)
+	stop := make(chan struct{})
+	close(stop)
+	stopped := time.Now()
+	for i, e := range events {
+		v := c.HandleDelivery(context.Background(), &idem.Delivery{Msg: e.Message(), Attempt: 1, Stopping: stop, Source: "test"})
+		if v.Ack || !errors.Is(v.Err, idem.ErrStopped) {
+			t.Fatalf("delivery %d: %+v; want a retry matching ErrStopped", i, v)
+		}
+	}
+	if took := time.Since(stopped); took > grace+grace/2 {
+		t.Fatalf("two deliveries after the stop took %s; want both cut within one grace (%s) of it", took, grace)
 	}
 }

@@ -123,3 +123,70 @@ func (h *laneHandler) HandleDeliveries(_ context.Context, ds []*idem.Delivery) [
 	}
 	return vs
 }
+
+// A delivery that a batch returns waiting behind an earlier one of its
+// aggregate (idem.ErrWaitsForAggregate) was not tried: its retry copy
+// keeps its attempt. It used to count one, as a failure's copy does.
+func TestWaitingDeliveryKeepsItsAttempt(t *testing.T) {
+	t.Parallel()
+	b := newBroker(t, rabbitmq.QueueQuorum)
+	b.Publish(t, []*idem.Message{{ID: "a-1", AggregateID: "a", Seq: 1}, {ID: "a-2", AggregateID: "a", Seq: 2}}, 0)
+	var (
+		mu       sync.Mutex
+		attempts = map[string][]int{}
+		acked    = map[string]bool{}
+		done     = make(chan struct{})
+	)
+	h := batchFunc(func(ds []*idem.Delivery) []idem.Verdict {
+		mu.Lock()
+		defer mu.Unlock()
+		vs := make([]idem.Verdict, len(ds))
+		for i, d := range ds {
+			id := d.Msg.ID
+			attempts[id] = append(attempts[id], d.Attempt)
+			switch {
+			case id == "a-1" && len(attempts[id]) == 1:
+				vs[i] = idem.Verdict{RetryAfter: 100 * time.Millisecond, Err: fmt.Errorf("transient")}
+			case id == "a-2" && !acked["a-1"]:
+				vs[i] = idem.Verdict{RetryAfter: 100 * time.Millisecond, Err: fmt.Errorf("%w: a-2 after a-1", idem.ErrWaitsForAggregate)}
+			default:
+				vs[i] = idem.Verdict{Ack: true, Outcome: idem.Applied}
+				acked[id] = true
+				if len(acked) == 2 {
+					close(done)
+				}
+			}
+		}
+		return vs
+	})
+	b.StartBatched(t, h, 2)
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("not both applied after 30 s")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(attempts["a-2"]) < 2 {
+		t.Fatalf("a-2 delivered %v; want it to have waited at least once", attempts["a-2"])
+	}
+	for _, a := range attempts["a-2"] {
+		if a != 1 {
+			t.Fatalf("a-2 delivered at attempts %v; want 1 throughout (waiting is no attempt)", attempts["a-2"])
+		}
+	}
+	if got := attempts["a-1"]; len(got) != 2 || got[1] != 2 {
+		t.Fatalf("a-1 delivered at attempts %v; want 1 then 2", got)
+	}
+}
+
+// batchFunc is a BatchDeliveryHandler of a function.
+type batchFunc func([]*idem.Delivery) []idem.Verdict
+
+func (f batchFunc) HandleDelivery(_ context.Context, d *idem.Delivery) idem.Verdict {
+	return f([]*idem.Delivery{d})[0]
+}
+
+func (f batchFunc) HandleDeliveries(_ context.Context, ds []*idem.Delivery) []idem.Verdict {
+	return f(ds)
+}

@@ -670,8 +670,12 @@ func (s *session) settle(p pending, v idem.Verdict) {
 		}
 		return
 	}
-	if verdicts.Unattempted(v.Err) && s.stopped() {
-		// Held while the store was down and the session stopped: no
+	// A delivery that waited behind an earlier one of its aggregate (in a
+	// batch) was not tried: its copy keeps its attempt.
+	waited := errors.Is(v.Err, idem.ErrWaitsForAggregate)
+	if (verdicts.Unattempted(v.Err) || waited) && s.stopped() {
+		// Held while the store was down, cut short by the stop, or
+		// waiting behind such a delivery, and the session stopped: no
 		// attempt of the message. It goes back to the queue with those
 		// not started, once the lanes are done (returnLeftovers).
 		s.mu.Lock()
@@ -680,7 +684,11 @@ func (s *session) settle(p pending, v idem.Verdict) {
 		s.mu.Unlock()
 		return
 	}
-	err := s.rt.republish(p.m, p.d.Attempt+1, v.RetryAfter)
+	attempt := p.d.Attempt + 1
+	if waited {
+		attempt = max(p.d.Attempt, 1)
+	}
+	err := s.rt.republish(p.m, attempt, v.RetryAfter)
 	if err == nil {
 		s.settled.Add(1)
 		if err := p.m.Ack(false); err != nil {
