@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	amqp "github.com/rabbitmq/amqp091-go"
-
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/driver"
 	"github.com/idemhq/idem/internal/testenv"
@@ -26,19 +24,8 @@ func TestRabbitAlarmIsAnOutage(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	srv := testenv.NewRabbitMQServer(t)
-	conn, err := amqp.Dial(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
 	const queue = "credits"
-	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
+	srv.DeclareQueue(queue)
 	pub, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: srv.URL()})
 	if err != nil {
 		t.Fatal(err)
@@ -96,11 +83,7 @@ func TestRabbitAlarmIsAnOutage(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("Run went on 10 s after its stop")
 	}
-	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if q.Messages < want {
-		t.Fatalf("%d messages in the queue; want at least %d (every row, some maybe twice)", q.Messages, want)
+	if n := srv.Messages(queue); n < want {
+		t.Fatalf("%d messages in the queue; want at least %d (every row, some maybe twice)", n, want)
 	}
 }

@@ -96,6 +96,44 @@ func (s *RabbitMQServer) URL() string {
 	return "amqp://guest:guest@127.0.0.1:" + strconv.Itoa(s.port) + "/"
 }
 
+// DeclareQueue declares a durable classic queue named name on the node.
+func (s *RabbitMQServer) DeclareQueue(name string) {
+	s.t.Helper()
+	s.channel(func(ch *amqp.Channel) error {
+		_, err := ch.QueueDeclare(name, true, false, false, false, nil)
+		return err
+	})
+}
+
+// Messages returns how many messages the queue named name holds ready.
+func (s *RabbitMQServer) Messages(name string) int {
+	s.t.Helper()
+	var n int
+	s.channel(func(ch *amqp.Channel) error {
+		q, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+		n = q.Messages
+		return err
+	})
+	return n
+}
+
+// channel runs f on a channel of a new connection to the node.
+func (s *RabbitMQServer) channel(f func(*amqp.Channel) error) {
+	s.t.Helper()
+	conn, err := amqp.Dial(s.URL())
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err == nil {
+		err = f(ch)
+	}
+	if err != nil {
+		s.t.Fatal(err)
+	}
+}
+
 // MemoryAlarm raises the node's memory alarm (on) or clears it: the node
 // then blocks, or unblocks, its publishing connections. It returns once
 // rabbitmqctl has set the watermark.
