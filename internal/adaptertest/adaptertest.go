@@ -1,8 +1,8 @@
 // Package adaptertest is the test suite every broker adapter passes: a
 // consumer crashed between the outcome and the ack or commit, three
 // consumers with one killed, poison and undecodable records, batches, a
-// lease-mode handler's effects sent once each, and per-aggregate order
-// with the ordering guard. The final state is always
+// lease-mode handler's effects sent once each, per-aggregate order with
+// the ordering guard, and a stop while the store hangs. The final state is always
 // checked against the unique intended events, never a fold of the
 // delivered stream.
 package adaptertest
@@ -473,6 +473,10 @@ func Run(t *testing.T, newBroker func(t testing.TB) Broker) {
 		t.Parallel()
 		b, e := newBroker(t), NewEnv(t)
 		orderKept(t, b, e, func() func() { return b.StartBatched(t, e.OrderedBatchConsumer(), 25) })
+	})
+	t.Run("StopWhileTheStoreHangs", func(t *testing.T) {
+		t.Parallel()
+		stopWhileTheStoreHangs(t, newBroker(t))
 	})
 }
 
