@@ -561,7 +561,14 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 			m := ds[i].Msg
 			agg := c.aggregateKey(m.AggregateID) // the aggregate as the guard sees it
 			if first, ok := held[agg]; ok && !ds[i].LastAttempt {
-				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: fmt.Errorf("%w: message %s waits for %s to be retried first", ErrWaitsForAggregate, m.ID, ds[first].Msg.ID)}
+				err := fmt.Errorf("%w: message %s waits for %s to be retried first", ErrWaitsForAggregate, m.ID, ds[first].Msg.ID)
+				if fe := vs[first].Err; errors.Is(fe, ErrStoreUnavailable) || errors.Is(fe, ErrStopped) {
+					// Behind one not tried either (held, or cut by the
+					// stop): an adapter that puts such ones back at a
+					// stop (RabbitMQ) puts this one back with it.
+					err = fmt.Errorf("%w: %w", err, fe)
+				}
+				vs[i] = Verdict{RetryAfter: vs[first].RetryAfter, Err: err}
 				c.report(ctx, ds[i], vs[i])
 				continue
 			}

@@ -22,7 +22,11 @@ var (
 	// delivery that a batch did not process: an earlier delivery of the
 	// same aggregate in the batch is to be retried first, and this one
 	// must not overtake it. Such a retry is no attempt of its own:
-	// adapters that count attempts themselves (Kafka) do not count it.
+	// adapters that count attempts themselves (Kafka, RabbitMQ) do not
+	// count it. Behind a delivery held by an outage or cut by a stop, it
+	// wraps that one's error too (ErrStoreUnavailable, ErrStopped). The
+	// Consumer sets it; a handler of your own must not return it, or its
+	// message would be retried for ever without counting an attempt.
 	ErrWaitsForAggregate = errors.New("idem: waits for an earlier message of its aggregate")
 	// ErrStoreUnavailable matches the Err of a retry verdict for a
 	// delivery held while its store was down, when the adapter stopped

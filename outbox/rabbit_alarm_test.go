@@ -19,14 +19,20 @@ import (
 // reading from the connections that publish (a disk alarm alike), and
 // says so with connection.blocked. That is the broker out of reach, not
 // the rows' failure: no attempt counted on them while it lasts, one
-// line saying so, and every row published once the alarm clears.
+// line saying so, and every row published once the alarm clears. The
+// relay's user may write to its exchange only: the publisher's probe,
+// which publishes to the default exchange after an alarm, is refused,
+// and a refusal is the broker answering (it once kept the relay paused
+// for ever).
 func TestRabbitAlarmIsAnOutage(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	srv := testenv.NewRabbitMQServer(t)
 	const queue = "credits"
 	srv.DeclareQueue(queue)
-	pub, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: srv.URL()})
+	srv.Bind(queue, "amq.direct", queue)
+	url := srv.AddUser("relay", "relay", "^$", `^amq\.direct$`, "^$")
+	pub, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: url, Exchange: "amq.direct"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -84,6 +84,7 @@ type pubChannel struct {
 	ch      *amqp.Channel
 	returns chan amqp.Return
 	closed  chan *amqp.Error
+	blk     *blocking // its connection's connection.blocked state
 }
 
 // closeReason returns why the broker closed pc (a message over its
@@ -155,11 +156,14 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	if p.close {
 		return nil, fmt.Errorf("rabbitmq: publisher: %w", amqp.ErrClosed)
 	}
+	// Counted before the blocked check: a connection.blocked arriving
+	// after it sees the open under way and cuts the connection, since
+	// the open would wait for the alarm to clear, under mu.
+	p.opening.Add(1)
+	defer p.opening.Add(-1)
 	if p.sock.Load().isClosed() {
 		p.idle = nil // on the connection cutWhenStuck cut
 	} else if p.conn != nil && !p.conn.IsClosed() {
-		// Opening a channel on a blocked connection would wait for the
-		// alarm to clear, under mu.
 		if berr, _ := p.blk.Load().err(); berr != nil {
 			return nil, fmt.Errorf("rabbitmq: publisher: %w", berr)
 		}
@@ -189,14 +193,15 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 		b := newBlocking()
 		p.blk.Store(b)
 		go b.watch(conn.NotifyBlocked(make(chan amqp.Blocking, 1)), func(active bool, _ string) {
+			if p.blk.Load() != b {
+				return // a connection since replaced: its news is stale
+			}
 			p.alarm.Store(active)
 			if active && p.opening.Load() > 0 {
 				sock.close()
 			}
 		})
 	}
-	p.opening.Add(1)
-	defer p.opening.Add(-1)
 	ch, err := p.conn.Channel()
 	if err != nil {
 		if berr, _ := p.blk.Load().err(); berr != nil {
@@ -216,7 +221,7 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	// the returns they can cause.
 	// amqp091 sends the close reason to closed before it fails the
 	// confirms still awaited.
-	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk)), closed: ch.NotifyClose(make(chan *amqp.Error, 1))}, nil
+	return &pubChannel{ch: ch, returns: ch.NotifyReturn(make(chan amqp.Return, confirmChunk)), closed: ch.NotifyClose(make(chan *amqp.Error, 1)), blk: p.blk.Load()}, nil
 }
 
 // release gives pc back, or closes it after a failure.
@@ -255,20 +260,21 @@ func (p *Publisher) Unavailable(err error) bool {
 //
 // A connection the broker blocked (a memory or disk alarm) fails the
 // probe with ErrBlocked until the broker unblocks it. After an alarm
-// seen on a connection since closed, the probe also publishes an empty
-// message that no queue takes (the default exchange, an empty routing
-// key, not mandatory) and waits for its confirm: a new connection is
-// blocked only once it publishes.
+// seen on a connection since closed, the probe also publishes empty
+// messages that no queue takes (see probePublish): a new connection is
+// blocked only once it publishes. Any answer to them passes (a confirm, a
+// nack, a refusal such as a user who may not write to the default
+// exchange): the broker reads the connection again.
 func (p *Publisher) Probe(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	defer p.cutWhenStuck(ctx)()
 	pc, err := p.channel(ctx)
 	if err != nil {
 		return fmt.Errorf("rabbitmq: probe: %w", err)
 	}
-	b := p.blk.Load()
-	berr, on := b.err()
+	berr, on := pc.blk.err()
 	if berr != nil {
 		p.release(pc, false)
 		return fmt.Errorf("rabbitmq: probe: %w", berr)
@@ -277,31 +283,68 @@ func (p *Publisher) Probe(ctx context.Context) error {
 		p.release(pc, false)
 		return nil
 	}
-	bctx, done := cancelWhenBlocked(ctx, b, on)
+	err = p.probePublish(ctx, pc, on)
+	if errors.Is(err, ErrBlocked) || (err != nil && !answered(err)) {
+		return fmt.Errorf("rabbitmq: probe: publish: %w", err)
+	}
+	// Confirmed, nacked or refused: the broker reads this connection.
+	if berr, _ := pc.blk.err(); berr == nil {
+		p.alarm.Store(false)
+	}
+	return nil
+}
+
+// probePublish publishes on pc, twice, an empty message that no queue
+// takes (the default exchange, an empty routing key, not mandatory), and
+// waits for their confirms: a broker under an alarm reads the first
+// publish of a connection, and may confirm it, before it blocks the
+// connection; the second it does not read. It gives pc back, or leaves it
+// to close once the broker reads again.
+func (p *Publisher) probePublish(ctx context.Context, pc *pubChannel, on <-chan struct{}) error {
+	bctx, done := cancelWhenBlocked(ctx, pc.blk, on)
 	defer done()
-	// Twice: a broker under an alarm reads the first publish of a
-	// connection, and may confirm it, before it blocks the connection;
-	// the second it does not read.
+	var err error
 	for range 2 {
 		var dc *amqp.DeferredConfirmation
 		dc, err = pc.ch.PublishWithDeferredConfirmWithContext(bctx, "", "", false, false, amqp.Publishing{})
 		if err == nil {
-			_, err = dc.WaitContext(bctx)
+			var ok bool
+			if ok, err = dc.WaitContext(bctx); err == nil && !ok {
+				err = ErrNacked
+				if pc.ch.IsClosed() {
+					err = pc.closeReason() // refused: the channel closed
+				}
+			}
 		}
 		if err != nil {
 			break
 		}
 	}
-	if err != nil {
-		if cause := context.Cause(bctx); errors.Is(cause, ErrBlocked) {
-			err = cause
-		}
+	switch cause := context.Cause(bctx); {
+	case err == nil:
+		p.release(pc, false)
+	case errors.Is(cause, ErrBlocked):
 		go pc.ch.Close() // waits for the broker to read again
-		return fmt.Errorf("rabbitmq: probe: publish: %w", err)
+		return cause
+	default:
+		p.release(pc, true)
 	}
-	p.alarm.Store(false)
-	p.release(pc, false)
-	return nil
+	return err
+}
+
+// answered reports whether err, of a probe's publish, is the broker's
+// answer (a nack, or a channel closed with a reply code: a vhost whose
+// user may not write to the default exchange, say): it reads the
+// connection, which is all a probe asks.
+func answered(err error) bool {
+	var ae *amqp.Error
+	if errors.As(err, &ae) {
+		switch ae.Code {
+		case amqp.AccessRefused, amqp.NotFound, amqp.ResourceLocked, amqp.PreconditionFailed, amqp.NotAllowed:
+			return true
+		}
+	}
+	return errors.Is(err, ErrNacked)
 }
 
 // Publish sends msgs in order and returns nil once the broker confirmed
@@ -340,17 +383,17 @@ func (p *Publisher) Publish(ctx context.Context, msgs []*idem.Message) error {
 // blocks it: the broker reads nothing more from it, so no confirm would
 // come before the alarm clears.
 func (p *Publisher) publishUnblocked(ctx context.Context, pc *pubChannel, msgs []*idem.Message) error {
-	b := p.blk.Load()
-	berr, on := b.err()
+	berr, on := pc.blk.err()
 	if berr != nil {
 		p.release(pc, false)
 		return fmt.Errorf("rabbitmq: publish: %w", berr)
 	}
-	bctx, done := cancelWhenBlocked(ctx, b, on)
+	bctx, done := cancelWhenBlocked(ctx, pc.blk, on)
 	defer done()
 	err := p.publish(bctx, pc, msgs)
-	if cause := context.Cause(bctx); err != nil && errors.Is(cause, ErrBlocked) {
-		// Its close would wait for the broker to read again.
+	if cause := context.Cause(bctx); err != nil && errors.Is(cause, ErrBlocked) && p.Unavailable(err) {
+		// A refusal read before the block stays a refusal. Otherwise
+		// its close would wait for the broker to read again.
 		go pc.ch.Close()
 		return fmt.Errorf("rabbitmq: publish: %w", cause)
 	}

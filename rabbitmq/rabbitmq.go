@@ -670,14 +670,13 @@ func (s *session) settle(p pending, v idem.Verdict) {
 		}
 		return
 	}
-	// A delivery that waited behind an earlier one of its aggregate (in a
-	// batch) was not tried: its copy keeps its attempt.
-	waited := errors.Is(v.Err, idem.ErrWaitsForAggregate)
-	if (verdicts.Unattempted(v.Err) || waited) && s.stopped() {
+	if verdicts.Unattempted(v.Err) && s.stopped() {
 		// Held while the store was down, cut short by the stop, or
-		// waiting behind such a delivery, and the session stopped: no
-		// attempt of the message. It goes back to the queue with those
-		// not started, once the lanes are done (returnLeftovers).
+		// waiting behind such a delivery (its error wraps the other's),
+		// and the session stopped: no attempt of the message. It goes
+		// back to the queue with those not started, once the lanes are
+		// done (returnLeftovers). One waiting behind a failure goes to
+		// the retry queue below, behind that failure's copy.
 		s.mu.Lock()
 		s.leftover = append(s.leftover, p)
 		s.held = true
@@ -685,7 +684,9 @@ func (s *session) settle(p pending, v idem.Verdict) {
 		return
 	}
 	attempt := p.d.Attempt + 1
-	if waited {
+	if errors.Is(v.Err, idem.ErrWaitsForAggregate) {
+		// Waited behind an earlier delivery of its aggregate (in a
+		// batch): not tried, so its copy keeps its attempt.
 		attempt = max(p.d.Attempt, 1)
 	}
 	err := s.rt.republish(p.m, attempt, v.RetryAfter)
