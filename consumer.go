@@ -91,6 +91,13 @@ type ConsumerConfig struct {
 	// 10 s; negative waits for ever. A LeaseConsumer never cuts a call
 	// under way: its lease bounds it.
 	StopGrace time.Duration
+	// SlowWarning logs a WARN for a delivery still undecided that long
+	// after it began (its deliveries repeat on one line per 10 s, with a
+	// count): a store that hangs without failing shows nowhere else, no
+	// error and no outage, while its consumer stops making progress. Set
+	// it above the longest a handler should take. Default 1 minute;
+	// negative: never.
+	SlowWarning time.Duration
 	// ReplayClaimTimeout is how long a dead letter may stay claimed by a
 	// replay (state replaying) before a Replay run takes it for a claim
 	// left by a consumer that crashed, and requests it again. Set it
@@ -107,6 +114,9 @@ const defaultReplayClaimTimeout = 15 * time.Minute
 
 // defaultStopGrace is ConsumerConfig.StopGrace's default.
 const defaultStopGrace = 10 * time.Second
+
+// defaultSlowWarning is ConsumerConfig.SlowWarning's default.
+const defaultSlowWarning = time.Minute
 
 // Consumer decides the fate of broker deliveries for one handler: it
 // processes each through a Processor, asks for a retry with a backoff when
@@ -178,6 +188,9 @@ func newDeliveries(name string, process func(context.Context, *Message) (Outcome
 	}
 	if c.cfg.StopGrace == 0 {
 		c.cfg.StopGrace = defaultStopGrace
+	}
+	if c.cfg.SlowWarning == 0 {
+		c.cfg.SlowWarning = defaultSlowWarning
 	}
 	if c.cfg.Logger == nil {
 		c.cfg.Logger = slog.Default()
@@ -426,6 +439,7 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 	)
 	pctx, release := c.cutOnStop(ctx, d.Stopping)
 	defer release()
+	defer c.warnWhenSlow(d, 1)()
 	for again := true; ; {
 		// Held while the store is down: neither processed nor counted.
 		if werr := c.watch.Wait(ctx, d.Stopping); werr != nil {
@@ -522,6 +536,8 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 	)
 	pctx, release := c.cutOnStop(ctx, ds[idx[0]].Stopping)
 	defer release()
+	slow := c.warnWhenSlow(ds[idx[0]], len(msgs))
+	defer slow()
 	for again := true; ; {
 		// Held while the store is down, as one delivery is.
 		if werr := c.watch.Wait(ctx, ds[idx[0]].Stopping); werr != nil {
@@ -543,6 +559,7 @@ func (c *Consumer[TTx]) HandleDeliveries(ctx context.Context, ds []*Delivery) []
 			break
 		}
 	}
+	slow() // what follows decides deliveries one by one, each watched
 	// Decided again one by one within the batch's grace, should its
 	// adapter stop.
 	one = func(i int) { vs[i] = c.handle(pctx, ds[i]) }

@@ -108,3 +108,24 @@ func rollbackContext(ctx context.Context) context.Context {
 	}
 	return context.WithoutCancel(ctx)
 }
+
+// warnWhenSlow logs a WARN should d (the first of n deliveries decided
+// together) stay undecided for SlowWarning, and returns the func that
+// ends the watch (safe to call twice).
+func (c *deliveries) warnWhenSlow(d *Delivery, n int) func() {
+	if c.cfg.SlowWarning <= 0 {
+		return func() {}
+	}
+	start := time.Now()
+	t := time.AfterFunc(c.cfg.SlowWarning, func() {
+		attrs := []slog.Attr{slog.String("handler", c.name), slog.String("source", d.Source), slog.Duration("running", time.Since(start).Round(time.Millisecond))}
+		if d.Msg != nil {
+			attrs = append(attrs, slog.String("message_id", d.Msg.ID))
+		}
+		if n > 1 {
+			attrs = append(attrs, slog.Int("batch", n))
+		}
+		c.logs.Warn(c.cfg.Logger, "slow", "idem: delivery still undecided; its store or handler may hang (no error comes from a store that stopped answering)", attrs...)
+	})
+	return func() { t.Stop() }
+}
