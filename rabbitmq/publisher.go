@@ -287,11 +287,44 @@ func (p *Publisher) Probe(ctx context.Context) error {
 	if errors.Is(err, ErrBlocked) || (err != nil && !answered(err)) {
 		return fmt.Errorf("rabbitmq: probe: publish: %w", err)
 	}
-	// Confirmed, nacked or refused: the broker reads this connection.
-	if berr, _ := pc.blk.err(); berr == nil {
-		p.alarm.Store(false)
+	if err != nil {
+		// Nacked or refused: the broker read the first publish, after
+		// which, under an alarm, it blocks the connection. It must read
+		// a channel's open and close too.
+		if err := p.roundTrip(); err != nil {
+			return fmt.Errorf("rabbitmq: probe: %w", err)
+		}
 	}
+	if berr, _ := pc.blk.err(); berr != nil {
+		return fmt.Errorf("rabbitmq: probe: %w", berr)
+	}
+	p.alarm.Store(false) // the broker reads this connection
 	return nil
+}
+
+// roundTrip opens and closes a channel on the current connection: two
+// calls the broker must read. A connection.blocked meanwhile cuts the
+// connection (see channel) and fails it with ErrBlocked.
+func (p *Publisher) roundTrip() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conn == nil || p.conn.IsClosed() {
+		return fmt.Errorf("rabbitmq: publisher: %w", amqp.ErrClosed)
+	}
+	p.opening.Add(1)
+	defer p.opening.Add(-1)
+	b := p.blk.Load()
+	if berr, _ := b.err(); berr != nil {
+		return berr
+	}
+	ch, err := p.conn.Channel()
+	if err == nil {
+		err = ch.Close()
+	}
+	if berr, _ := b.err(); berr != nil {
+		return fmt.Errorf("%w (%w)", berr, err)
+	}
+	return err
 }
 
 // probePublish publishes on pc, twice, an empty message that no queue
