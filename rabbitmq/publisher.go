@@ -59,8 +59,8 @@ type Publisher struct {
 	// blk is conn's connection.blocked state, read without mu.
 	blk atomic.Pointer[blocking]
 	// alarm is set while the broker is believed to block publishing: from
-	// a connection.blocked until a connection.unblocked, or a publish on
-	// a later connection (after a cut) that the broker confirms.
+	// a connection.blocked until a connection.unblocked, or a probe on a
+	// later connection (after a cut) that the broker answers (Probe).
 	alarm atomic.Bool
 	// opening counts the channel opens under way (under mu): a
 	// connection blocked meanwhile is cut, since they would wait for the
