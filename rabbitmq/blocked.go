@@ -60,6 +60,15 @@ func (b *blocking) err() (error, <-chan struct{}) {
 	return nil, b.on
 }
 
+// explain returns err, a call's failure on b's connection, wrapped in
+// ErrBlocked's error when the connection is blocked (the alarm cut it).
+func (b *blocking) explain(err error) error {
+	if berr, _ := b.err(); berr != nil {
+		return fmt.Errorf("%w (%w)", berr, err)
+	}
+	return err
+}
+
 // cancelWhenBlocked returns ctx, cancelled with an error matching
 // ErrBlocked once the connection of b gets blocked, and its release.
 func cancelWhenBlocked(ctx context.Context, b *blocking, on <-chan struct{}) (context.Context, func()) {

@@ -204,15 +204,10 @@ func (p *Publisher) channel(ctx context.Context) (*pubChannel, error) {
 	}
 	ch, err := p.conn.Channel()
 	if err != nil {
-		if berr, _ := p.blk.Load().err(); berr != nil {
-			err = fmt.Errorf("%w (%w)", berr, err) // cut: the broker blocked the connection
-		}
-		return nil, fmt.Errorf("rabbitmq: publisher: open channel: %w", err)
+		return nil, fmt.Errorf("rabbitmq: publisher: open channel: %w", p.blk.Load().explain(err))
 	}
 	if err := ch.Confirm(false); err != nil {
-		if berr, _ := p.blk.Load().err(); berr != nil {
-			err = fmt.Errorf("%w (%w)", berr, err)
-		}
+		err = p.blk.Load().explain(err)
 		ch.Close()
 		return nil, fmt.Errorf("rabbitmq: publisher: confirm mode: %w", err)
 	}
@@ -321,10 +316,13 @@ func (p *Publisher) roundTrip() error {
 	if err == nil {
 		err = ch.Close()
 	}
-	if berr, _ := b.err(); berr != nil {
-		return fmt.Errorf("%w (%w)", berr, err)
+	if err != nil {
+		return b.explain(err)
 	}
-	return err
+	if berr, _ := b.err(); berr != nil {
+		return berr
+	}
+	return nil
 }
 
 // probePublish publishes on pc, twice, an empty message that no queue

@@ -17,6 +17,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/errtext"
 	"github.com/idemhq/idem/internal/lograte"
+	"github.com/idemhq/idem/internal/verdicts"
 )
 
 // Metadata keys the default mapping reads and Publisher writes. Every other
@@ -225,7 +226,7 @@ func (h *Handler) Handle(msg *message.Message) error {
 		}
 		return nil
 	}
-	if unattempted(v.Err) {
+	if verdicts.Unattempted(v.Err) {
 		// Held while the store was down, or cut short by the stop
 		// (idem.ConsumerConfig.StopGrace): no attempt of the message.
 		h.uncount(key)
@@ -236,7 +237,7 @@ func (h *Handler) Handle(msg *message.Message) error {
 		}
 	}
 	rerr := &RetryError{MessageID: key, Attempt: d.Attempt, RetryAfter: v.RetryAfter, Err: v.Err}
-	if h.cfg.Retry == NackAfterDelay && v.RetryAfter > 0 && !unattempted(v.Err) {
+	if h.cfg.Retry == NackAfterDelay && v.RetryAfter > 0 && !verdicts.Unattempted(v.Err) {
 		t := time.NewTimer(min(v.RetryAfter, h.cfg.MaxWait))
 		defer t.Stop()
 		select {
@@ -450,14 +451,7 @@ func Poisonable(err error) bool {
 // consumer is stopping (retrying it in the process would only wait
 // again), true otherwise.
 func ShouldRetry(p middleware.RetryParams) bool {
-	return !unattempted(p.Err)
-}
-
-// unattempted reports whether err, of a verdict to retry, says the
-// delivery was not tried: held while the store was down, or cut short by
-// the consumer's stop, once the consumer stopped.
-func unattempted(err error) bool {
-	return errors.Is(err, idem.ErrStoreUnavailable) || errors.Is(err, idem.ErrStopped)
+	return !verdicts.Unattempted(p.Err)
 }
 
 // PoisonQueue is Watermill's PoisonQueueWithFilter with Poisonable as the
