@@ -69,19 +69,18 @@ func (hs *hungStore) consumer(t *testing.T, grace time.Duration) *idem.Consumer[
 	return c
 }
 
-// stopWhenEntered closes stop once the handler ran (and a moment more,
-// so that its write is under way), and returns when that was.
-func (hs *hungStore) stopWhenEntered(stop chan struct{}) time.Time {
+// decideAndStop runs decide, closes stop once the handler ran (and a
+// moment more, so that its write is under way), and returns decide's
+// verdicts and how long after the stop they came; it fails the test if
+// they have not come long after the stop.
+func (hs *hungStore) decideAndStop(t *testing.T, stop chan struct{}, grace time.Duration, decide func() []idem.Verdict) ([]idem.Verdict, time.Duration) {
+	t.Helper()
+	res := make(chan []idem.Verdict, 1)
+	go func() { res <- decide() }()
 	<-hs.entered
 	time.Sleep(100 * time.Millisecond)
 	close(stop)
-	return time.Now()
-}
-
-// waitVerdicts returns what decide sends, or fails the test if it is
-// still running long after the stop.
-func waitVerdicts(t *testing.T, res <-chan []idem.Verdict, stopped time.Time, grace time.Duration) ([]idem.Verdict, time.Duration) {
-	t.Helper()
+	stopped := time.Now()
 	select {
 	case vs := <-res:
 		return vs, time.Since(stopped)
@@ -147,13 +146,10 @@ func TestStopCutsADeliveryHungOnTheStore(t *testing.T) {
 	c := hs.consumer(t, grace)
 	events := idemtest.Events(1)
 	stop := make(chan struct{})
-	res := make(chan []idem.Verdict, 1)
-	go func() {
+	vs, took := hs.decideAndStop(t, stop, grace, func() []idem.Verdict {
 		d := &idem.Delivery{Msg: events[0].Message(), Attempt: 1, LastAttempt: true, Stopping: stop, Source: "test"}
-		res <- []idem.Verdict{c.HandleDelivery(context.Background(), d)}
-	}()
-	stopped := hs.stopWhenEntered(stop)
-	vs, took := waitVerdicts(t, res, stopped, grace)
+		return []idem.Verdict{c.HandleDelivery(context.Background(), d)}
+	})
 	checkCut(t, vs, took, grace)
 	hs.applyAgain(t, events)
 }
@@ -167,16 +163,13 @@ func TestStopCutsAHungBatch(t *testing.T) {
 	c := hs.consumer(t, grace)
 	events := idemtest.Events(20)
 	stop := make(chan struct{})
-	res := make(chan []idem.Verdict, 1)
-	go func() {
+	vs, took := hs.decideAndStop(t, stop, grace, func() []idem.Verdict {
 		ds := make([]*idem.Delivery, len(events))
 		for i, e := range events {
 			ds[i] = &idem.Delivery{Msg: e.Message(), Attempt: 1, Stopping: stop, Source: "test"}
 		}
-		res <- c.HandleDeliveries(context.Background(), ds)
-	}()
-	stopped := hs.stopWhenEntered(stop)
-	vs, took := waitVerdicts(t, res, stopped, grace)
+		return c.HandleDeliveries(context.Background(), ds)
+	})
 	if len(vs) != len(events) {
 		t.Fatalf("%d verdicts for %d deliveries", len(vs), len(events))
 	}
@@ -222,13 +215,10 @@ func TestStopCutsASlowHandler(t *testing.T) {
 			}
 			c := hs.consumer(t, tc.grace)
 			events := idemtest.Events(1)
-			res := make(chan []idem.Verdict, 1)
-			go func() {
+			vs, took := hs.decideAndStop(t, stop, tc.grace, func() []idem.Verdict {
 				d := &idem.Delivery{Msg: events[0].Message(), Attempt: 1, Stopping: stop, Source: "test"}
-				res <- []idem.Verdict{c.HandleDelivery(context.Background(), d)}
-			}()
-			stopped := hs.stopWhenEntered(stop)
-			vs, took := waitVerdicts(t, res, stopped, tc.grace)
+				return []idem.Verdict{c.HandleDelivery(context.Background(), d)}
+			})
 			if !tc.cut {
 				if v := vs[0]; !v.Ack || v.Outcome != idem.Applied {
 					t.Fatalf("verdict %+v after %s; want applied: it ended within the grace", v, took)
