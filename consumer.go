@@ -88,8 +88,11 @@ type ConsumerConfig struct {
 	// from the stop for every delivery decided after it. The Kafka
 	// adapter stops its deliveries at a rebalance too (the partitions may
 	// move): one running StopGrace into it is cut the same way. Default
-	// 10 s; negative waits for ever. A LeaseConsumer never cuts a call
-	// under way: its lease bounds it.
+	// 10 s; negative waits for ever. A LeaseConsumer cuts its store
+	// writes the same way (the claim: the redelivery finds the message in
+	// flight until the lease runs out, as after a crash), never a call
+	// under way, which its lease bounds; the write recording a call's
+	// result gets StopGrace of its own.
 	StopGrace time.Duration
 	// SlowWarning logs a WARN for a delivery still undecided that long
 	// after it began (its deliveries repeat on one line per 10 s, with a
@@ -152,8 +155,8 @@ type deliveries struct {
 	watch     *outage.Watch    // nil: the store cannot be probed
 	logs      *lograte.Limiter // summarizes repeated failure lines
 	// cuts is set when a delivery still running StopGrace after its
-	// adapter's stop is cancelled (a Consumer's: one transaction, rolled
-	// back; never a LeaseConsumer's call).
+	// adapter's stop is cancelled (a Consumer's transaction, rolled back;
+	// a LeaseConsumer's store writes, never its call).
 	cuts  bool
 	stops stopClock // when each stop was first seen
 

@@ -646,7 +646,11 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		// count an attempt. This claim calls nothing.
 		return OutcomeNone, p.release(ctx, h, msg, l, owner, fmt.Errorf("idem: handler %q, message %q: stopped before the call: %w", h.Name, msg.ID, err))
 	}
-	hctx, cancel := context.WithCancelCause(ctx)
+	// The stop never cuts a call (a LeaseConsumer's StopGrace): its lease
+	// bounds it.
+	cctx, uncutDone := uncut(ctx)
+	defer uncutDone()
+	hctx, cancel := context.WithCancelCause(cctx)
 	defer cancel(nil)
 	k := p.keep(ctx, cancel, h.Name, msg.ID, l, sent)
 	herr := callLease(hctx, h, l, msg)
@@ -842,6 +846,11 @@ func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Mes
 			return Applied, nil
 		}
 		pause := min(50*time.Millisecond<<min(try, 5), time.Second)
+		if wasCut(ctx) {
+			// The consumer stopped, and its grace is over: the row is
+			// left to its lease, as after a crash.
+			return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done (%d tries, cut by the stop): %w", h.Name, msg.ID, try+1, err)
+		}
 		if !time.Now().Add(pause).Before(until) {
 			return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done (%d tries, until the lease ran out): %w", h.Name, msg.ID, try+1, err)
 		}
@@ -919,9 +928,14 @@ func (e *recordedFailure) Unwrap() error { return e.error }
 
 // writeContext bounds a done or failed write. It survives the caller's
 // cancellation, so that a worker shutting down still records what its
-// handler did; past the TTL the lease is gone anyway.
+// handler did; past the TTL the lease is gone anyway. Under a
+// LeaseConsumer's stop it runs at most StopGrace past the cut
+// (cutWriteContext): a store that hangs then leaves the row to its lease,
+// as a crash would.
 func (p *LeaseProcessor) writeContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(ctx), p.cfg.TTL)
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.TTL)
+	cctx, ccancel := cutWriteContext(ctx, wctx)
+	return cctx, func() { ccancel(); cancel() }
 }
 
 // backoff returns the delay before attempt+1 may run: full jitter over an

@@ -61,6 +61,7 @@ func NewLeaseConsumer(p *LeaseProcessor, h *LeaseHandler, dl driver.DeadLetterSt
 		return nil, err
 	}
 	d.ordering = h.Ordering
+	d.cuts = true
 	if r, ok := p.drv.(driver.LeaseRearmer); ok {
 		d.rearm = func(ctx context.Context, id string) error { return r.LeaseRearm(ctx, h.Name, id) }
 	}

@@ -14,9 +14,10 @@ import (
 var errCut = errors.New("idem: cancelled by the consumer's stop after its grace")
 
 // cutOnStop returns the context a delivery is processed under: ctx,
-// cancelled with cause errCut once stop has been closed for StopGrace
-// (a Consumer's; a LeaseConsumer's, whose calls are never cut, is ctx
-// itself), and the func that releases it.
+// cancelled with cause errCut once stop has been closed for StopGrace,
+// and the func that releases it. A LeaseProcessor runs its call under
+// uncut's context instead, and gives the write recording a call's result
+// a grace of its own (cutWriteContext).
 //
 // A ctx from cutOnStop is returned as it is: the deliveries of a batch
 // decided one by one after it keep the batch's grace, not one each.
@@ -24,7 +25,7 @@ func (c *deliveries) cutOnStop(ctx context.Context, stop <-chan struct{}) (conte
 	if !c.cuts || c.cfg.StopGrace <= 0 || stop == nil || ctx.Value(cutKey{}) != nil {
 		return ctx, func() {}
 	}
-	cctx, cancel := context.WithCancelCause(context.WithValue(ctx, cutKey{}, true))
+	cctx, cancel := context.WithCancelCause(context.WithValue(ctx, cutKey{}, &cutScope{parent: ctx, grace: c.cfg.StopGrace}))
 	done := make(chan struct{})
 	go func() {
 		select {
@@ -44,6 +45,66 @@ func (c *deliveries) cutOnStop(ctx context.Context, stop <-chan struct{}) (conte
 		}
 	}()
 	return cctx, func() { close(done); cancel(nil) }
+}
+
+// cutScope is the value of cutKey in a context from cutOnStop: the
+// context it was made from, and the consumer's StopGrace.
+type cutScope struct {
+	parent context.Context
+	grace  time.Duration
+}
+
+// uncut returns ctx without the stop's cut, for a lease handler's call,
+// which the stop never cuts (its lease bounds it): ctx's values, done
+// when the context the cut was made from is. Outside a cut, ctx itself.
+func uncut(ctx context.Context) (context.Context, context.CancelFunc) {
+	cs, ok := ctx.Value(cutKey{}).(*cutScope)
+	if !ok {
+		return ctx, func() {}
+	}
+	uctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	stop := context.AfterFunc(cs.parent, func() { cancel(context.Cause(cs.parent)) })
+	return uctx, func() { stop(); cancel(nil) }
+}
+
+// cutWriteContext is wctx, a write's context made to outlive ctx's end,
+// for a write under ctx: once ctx is cut by the stop, the write runs at
+// most StopGrace more (counted from the cut, or from the write's start
+// if it began after it), then is cancelled with cause errCut. A write
+// recording what a call did gets its chance even when the call ended
+// after the grace; a store that hangs does not hold the stop for the
+// lease's TTL. Outside a cut, wctx unchanged.
+func cutWriteContext(ctx, wctx context.Context) (context.Context, context.CancelFunc) {
+	cs, ok := ctx.Value(cutKey{}).(*cutScope)
+	if !ok {
+		return wctx, func() {}
+	}
+	cctx, cancel := context.WithCancelCause(wctx)
+	var (
+		mu    sync.Mutex
+		timer *time.Timer
+		ended bool
+	)
+	stop := context.AfterFunc(ctx, func() {
+		if !wasCut(ctx) {
+			return
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if !ended {
+			timer = time.AfterFunc(cs.grace, func() { cancel(errCut) })
+		}
+	})
+	return cctx, func() {
+		stop()
+		mu.Lock()
+		ended = true
+		if timer != nil {
+			timer.Stop()
+		}
+		mu.Unlock()
+		cancel(nil)
+	}
 }
 
 // stopClock records when a consumer first saw each of its adapters'

@@ -1,0 +1,179 @@
+package postgres_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/driver"
+	"github.com/idemhq/idem/internal/testenv"
+	"github.com/idemhq/idem/postgres"
+)
+
+// hungLease is a LeaseConsumer whose store's one connection runs through
+// a Blackhole, with a handler that calls call (when set) and counts its
+// calls.
+type hungLease struct {
+	drv   *postgres.Driver
+	hole  *testenv.Blackhole
+	cons  *idem.LeaseConsumer
+	calls atomic.Int32
+	call  func(ctx context.Context)
+}
+
+func newHungLease(t *testing.T, grace time.Duration) *hungLease {
+	t.Helper()
+	pool, hole := testenv.PostgresPoolThrough(t, 1)
+	direct := testenv.PostgresPool(t, 1)
+	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, direct)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// First of the cleanups: the schema's drop waits for the locks of
+	// sessions left hanging.
+	t.Cleanup(hole.Close)
+	if err := drv.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	hl := &hungLease{drv: drv, hole: hole}
+	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: time.Minute, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, _ *idem.Lease, _ *idem.Message) error {
+		hl.calls.Add(1)
+		if hl.call != nil {
+			hl.call(ctx)
+		}
+		return nil
+	}}
+	hl.cons, err = idem.NewLeaseConsumer(lp, h, drv, &idem.ConsumerConfig{StopGrace: grace, Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The pool's one connection is open, and every later write takes it.
+	if v := hl.deliver("warm-up", nil); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("warm-up delivery: %+v; want applied", v)
+	}
+	hl.calls.Store(0)
+	return hl
+}
+
+func (hl *hungLease) deliver(id string, stop <-chan struct{}) idem.Verdict {
+	return hl.cons.HandleDelivery(context.Background(), &idem.Delivery{
+		Msg: &idem.Message{ID: id, Payload: []byte("hello")}, Attempt: 1, Stopping: stop,
+	})
+}
+
+// decide delivers id, closes stop after wait, and returns the verdict and
+// how long after the stop it came; it fails the test if it does not come
+// within limit of the stop.
+func (hl *hungLease) decide(t *testing.T, id string, wait, limit time.Duration) (idem.Verdict, time.Duration) {
+	t.Helper()
+	stop := make(chan struct{})
+	res := make(chan idem.Verdict, 1)
+	go func() { res <- hl.deliver(id, stop) }()
+	time.Sleep(wait)
+	close(stop)
+	stopped := time.Now()
+	select {
+	case v := <-res:
+		return v, time.Since(stopped)
+	case <-time.After(limit):
+		t.Fatalf("still deciding %s after the stop: the stop waits on a store that hangs", time.Since(stopped).Round(time.Second))
+		return idem.Verdict{}, 0
+	}
+}
+
+// checkStopped checks that v hands the delivery back as no attempt.
+func checkStopped(t *testing.T, v idem.Verdict) {
+	t.Helper()
+	if v.Ack || v.DeadLettered || !errors.Is(v.Err, idem.ErrStopped) {
+		t.Fatalf("verdict %+v; want a retry matching ErrStopped", v)
+	}
+}
+
+// TestLeaseStopCutsAHungClaim: the path to the store dies while a
+// LeaseConsumer claims a message. The claim used to wait for as long as
+// TCP keeps trying, and the stop with it; StopGrace after the stop it is
+// cancelled, nothing was called, and the next delivery calls once.
+func TestLeaseStopCutsAHungClaim(t *testing.T) {
+	t.Parallel()
+	const grace = 500 * time.Millisecond
+	hl := newHungLease(t, grace)
+	hl.hole.Cut()
+	v, took := hl.decide(t, "mail-1", 200*time.Millisecond, grace+10*time.Second)
+	checkStopped(t, v)
+	if took < grace-50*time.Millisecond {
+		t.Fatalf("cut %s after the stop; StopGrace is %s", took, grace)
+	}
+	if n := hl.calls.Load(); n != 0 {
+		t.Fatalf("%d calls during a claim that never reached the store; want 0", n)
+	}
+	hl.hole.Reset()
+	if v := hl.deliver("mail-1", nil); !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("delivered again: %+v; want applied", v)
+	}
+	if n := hl.calls.Load(); n != 1 {
+		t.Fatalf("%d calls; want 1", n)
+	}
+}
+
+// TestLeaseStopNeverCutsACall: a call still running when the grace ends
+// is not cancelled, and the write recording its result gets a grace of
+// its own: the message is done, once, on a store that answers.
+func TestLeaseStopNeverCutsACall(t *testing.T) {
+	t.Parallel()
+	const grace = 300 * time.Millisecond
+	hl := newHungLease(t, grace)
+	var callErr atomic.Value
+	hl.call = func(ctx context.Context) {
+		select {
+		case <-time.After(grace + 700*time.Millisecond):
+		case <-ctx.Done():
+			callErr.Store(context.Cause(ctx))
+		}
+	}
+	v, _ := hl.decide(t, "mail-2", 100*time.Millisecond, 10*time.Second)
+	if err, _ := callErr.Load().(error); err != nil {
+		t.Fatalf("the call was cancelled: %v", err)
+	}
+	if !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("verdict %+v; want applied (the result written after the grace)", v)
+	}
+	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: "mail-2"})
+	if err != nil || row == nil || row.Status != driver.LeaseDone {
+		t.Fatalf("row %+v, %v; want done", row, err)
+	}
+}
+
+// TestLeaseStopCutsAHungDoneWrite: the path dies during the call. The
+// call ends after the grace; the write recording it hangs. It used to
+// wait for the lease's TTL (a minute here, 15 by default), retrying;
+// now it gets StopGrace of its own, then the delivery is handed back and
+// the row is left to its lease, as after a crash.
+func TestLeaseStopCutsAHungDoneWrite(t *testing.T) {
+	t.Parallel()
+	const grace = 300 * time.Millisecond
+	hl := newHungLease(t, grace)
+	hl.call = func(ctx context.Context) {
+		hl.hole.Cut()
+		time.Sleep(grace + 500*time.Millisecond)
+	}
+	v, took := hl.decide(t, "mail-3", 100*time.Millisecond, 20*time.Second)
+	checkStopped(t, v)
+	if min := 2*grace + 300*time.Millisecond; took < min {
+		t.Fatalf("cut %s after the stop; the write began after the grace and should get %s of its own", took, grace)
+	}
+	if n := hl.calls.Load(); n != 1 {
+		t.Fatalf("%d calls; want 1", n)
+	}
+	hl.hole.Reset()
+	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: "mail-3"})
+	if err != nil || row == nil || row.Status != driver.LeaseRunning {
+		t.Fatalf("row %+v, %v; want running, left to its lease", row, err)
+	}
+}
