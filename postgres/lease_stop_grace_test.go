@@ -22,6 +22,8 @@ type hungLease struct {
 	cons  *idem.LeaseConsumer
 	calls atomic.Int32
 	call  func(ctx context.Context)
+	// entered is closed when a call begins.
+	entered chan struct{}
 }
 
 func newHungLease(t *testing.T, grace time.Duration) *hungLease {
@@ -38,14 +40,14 @@ func newHungLease(t *testing.T, grace time.Duration) *hungLease {
 	if err := drv.Migrate(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	hl := &hungLease{drv: drv, hole: hole}
+	hl := &hungLease{drv: drv, hole: hole, entered: make(chan struct{})}
 	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: time.Minute, Logger: testenv.Logger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, _ *idem.Lease, _ *idem.Message) error {
-		hl.calls.Add(1)
-		if hl.call != nil {
+		if hl.calls.Add(1) == 1 && hl.call != nil {
+			close(hl.entered)
 			hl.call(ctx)
 		}
 		return nil
@@ -68,15 +70,24 @@ func (hl *hungLease) deliver(id string, stop <-chan struct{}) idem.Verdict {
 	})
 }
 
-// decide delivers id, closes stop after wait, and returns the verdict and
-// how long after the stop it came; it fails the test if it does not come
-// within limit of the stop.
-func (hl *hungLease) decide(t *testing.T, id string, wait, limit time.Duration) (idem.Verdict, time.Duration) {
+// decide delivers id, closes stop once the call began (with inCall; else
+// a moment after the delivery), and returns the verdict and how long
+// after the stop it came; it fails the test if it does not come within
+// limit of the stop.
+func (hl *hungLease) decide(t *testing.T, id string, inCall bool, limit time.Duration) (idem.Verdict, time.Duration) {
 	t.Helper()
 	stop := make(chan struct{})
 	res := make(chan idem.Verdict, 1)
 	go func() { res <- hl.deliver(id, stop) }()
-	time.Sleep(wait)
+	if inCall {
+		select {
+		case <-hl.entered:
+		case v := <-res:
+			t.Fatalf("decided before the call: %+v", v)
+		}
+	} else {
+		time.Sleep(200 * time.Millisecond)
+	}
 	close(stop)
 	stopped := time.Now()
 	select {
@@ -105,7 +116,7 @@ func TestLeaseStopCutsAHungClaim(t *testing.T) {
 	const grace = 500 * time.Millisecond
 	hl := newHungLease(t, grace)
 	hl.hole.Cut()
-	v, took := hl.decide(t, "mail-1", 200*time.Millisecond, grace+10*time.Second)
+	v, took := hl.decide(t, "mail-1", false, grace+10*time.Second)
 	checkStopped(t, v)
 	if took < grace-50*time.Millisecond {
 		t.Fatalf("cut %s after the stop; StopGrace is %s", took, grace)
@@ -132,12 +143,12 @@ func TestLeaseStopNeverCutsACall(t *testing.T) {
 	var callErr atomic.Value
 	hl.call = func(ctx context.Context) {
 		select {
-		case <-time.After(grace + 700*time.Millisecond):
+		case <-time.After(grace + 600*time.Millisecond):
 		case <-ctx.Done():
 			callErr.Store(context.Cause(ctx))
 		}
 	}
-	v, _ := hl.decide(t, "mail-2", 100*time.Millisecond, 10*time.Second)
+	v, _ := hl.decide(t, "mail-2", true, 10*time.Second)
 	if err, _ := callErr.Load().(error); err != nil {
 		t.Fatalf("the call was cancelled: %v", err)
 	}
@@ -163,8 +174,11 @@ func TestLeaseStopCutsAHungDoneWrite(t *testing.T) {
 		hl.hole.Cut()
 		time.Sleep(grace + 500*time.Millisecond)
 	}
-	v, took := hl.decide(t, "mail-3", 100*time.Millisecond, 20*time.Second)
+	v, took := hl.decide(t, "mail-3", true, 20*time.Second)
 	checkStopped(t, v)
+	// The call began just before the stop and ends grace+500ms after it
+	// began; its write then gets grace. Cut at the call's end, the verdict
+	// would come sooner.
 	if min := 2*grace + 300*time.Millisecond; took < min {
 		t.Fatalf("cut %s after the stop; the write began after the grace and should get %s of its own", took, grace)
 	}
