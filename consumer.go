@@ -89,10 +89,11 @@ type ConsumerConfig struct {
 	// adapter stops its deliveries at a rebalance too (the partitions may
 	// move): one running StopGrace into it is cut the same way. Default
 	// 10 s; negative waits for ever. A LeaseConsumer cuts its store
-	// writes the same way (the claim: the redelivery finds the message in
-	// flight until the lease runs out, as after a crash), never a call
-	// under way, which its lease bounds; the write recording a call's
-	// result gets StopGrace of its own.
+	// writes the same way (a cut claim the store did take is taken up by
+	// this process's next delivery of the message, or waits for its lease
+	// after a restart, as after a crash), never a call under way; the
+	// write recording a call's result gets StopGrace of its own, so its
+	// stop may take twice StopGrace.
 	StopGrace time.Duration
 	// SlowWarning logs a WARN for a delivery still undecided that long
 	// after it began (its deliveries repeat on one line per 10 s, with a
@@ -449,7 +450,7 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 			return c.held(d, werr, err)
 		}
 		out, notBefore, err = c.process(pctx, d.Msg)
-		if err != nil && wasCut(pctx) {
+		if err != nil && wasCut(pctx) && !storeAnswered(err) {
 			return c.cutShort(d, err)
 		}
 		if !c.storeDown(ctx, d.Stopping, err, &again) {

@@ -828,9 +828,11 @@ func (p *LeaseProcessor) uncalled(h *LeaseHandler, msg *Message, owner string, e
 // out, and the effect repeated.
 func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Message, l *Lease, advance *driver.LeaseAdvance, until time.Time) (Outcome, error) {
 	p.fault(FaultBeforeDone)
+	var cutUntil time.Time // under a stop's cut: when tries end
 	for try := 0; ; try++ {
 		wctx, cancel := p.writeContext(ctx)
 		res, err := p.drv.LeaseComplete(wctx, &driver.LeaseCompleteParams{Handler: h.Name, MessageID: msg.ID, Token: l.Token, Advance: advance})
+		hung := wasCut(wctx)
 		cancel()
 		if err == nil && !res.OK && try > 0 && res.Current != nil && res.Current.Status == driver.LeaseDone && res.Current.Token == l.Token {
 			// An earlier try was written, though its answer was lost.
@@ -847,9 +849,16 @@ func (p *LeaseProcessor) complete(ctx context.Context, h *LeaseHandler, msg *Mes
 		}
 		pause := min(50*time.Millisecond<<min(try, 5), time.Second)
 		if wasCut(ctx) {
-			// The consumer stopped, and its grace is over: the row is
-			// left to its lease, as after a crash.
-			return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done (%d tries, cut by the stop): %w", h.Name, msg.ID, try+1, err)
+			// The consumer stopped and its grace is over. A store that
+			// fails fast (a failover) gets tries for one grace more; one
+			// that hung through its try's grace gets no more. The row is
+			// then left to its lease, as after a crash.
+			if grace, _ := cutGrace(ctx); cutUntil.IsZero() && !hung {
+				cutUntil = time.Now().Add(grace)
+			}
+			if hung || !time.Now().Add(pause).Before(cutUntil) {
+				return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done (%d tries, cut by the stop): %w", h.Name, msg.ID, try+1, err)
+			}
 		}
 		if !time.Now().Add(pause).Before(until) {
 			return OutcomeNone, fmt.Errorf("idem: handler %q, message %q: mark done (%d tries, until the lease ran out): %w", h.Name, msg.ID, try+1, err)
@@ -871,7 +880,8 @@ func (p *LeaseProcessor) failCall(ctx context.Context, h *LeaseHandler, msg *Mes
 	// A worker stopping (its context cancelled) hands the message on at
 	// once; a caller's deadline that ran out is the attempt's failure,
 	// backed off like any other.
-	shutdown := errors.Is(ctx.Err(), context.Canceled)
+	// (The stop's cut is no such cancellation: the call ran on.)
+	shutdown := errors.Is(ctx.Err(), context.Canceled) && !wasCut(ctx)
 	exhausted := !permanent && !shutdown && p.cfg.MaxAttempts > 0 && l.Attempt >= p.cfg.MaxAttempts
 	var retryIn time.Duration
 	if !shutdown {
@@ -909,7 +919,7 @@ func (p *LeaseProcessor) writeFail(ctx context.Context, h *LeaseHandler, msg *Me
 		return OutcomeNone, fmt.Errorf("%w (and marking it failed: %w)", f.herr, fe)
 	}
 	if f.exhausted {
-		return OutcomeNone, &PermanentError{Err: fmt.Errorf("idem: gave up after %d attempts: %w", f.attempt, f.herr)}
+		return OutcomeNone, &PermanentError{Err: fmt.Errorf("idem: gave up after %d attempts: %w", f.attempt, &recordedFailure{f.herr})}
 	}
 	if due != nil && !f.permanent {
 		*due = f.retryIn

@@ -55,16 +55,36 @@ type cutScope struct {
 }
 
 // uncut returns ctx without the stop's cut, for a lease handler's call,
-// which the stop never cuts (its lease bounds it): ctx's values, done
-// when the context the cut was made from is. Outside a cut, ctx itself.
+// which the stop never cuts: ctx's values, cancelled as ctx is for any
+// other reason (a hook's deadline, the caller's end) and when the context
+// the cut was made from is. Outside a cut, ctx itself. Within the
+// returned context, nothing counts as cut: a LeaseProcessor nested in the
+// call keeps its caller's cancellations, and no second cut is made.
 func uncut(ctx context.Context) (context.Context, context.CancelFunc) {
 	cs, ok := ctx.Value(cutKey{}).(*cutScope)
 	if !ok {
 		return ctx, func() {}
 	}
-	uctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
-	stop := context.AfterFunc(cs.parent, func() { cancel(context.Cause(cs.parent)) })
-	return uctx, func() { stop(); cancel(nil) }
+	uctx, cancel := context.WithCancelCause(context.WithValue(context.WithoutCancel(ctx), cutKey{}, uncutScope{}))
+	stopCtx := context.AfterFunc(ctx, func() {
+		if !wasCut(ctx) {
+			cancel(context.Cause(ctx))
+		}
+	})
+	stopParent := context.AfterFunc(cs.parent, func() { cancel(context.Cause(cs.parent)) })
+	return uctx, func() { stopCtx(); stopParent(); cancel(nil) }
+}
+
+// uncutScope is the value of cutKey in a context from uncut.
+type uncutScope struct{}
+
+// cutGrace returns the StopGrace of the cut ctx is under, if any.
+func cutGrace(ctx context.Context) (time.Duration, bool) {
+	cs, ok := ctx.Value(cutKey{}).(*cutScope)
+	if !ok {
+		return 0, false
+	}
+	return cs.grace, true
 }
 
 // cutWriteContext is wctx, a write's context made to outlive ctx's end,
@@ -75,7 +95,7 @@ func uncut(ctx context.Context) (context.Context, context.CancelFunc) {
 // after the grace; a store that hangs does not hold the stop for the
 // lease's TTL. Outside a cut, wctx unchanged.
 func cutWriteContext(ctx, wctx context.Context) (context.Context, context.CancelFunc) {
-	cs, ok := ctx.Value(cutKey{}).(*cutScope)
+	grace, ok := cutGrace(ctx)
 	if !ok {
 		return wctx, func() {}
 	}
@@ -92,7 +112,7 @@ func cutWriteContext(ctx, wctx context.Context) (context.Context, context.Cancel
 		mu.Lock()
 		defer mu.Unlock()
 		if !ended {
-			timer = time.AfterFunc(cs.grace, func() { cancel(errCut) })
+			timer = time.AfterFunc(grace, func() { cancel(errCut) })
 		}
 	})
 	return cctx, func() {
@@ -157,6 +177,14 @@ func (c *deliveries) cutShort(d *Delivery, err error) Verdict {
 	}
 	c.logs.Warn(c.cfg.Logger, "cut\x00"+d.Source, msg, attrs...)
 	return Verdict{RetryAfter: c.cfg.Backoff.Delay(max(d.Attempt-1, 0)), Err: err}
+}
+
+// storeAnswered reports whether err, a lease delivery's, is a verdict
+// the store recorded (a failed call, a message failed for good): the
+// message's own, which the stop's cut does not turn into no attempt.
+func storeAnswered(err error) bool {
+	var recorded *recordedFailure
+	return errors.As(err, &recorded) || errors.Is(err, ErrFailedPermanently)
 }
 
 // rollbackContext is the context of a rollback after a call under ctx

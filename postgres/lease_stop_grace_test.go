@@ -3,6 +3,7 @@ package postgres_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,12 +22,19 @@ type hungLease struct {
 	hole  *testenv.Blackhole
 	cons  *idem.LeaseConsumer
 	calls atomic.Int32
-	call  func(ctx context.Context)
+	call  func(ctx context.Context) error
 	// entered is closed when a call begins.
 	entered chan struct{}
 }
 
-func newHungLease(t *testing.T, grace time.Duration) *hungLease {
+// leaseOpts varies newHungLease's processor: its MaxAttempts, and a
+// wrapper around the driver it writes the leases through.
+type leaseOpts struct {
+	maxAttempts int
+	wrap        func(driver.LeaseDriver) driver.LeaseDriver
+}
+
+func newHungLease(t *testing.T, grace time.Duration, o leaseOpts) *hungLease {
 	t.Helper()
 	pool, hole := testenv.PostgresPoolThrough(t, 1)
 	direct := testenv.PostgresPool(t, 1)
@@ -41,14 +49,18 @@ func newHungLease(t *testing.T, grace time.Duration) *hungLease {
 		t.Fatal(err)
 	}
 	hl := &hungLease{drv: drv, hole: hole, entered: make(chan struct{})}
-	lp, err := idem.NewLeaseProcessor(drv, &idem.LeaseConfig{TTL: time.Minute, Logger: testenv.Logger(t)})
+	var ld driver.LeaseDriver = drv
+	if o.wrap != nil {
+		ld = o.wrap(drv)
+	}
+	lp, err := idem.NewLeaseProcessor(ld, &idem.LeaseConfig{TTL: time.Minute, MaxAttempts: o.maxAttempts, Logger: testenv.Logger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	h := &idem.LeaseHandler{Name: "mailer", Call: func(ctx context.Context, _ *idem.Lease, _ *idem.Message) error {
 		if hl.calls.Add(1) == 1 && hl.call != nil {
 			close(hl.entered)
-			hl.call(ctx)
+			return hl.call(ctx)
 		}
 		return nil
 	}}
@@ -114,7 +126,7 @@ func checkStopped(t *testing.T, v idem.Verdict) {
 func TestLeaseStopCutsAHungClaim(t *testing.T) {
 	t.Parallel()
 	const grace = 500 * time.Millisecond
-	hl := newHungLease(t, grace)
+	hl := newHungLease(t, grace, leaseOpts{})
 	hl.hole.Cut()
 	v, took := hl.decide(t, "mail-1", false, grace+10*time.Second)
 	checkStopped(t, v)
@@ -139,14 +151,15 @@ func TestLeaseStopCutsAHungClaim(t *testing.T) {
 func TestLeaseStopNeverCutsACall(t *testing.T) {
 	t.Parallel()
 	const grace = 300 * time.Millisecond
-	hl := newHungLease(t, grace)
+	hl := newHungLease(t, grace, leaseOpts{})
 	var callErr atomic.Value
-	hl.call = func(ctx context.Context) {
+	hl.call = func(ctx context.Context) error {
 		select {
 		case <-time.After(grace + 600*time.Millisecond):
 		case <-ctx.Done():
 			callErr.Store(context.Cause(ctx))
 		}
+		return nil
 	}
 	v, _ := hl.decide(t, "mail-2", true, 10*time.Second)
 	if err, _ := callErr.Load().(error); err != nil {
@@ -169,10 +182,11 @@ func TestLeaseStopNeverCutsACall(t *testing.T) {
 func TestLeaseStopCutsAHungDoneWrite(t *testing.T) {
 	t.Parallel()
 	const grace = 300 * time.Millisecond
-	hl := newHungLease(t, grace)
-	hl.call = func(ctx context.Context) {
+	hl := newHungLease(t, grace, leaseOpts{})
+	hl.call = func(context.Context) error {
 		hl.hole.Cut()
 		time.Sleep(grace + 500*time.Millisecond)
+		return nil
 	}
 	v, took := hl.decide(t, "mail-3", true, 20*time.Second)
 	checkStopped(t, v)
@@ -189,5 +203,66 @@ func TestLeaseStopCutsAHungDoneWrite(t *testing.T) {
 	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: "mail-3"})
 	if err != nil || row == nil || row.Status != driver.LeaseRunning {
 		t.Fatalf("row %+v, %v; want running, left to its lease", row, err)
+	}
+}
+
+// TestLeaseStopKeepsARecordedFailure: a call that fails after the grace
+// is the message's failure, recorded by the store, not a stop: with
+// MaxAttempts 1 it fails for good and is dead-lettered, with the
+// handler's error, instead of being handed back as no attempt (which on a
+// broker's last delivery would lose it without a dead letter).
+func TestLeaseStopKeepsARecordedFailure(t *testing.T) {
+	t.Parallel()
+	const grace = 300 * time.Millisecond
+	hl := newHungLease(t, grace, leaseOpts{maxAttempts: 1})
+	errMail := errors.New("mail server said no")
+	hl.call = func(context.Context) error {
+		time.Sleep(grace + 500*time.Millisecond)
+		return errMail
+	}
+	v, _ := hl.decide(t, "mail-4", true, 10*time.Second)
+	if !v.DeadLettered || !errors.Is(v.Err, errMail) || errors.Is(v.Err, idem.ErrStopped) {
+		t.Fatalf("verdict %+v; want dead-lettered with the handler's error", v)
+	}
+	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: "mail-4"})
+	if err != nil || row == nil || row.Status != driver.LeaseFailed || !row.NextAttemptAt.IsZero() || !strings.Contains(row.LastError, errMail.Error()) {
+		t.Fatalf("row %+v, %v; want failed for good with the handler's error", row, err)
+	}
+}
+
+// failingDone is a lease store whose first n done writes fail at once, as
+// a store failing over does.
+type failingDone struct {
+	driver.LeaseDriver
+	n atomic.Int32
+}
+
+func (f *failingDone) LeaseComplete(ctx context.Context, p *driver.LeaseCompleteParams) (driver.LeaseWriteResult, error) {
+	if f.n.Add(-1) >= 0 {
+		return driver.LeaseWriteResult{}, errors.New("connection reset by peer")
+	}
+	return f.LeaseDriver.LeaseComplete(ctx, p)
+}
+
+// TestLeaseStopRetriesAFastFailingDoneWrite: after the grace, a done write
+// the store fails at once is tried again for a grace more (a failover
+// under way), not given up after one try, which would leave the row to
+// its lease and the effect to be repeated.
+func TestLeaseStopRetriesAFastFailingDoneWrite(t *testing.T) {
+	t.Parallel()
+	const grace = 500 * time.Millisecond
+	fd := &failingDone{}
+	hl := newHungLease(t, grace, leaseOpts{wrap: func(d driver.LeaseDriver) driver.LeaseDriver { fd.LeaseDriver = d; return fd }})
+	hl.call = func(context.Context) error {
+		fd.n.Store(2)
+		time.Sleep(grace + 200*time.Millisecond)
+		return nil
+	}
+	v, _ := hl.decide(t, "mail-5", true, 10*time.Second)
+	if !v.Ack || v.Outcome != idem.Applied {
+		t.Fatalf("verdict %+v; want applied on the third try", v)
+	}
+	if n := hl.calls.Load(); n != 1 {
+		t.Fatalf("%d calls; want 1", n)
 	}
 }
