@@ -2,10 +2,13 @@ package testenv
 
 import (
 	"context"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -63,9 +66,31 @@ func (p *serverProcess) kill() {
 	<-p.exited
 }
 
-// freePort returns a TCP port free on the loopback interface just now.
+// freePort returns a TCP port free on the loopback interface just now,
+// below the kernel's range of ephemeral ports. A port the kernel hands out
+// (port 0) is one of those: any client connection the tests open may take
+// it before a server started on it binds, or while it is down between a
+// crash and a restart ("Address already in use"). Below that range only
+// another listener can.
 func freePort(t testing.TB) int {
 	t.Helper()
+	low := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if n, err := strconv.Atoi(f[0]); err == nil && n > 11000 {
+				low = n
+			}
+		}
+	}
+	for range 100 {
+		port := 10000 + rand.IntN(low-10000)
+		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		return port
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
