@@ -227,6 +227,13 @@ func (d *Driver) migrateLockKey() string { return "idem-migrate:" + d.schema + "
 // Migrate creates the schema if configured and applies the embedded
 // migrations not yet recorded, all in one transaction under an advisory
 // lock, so concurrent calls from several instances are safe.
+//
+// The sessions' statement_timeout does not apply to it (a migration of
+// millions of markers takes what it takes; ctx bounds it), nor their
+// lock_timeout to the wait for another instance's Migrate. Their
+// lock_timeout does apply to the migrations' own locks on idem's tables,
+// which a busy service holds: set one to fail a migration rather than
+// queue every delivery behind its lock.
 func (d *Driver) Migrate(ctx context.Context) error {
 	ms, err := migrations.Load(migrationFS, "migrations", strings.NewReplacer(
 		"{{processed}}", d.t.processed,
@@ -266,8 +273,14 @@ func (d *Driver) Migrate(ctx context.Context) error {
 	// the lock must see what a concurrent call committed while this one
 	// waited for it.
 	return pgx.BeginTxFunc(ctx, d.pool, readCommitted(), func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, liftTimeoutsSQL); err != nil {
+			return fmt.Errorf("postgres: migration: %w", err)
+		}
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, d.migrateLockKey()); err != nil {
 			return fmt.Errorf("postgres: migration lock: %w", err)
+		}
+		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)`); err != nil {
+			return fmt.Errorf("postgres: migration: %w", err)
 		}
 		if d.schema != "" {
 			// CREATE SCHEMA IF NOT EXISTS needs the right to create in

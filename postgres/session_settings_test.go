@@ -603,3 +603,43 @@ func TestSessionTimeoutsSpareImportWaits(t *testing.T) {
 		}
 	}
 }
+
+// TestMigrateUnderSessionTimeouts: instances starting together each call
+// Migrate on sessions with a short lock_timeout and statement_timeout, as
+// an application's pool may set. The ones waiting for another's Migrate
+// used to fail with SQLSTATE 55P03, and a migration statement slower than
+// the statement_timeout with 57014: a deploy failing at random. All must
+// succeed, and the sessions keep their timeouts.
+func TestMigrateUnderSessionTimeouts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	plain := testenv.PostgresPool(t, 1)
+	schema := testenv.FreshSchema(t, plain)
+	const instances = 4
+	pool := testenv.PostgresPoolWith(t, instances, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["lock_timeout"] = "20ms"
+		c.ConnConfig.RuntimeParams["statement_timeout"] = "20ms"
+	})
+	errs := make(chan error, instances)
+	for range instances {
+		go func() {
+			drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
+			if err == nil {
+				err = drv.Migrate(ctx)
+			}
+			errs <- err
+		}()
+	}
+	for range instances {
+		if err := <-errs; err != nil {
+			t.Errorf("Migrate: %v", err)
+		}
+	}
+	var lock, stmt string
+	if err := pool.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&lock, &stmt); err != nil {
+		t.Fatal(err)
+	}
+	if lock != "20ms" || stmt != "20ms" {
+		t.Errorf("after Migrate a session's lock_timeout is %s and statement_timeout %s; want 20ms each", lock, stmt)
+	}
+}
