@@ -314,18 +314,11 @@ func TestSessionTimeoutsSpareMarkerWaits(t *testing.T) {
 		c.ConnConfig.RuntimeParams["lock_timeout"] = "100ms"
 		c.ConnConfig.RuntimeParams["statement_timeout"] = "300ms"
 	})
-	// Migrated without the timeouts, as in TestSessionTimeoutsSpareImportWaits.
-	plain := testenv.PostgresPool(t, 1)
-	schema := testenv.FreshSchema(t, plain)
-	mig, err := postgres.New(plain, &postgres.Config{Schema: schema})
+	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := mig.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
-	if err != nil {
+	if err := drv.Migrate(ctx); err != nil { // not cut by the timeouts (TestMigrateUnderSessionTimeouts)
 		t.Fatal(err)
 	}
 	proc, err := idem.NewProcessor(drv, nil)
@@ -500,20 +493,11 @@ func TestSessionTimeoutsSpareImportWaits(t *testing.T) {
 						c.ConnConfig.RuntimeParams[k] = v
 					}
 				})
-				// Migrated on sessions without the timeouts: a CREATE TABLE
-				// slower than 150 ms on a loaded machine is not what this
-				// tests.
-				plain := testenv.PostgresPool(t, 1)
-				schema := testenv.FreshSchema(t, plain)
-				mig, err := postgres.New(plain, &postgres.Config{Schema: schema})
+				drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
 				if err != nil {
 					t.Fatal(err)
 				}
-				if err := mig.Migrate(ctx); err != nil {
-					t.Fatal(err)
-				}
-				drv, err := postgres.New(pool, &postgres.Config{Schema: schema})
-				if err != nil {
+				if err := drv.Migrate(ctx); err != nil { // not cut by the timeouts (TestMigrateUnderSessionTimeouts)
 					t.Fatal(err)
 				}
 				// An ID imported before: the handler is interned and the
