@@ -330,8 +330,7 @@ func waitingForGap(err error) bool {
 // for a moment, and its first failures would otherwise count against
 // their messages.
 func (c *deliveries) storeDown(ctx context.Context, stop <-chan struct{}, err error, again *bool) bool {
-	var recorded *recordedFailure
-	if err == nil || IsPermanent(err) || errors.As(err, &recorded) || !c.watch.Suspect(err) {
+	if err == nil || IsPermanent(err) || storeAnswered(err) || !c.watch.Suspect(err) {
 		return false
 	}
 	if c.watch.Confirm(ctx, err) {

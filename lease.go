@@ -646,8 +646,8 @@ func (p *LeaseProcessor) process(ctx context.Context, h *LeaseHandler, msg *Mess
 		// count an attempt. This claim calls nothing.
 		return OutcomeNone, p.release(ctx, h, msg, l, owner, fmt.Errorf("idem: handler %q, message %q: stopped before the call: %w", h.Name, msg.ID, err))
 	}
-	// The stop never cuts a call (a LeaseConsumer's StopGrace): its lease
-	// bounds it.
+	// The stop never cuts a call (a LeaseConsumer's StopGrace): the call
+	// ends on its own, or when its lease is lost.
 	cctx, uncutDone := uncut(ctx)
 	defer uncutDone()
 	hctx, cancel := context.WithCancelCause(cctx)

@@ -100,31 +100,13 @@ func cutWriteContext(ctx, wctx context.Context) (context.Context, context.Cancel
 		return wctx, func() {}
 	}
 	cctx, cancel := context.WithCancelCause(wctx)
-	var (
-		mu    sync.Mutex
-		timer *time.Timer
-		ended bool
-	)
 	stop := context.AfterFunc(ctx, func() {
-		if !wasCut(ctx) {
-			return
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		if !ended {
-			timer = time.AfterFunc(grace, func() { cancel(errCut) })
+		if wasCut(ctx) {
+			t := time.AfterFunc(grace, func() { cancel(errCut) })
+			context.AfterFunc(cctx, func() { t.Stop() }) // at once if the write is over
 		}
 	})
-	return cctx, func() {
-		stop()
-		mu.Lock()
-		ended = true
-		if timer != nil {
-			timer.Stop()
-		}
-		mu.Unlock()
-		cancel(nil)
-	}
+	return cctx, func() { stop(); cancel(nil) }
 }
 
 // stopClock records when a consumer first saw each of its adapters'

@@ -246,6 +246,9 @@ const (
   set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)`
 	restoreTimeoutsSQL = `SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true),
   set_config('statement_timeout', current_setting('idem.statement_timeout'), true)`
+	// restoreLockTimeoutSQL restores only the lock_timeout liftTimeoutsSQL
+	// saved (Migrate: see there).
+	restoreLockTimeoutSQL = `SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)`
 )
 
 // timeoutLift lifts the sessions' timeouts around a waiting statement; a

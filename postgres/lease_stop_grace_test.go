@@ -111,6 +111,16 @@ func (hl *hungLease) decide(t *testing.T, id string, inCall bool, limit time.Dur
 	}
 }
 
+// row returns id's lease row; the test fails if there is none.
+func (hl *hungLease) row(t *testing.T, id string) *driver.LeaseRow {
+	t.Helper()
+	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: id})
+	if err != nil || row == nil {
+		t.Fatalf("lease row of %s: %+v, %v", id, row, err)
+	}
+	return row
+}
+
 // checkStopped checks that v hands the delivery back as no attempt.
 func checkStopped(t *testing.T, v idem.Verdict) {
 	t.Helper()
@@ -168,9 +178,8 @@ func TestLeaseStopNeverCutsACall(t *testing.T) {
 	if !v.Ack || v.Outcome != idem.Applied {
 		t.Fatalf("verdict %+v; want applied (the result written after the grace)", v)
 	}
-	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: "mail-2"})
-	if err != nil || row == nil || row.Status != driver.LeaseDone {
-		t.Fatalf("row %+v, %v; want done", row, err)
+	if row := hl.row(t, "mail-2"); row.Status != driver.LeaseDone {
+		t.Fatalf("row %+v; want done", row)
 	}
 }
 
@@ -200,9 +209,8 @@ func TestLeaseStopCutsAHungDoneWrite(t *testing.T) {
 		t.Fatalf("%d calls; want 1", n)
 	}
 	hl.hole.Reset()
-	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: "mail-3"})
-	if err != nil || row == nil || row.Status != driver.LeaseRunning {
-		t.Fatalf("row %+v, %v; want running, left to its lease", row, err)
+	if row := hl.row(t, "mail-3"); row.Status != driver.LeaseRunning {
+		t.Fatalf("row %+v; want running, left to its lease", row)
 	}
 }
 
@@ -224,9 +232,8 @@ func TestLeaseStopKeepsARecordedFailure(t *testing.T) {
 	if !v.DeadLettered || !errors.Is(v.Err, errMail) || errors.Is(v.Err, idem.ErrStopped) {
 		t.Fatalf("verdict %+v; want dead-lettered with the handler's error", v)
 	}
-	row, err := hl.drv.LeaseGet(context.Background(), &driver.LeaseGetParams{Handler: "mailer", MessageID: "mail-4"})
-	if err != nil || row == nil || row.Status != driver.LeaseFailed || !row.NextAttemptAt.IsZero() || !strings.Contains(row.LastError, errMail.Error()) {
-		t.Fatalf("row %+v, %v; want failed for good with the handler's error", row, err)
+	if row := hl.row(t, "mail-4"); row.Status != driver.LeaseFailed || !row.NextAttemptAt.IsZero() || !strings.Contains(row.LastError, errMail.Error()) {
+		t.Fatalf("row %+v; want failed for good with the handler's error", row)
 	}
 }
 

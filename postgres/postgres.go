@@ -279,7 +279,7 @@ func (d *Driver) Migrate(ctx context.Context) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, d.migrateLockKey()); err != nil {
 			return fmt.Errorf("postgres: migration lock: %w", err)
 		}
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)`); err != nil {
+		if _, err := tx.Exec(ctx, restoreLockTimeoutSQL); err != nil {
 			return fmt.Errorf("postgres: migration: %w", err)
 		}
 		if d.schema != "" {
