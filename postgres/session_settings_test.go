@@ -314,7 +314,9 @@ func TestSessionTimeoutsSpareMarkerWaits(t *testing.T) {
 		c.ConnConfig.RuntimeParams["lock_timeout"] = "100ms"
 		c.ConnConfig.RuntimeParams["statement_timeout"] = "300ms"
 	})
-	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
+	// Made and dropped on a session without the timeouts: a DROP SCHEMA
+	// slower than them on a loaded machine is not what this tests.
+	drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, testenv.PostgresPool(t, 1))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -493,7 +495,7 @@ func TestSessionTimeoutsSpareImportWaits(t *testing.T) {
 						c.ConnConfig.RuntimeParams[k] = v
 					}
 				})
-				drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, pool)})
+				drv, err := postgres.New(pool, &postgres.Config{Schema: testenv.FreshSchema(t, testenv.PostgresPool(t, 1))})
 				if err != nil {
 					t.Fatal(err)
 				}
