@@ -603,8 +603,8 @@ func TestMigrateUnderSessionTimeouts(t *testing.T) {
 	schema := testenv.FreshSchema(t, plain)
 	const instances = 4
 	pool := testenv.PostgresPoolWith(t, instances, func(c *pgxpool.Config) {
-		c.ConnConfig.RuntimeParams["lock_timeout"] = "20ms"
-		c.ConnConfig.RuntimeParams["statement_timeout"] = "20ms"
+		c.ConnConfig.RuntimeParams["lock_timeout"] = "60ms"
+		c.ConnConfig.RuntimeParams["statement_timeout"] = "60ms"
 	})
 	errs := make(chan error, instances)
 	for range instances {
@@ -625,7 +625,7 @@ func TestMigrateUnderSessionTimeouts(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&lock, &stmt); err != nil {
 		t.Fatal(err)
 	}
-	if lock != "20ms" || stmt != "20ms" {
-		t.Errorf("after Migrate a session's lock_timeout is %s and statement_timeout %s; want 20ms each", lock, stmt)
+	if lock != "60ms" || stmt != "60ms" {
+		t.Errorf("after Migrate a session's lock_timeout is %s and statement_timeout %s; want 60ms each", lock, stmt)
 	}
 }
