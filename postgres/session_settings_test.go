@@ -592,9 +592,9 @@ func TestSessionTimeoutsSpareImportWaits(t *testing.T) {
 
 // TestMigrateUnderSessionTimeouts: instances starting together each call
 // Migrate on sessions with a short lock_timeout and statement_timeout, as
-// an application's pool may set. The ones waiting for another's Migrate
-// used to fail with SQLSTATE 55P03, and a migration statement slower than
-// the statement_timeout with 57014: a deploy failing at random. All must
+// an application's pool may set, while another instance's Migrate holds
+// the migration lock for longer than both. The waiting ones used to fail
+// with SQLSTATE 55P03 or 57014: a deploy failing at random. All must
 // succeed, and the sessions keep their timeouts.
 func TestMigrateUnderSessionTimeouts(t *testing.T) {
 	t.Parallel()
@@ -603,9 +603,20 @@ func TestMigrateUnderSessionTimeouts(t *testing.T) {
 	schema := testenv.FreshSchema(t, plain)
 	const instances = 4
 	pool := testenv.PostgresPoolWith(t, instances, func(c *pgxpool.Config) {
-		c.ConnConfig.RuntimeParams["lock_timeout"] = "60ms"
-		c.ConnConfig.RuntimeParams["statement_timeout"] = "60ms"
+		c.ConnConfig.RuntimeParams["lock_timeout"] = "100ms"
+		c.ConnConfig.RuntimeParams["statement_timeout"] = "100ms"
 	})
+	// Another instance's Migrate, as the others see it: the lock held
+	// for ten times the timeouts. The key is migrateLockKey's, with the
+	// default table prefix.
+	holder, err := plain.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "idem-migrate:"+schema+".idem_"); err != nil {
+		t.Fatal(err)
+	}
 	errs := make(chan error, instances)
 	for range instances {
 		go func() {
@@ -616,6 +627,10 @@ func TestMigrateUnderSessionTimeouts(t *testing.T) {
 			errs <- err
 		}()
 	}
+	time.Sleep(time.Second)
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
 	for range instances {
 		if err := <-errs; err != nil {
 			t.Errorf("Migrate: %v", err)
@@ -625,7 +640,7 @@ func TestMigrateUnderSessionTimeouts(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&lock, &stmt); err != nil {
 		t.Fatal(err)
 	}
-	if lock != "60ms" || stmt != "60ms" {
-		t.Errorf("after Migrate a session's lock_timeout is %s and statement_timeout %s; want 60ms each", lock, stmt)
+	if lock != "100ms" || stmt != "100ms" {
+		t.Errorf("after Migrate a session's lock_timeout is %s and statement_timeout %s; want 100ms each", lock, stmt)
 	}
 }
