@@ -87,16 +87,27 @@ type pubChannel struct {
 	blk     *blocking // its connection's connection.blocked state
 }
 
+// closeReasonWait bounds closeReason's wait for the reason of a close
+// under way.
+const closeReasonWait = time.Second
+
 // closeReason returns why the broker closed pc (a message over its
 // max_message_size, an exchange that does not exist: a refusal that a
 // row's last error must name), or amqp.ErrClosed when it gave none.
+// Called once pc is closed. amqp091 marks a channel closed as soon as it
+// reads the broker's channel.close, before it hands the reason to
+// NotifyClose: a publish racing the close fails with amqp.ErrClosed
+// first, so the reason is waited for. It comes at once, or the notify
+// channel is closed (a close of our own).
 func (pc *pubChannel) closeReason() error {
+	t := time.NewTimer(closeReasonWait)
+	defer t.Stop()
 	select {
 	case e, ok := <-pc.closed:
 		if ok && e != nil {
 			return e
 		}
-	default:
+	case <-t.C:
 	}
 	return amqp.ErrClosed
 }

@@ -3,8 +3,11 @@ package rabbitmq_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/testenv"
@@ -46,6 +49,32 @@ func TestPublisherUnroutableIsAFailure(t *testing.T) {
 	}
 	if n := b.ready(t); n != 2 {
 		t.Fatalf("%d messages in the queue, want 2 (ok-1, ok-2)", n)
+	}
+}
+
+// A publish to an exchange that does not exist makes the broker close the
+// channel; the messages sent after it fail on the closed channel. Publish
+// must name the broker's reason (NOT_FOUND), which a row's last error and
+// an operator need, whichever message saw the close first: amqp091 marks
+// the channel closed before it hands the reason over, and a publish in
+// between used to report only "channel/connection is not open".
+func TestPublisherNamesTheBrokersReason(t *testing.T) {
+	t.Parallel()
+	p, err := rabbitmq.NewPublisher(&rabbitmq.PublisherConfig{URL: testenv.RabbitMQURL(), Exchange: "idem-test-no-such-exchange"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	msgs := make([]*idem.Message, 200)
+	for i := range msgs {
+		msgs[i] = &idem.Message{ID: fmt.Sprint("m-", i), Stream: "q", Payload: []byte("1")}
+	}
+	for i := range 20 {
+		err := p.Publish(context.Background(), msgs)
+		var ae *amqp.Error
+		if !errors.As(err, &ae) || ae.Code != amqp.NotFound {
+			t.Fatalf("Publish %d to a missing exchange: %v; want the broker's NOT_FOUND", i, err)
+		}
 	}
 }
 
