@@ -59,8 +59,11 @@ type OutboxNextAdder[TTx any] interface {
 // relays.
 type OutboxRelayStore interface {
 	// OutboxClaim claims up to limit pending rows for owner until ttl
-	// from now and returns them in ID order.
-	OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]OutboxRow, error)
+	// from now and returns them in ID order, no more of them than
+	// OutboxClaimFits admits under maxBytes: a relay's memory is bounded
+	// however large the payloads. The rows left out stay pending (their
+	// keys' claims lapse, or are released, as those of rows past limit).
+	OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]OutboxRow, error)
 	// OutboxMarkPublished marks rows published.
 	OutboxMarkPublished(ctx context.Context, ids []int64) error
 	// OutboxFailed counts owner's failed publish attempt on a row, keeps
@@ -114,4 +117,13 @@ type OutboxStats struct {
 // after commits of new rows (coalesced) and is closed when ctx ends.
 type OutboxNotifier interface {
 	OutboxListen(ctx context.Context) (<-chan struct{}, error)
+}
+
+// OutboxClaimFits reports whether a row with a payload of n bytes joins an
+// OutboxClaim whose rows so far (count of them) hold used payload bytes:
+// the first row always does, so a row larger than maxBytes is still
+// published, alone; a maxBytes of zero or less sets no bound. A store
+// stops reading a claim's rows at the first that does not fit.
+func OutboxClaimFits(count, used, n, maxBytes int) bool {
+	return count == 0 || maxBytes <= 0 || used+n <= maxBytes
 }

@@ -42,7 +42,8 @@ type OutboxHarness struct {
 // their error, a parked row is published by no relay and holds its key's
 // later rows, a retried one is published once and in order, a discarded
 // one never; an action leaves a key a relay holds alone; and parks racing
-// running relays never let a parked row out nor a key out of order.
+// running relays never let a parked row out nor a key out of order. It
+// also checks that a claim stops at its byte bound.
 //
 // The relays publish to a stand-in broker that acknowledges in memory and
 // refuses the destinations a test names: the store is what is under test.
@@ -57,6 +58,7 @@ func RunOutboxAdmin(t *testing.T, h *OutboxHarness) {
 		{"ListFiltersAndPages", testOutboxList},
 		{"ParksRacingRelays", testOutboxParkRace},
 		{"PruneAgesTheLog", testOutboxPruneAgesTheLog},
+		{"ClaimStopsAtMaxBytes", testOutboxClaimBytes},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -351,7 +353,7 @@ func testOutboxBusy(t *testing.T, s *OutboxStore) {
 	}
 	ids := rowIDs(t, a, f1.ID, f2.ID)
 	// A relay claims key F and is publishing it.
-	claimed, err := rs.OutboxClaim(ctx, "relay-busy", 10, time.Hour)
+	claimed, err := rs.OutboxClaim(ctx, "relay-busy", 10, 0, time.Hour)
 	if err != nil || len(claimed) != 2 {
 		t.Fatalf("claim: %d rows, %v; want 2", len(claimed), err)
 	}
@@ -628,5 +630,65 @@ func testOutboxPruneAgesTheLog(t *testing.T, s *OutboxStore) {
 	}
 	if n := count(); n != 0 {
 		t.Fatalf("%d log entries after pruning up to an hour ahead, want 0", n)
+	}
+}
+
+// testOutboxClaimBytes: OutboxClaim stops before the first row whose
+// payload would take its claim over maxBytes, but always takes one row,
+// however large; the rows left out stay pending and come, in order, to
+// the next claims.
+func testOutboxClaimBytes(t *testing.T, s *OutboxStore) {
+	ctx := context.Background()
+	_, rs := outboxAdmin(t, s)
+	sizes := []int{400, 400, 400, 2000, 10}
+	var msgs []*idem.Message
+	for i, n := range sizes {
+		m := outboxMsg("orders.f", "F", int64(i+1))
+		m.Payload = []byte(strings.Repeat("x", n))
+		msgs = append(msgs, m)
+	}
+	if err := s.Add(ctx, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	next := 0
+	for i, c := range []struct {
+		maxBytes, want int
+	}{
+		{1000, 2}, // 800 bytes; the third would make 1,200
+		{1000, 1}, // 400; the 2,000-byte row would not fit beside it
+		{1000, 1}, // the 2,000-byte row, alone
+		{0, 1},    // no bound
+	} {
+		owner := fmt.Sprint("relay-", i)
+		rows, err := rs.OutboxClaim(ctx, owner, 10, c.maxBytes, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		ids := make([]int64, len(rows))
+		for j, r := range rows {
+			got = append(got, r.MessageID)
+			ids[j] = r.ID
+			if len(r.Payload) != sizes[next+j] {
+				t.Fatalf("claim %d: row %s has a %d-byte payload, want %d", i, r.MessageID, len(r.Payload), sizes[next+j])
+			}
+		}
+		var want []string
+		for _, m := range msgs[next:min(next+c.want, len(msgs))] {
+			want = append(want, m.ID)
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("claim %d under %d bytes: %v; want %v", i, c.maxBytes, got, want)
+		}
+		next += len(rows)
+		if err := rs.OutboxMarkPublished(ctx, ids); err != nil {
+			t.Fatal(err)
+		}
+		if err := rs.OutboxRelease(ctx, owner); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if rows, err := rs.OutboxClaim(ctx, "relay-last", 10, 1, time.Minute); err != nil || len(rows) != 0 {
+		t.Fatalf("a claim after every row was published: %d rows, %v; want none", len(rows), err)
 	}
 }

@@ -104,7 +104,7 @@ func (d *Driver) OutboxAddNext(ctx context.Context, tx *sql.Tx, r *driver.Outbox
 // queueing on each other; their keys are then claimed by one upsert that
 // re-checks, under each claim row's lock, that no other relay holds the
 // key live; last, the pending rows of the keys won are read in ID order.
-func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
+func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, error) {
 	var out []driver.OutboxRow
 	err := d.retry(ctx, func() error {
 		out = nil
@@ -168,6 +168,7 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 		if err != nil {
 			return err
 		}
+		used := 0 // payload bytes in out
 		for rows.Next() {
 			var (
 				o       driver.OutboxRow
@@ -177,6 +178,10 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 				rows.Close()
 				return err
 			}
+			if !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes) {
+				break
+			}
+			used += len(o.Payload)
 			o.CreatedAt = time.UnixMicro(created)
 			out = append(out, o)
 		}

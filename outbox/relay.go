@@ -82,6 +82,11 @@ type RelayConfig struct {
 	Owner string
 	// BatchSize bounds the rows claimed per cycle. Default 100.
 	BatchSize int
+	// BatchBytes bounds the payload bytes claimed per cycle, so that a
+	// relay's memory stays bounded however large the rows: a cycle takes
+	// rows in order while their payloads fit, and always the first (a
+	// larger one goes out alone). Default 32 MiB; -1 sets no bound.
+	BatchBytes int
 	// Concurrency bounds the ordering keys published at once; one key's
 	// rows always go out one after the other. Default 8.
 	Concurrency int
@@ -203,7 +208,7 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 		r.cfg = *cfg
 	}
 	c := &r.cfg
-	if c.BatchSize < 0 || c.Concurrency < 0 || c.ClaimTTL < 0 || c.PollInterval < 0 || c.Backoff.Base < 0 || c.Backoff.Max < 0 {
+	if c.BatchSize < 0 || c.BatchBytes < -1 || c.Concurrency < 0 || c.ClaimTTL < 0 || c.PollInterval < 0 || c.Backoff.Base < 0 || c.Backoff.Max < 0 {
 		return nil, fmt.Errorf("%w: outbox relay settings must not be negative", idem.ErrInvalidConfig)
 	}
 	if c.Owner == "" {
@@ -216,6 +221,9 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 	}
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
+	}
+	if c.BatchBytes == 0 {
+		c.BatchBytes = 32 << 20
 	}
 	r.limit = c.BatchSize
 	if c.Concurrency == 0 {
@@ -332,12 +340,12 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	r.retries = slices.DeleteFunc(r.retries, func(at time.Time) bool { return !start.Before(at) }) // claimable now
 	r.holdMu.Unlock()
 	limit := r.limit
-	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, limit, r.cfg.ClaimTTL)
+	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, limit, r.cfg.BatchBytes, r.cfg.ClaimTTL)
 	if err != nil {
 		return res, true, 0, fmt.Errorf("outbox: claim: %w", err)
 	}
 	claimTook := time.Since(start)
-	r.full.Store(len(rows) >= limit) // limit is at least 1
+	r.full.Store(len(rows) >= limit || r.bytesFull(rows)) // limit is at least 1
 	res.Claimed = len(rows)
 	if len(rows) == 0 {
 		return res, false, 0, nil
@@ -418,6 +426,23 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
 	}
 	return res, storeFailed || noHold.Load(), late, errors.Join(errs...)
+}
+
+// bytesFull reports whether a claim of rows may have stopped at
+// BatchBytes: one more row as large as its largest would not have fit.
+// The store does not say where it stopped; taking a claim cut short for
+// a full one costs at most an empty claim, taking it for a partial one
+// would leave the rest waiting for PollInterval.
+func (r *Relay) bytesFull(rows []driver.OutboxRow) bool {
+	if r.cfg.BatchBytes <= 0 {
+		return false
+	}
+	used, largest := 0, 0
+	for i := range rows {
+		used += len(rows[i].Payload)
+		largest = max(largest, len(rows[i].Payload))
+	}
+	return used+largest > r.cfg.BatchBytes
 }
 
 // adaptLimit sets the next cycle's claim from this one's, which claimed

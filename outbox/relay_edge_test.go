@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -140,21 +141,86 @@ func TestSQLiteClaimsMoreKeysThanBoundVariables(t *testing.T) {
 }
 
 // slowClaim is a relay store whose claims take perRow a row more, as on a
-// slow disk; it records the size of each.
+// slow disk; it records the size of each, in rows and payload bytes.
 type slowClaim struct {
 	driver.OutboxRelayStore
 	perRow time.Duration
 	mu     sync.Mutex
 	sizes  []int
+	bytes  []int
 }
 
-func (s *slowClaim) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
-	rows, err := s.OutboxRelayStore.OutboxClaim(ctx, owner, limit, ttl)
+func (s *slowClaim) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, error) {
+	rows, err := s.OutboxRelayStore.OutboxClaim(ctx, owner, limit, maxBytes, ttl)
 	time.Sleep(time.Duration(len(rows)) * s.perRow)
+	n := 0
+	for _, r := range rows {
+		n += len(r.Payload)
+	}
 	s.mu.Lock()
 	s.sizes = append(s.sizes, len(rows))
+	s.bytes = append(s.bytes, n)
 	s.mu.Unlock()
 	return rows, err
+}
+
+// TestBatchBytesBoundsEachCycle: rows of 1,000-byte payloads under a
+// BatchBytes of 2,500 are claimed two at a time, whatever BatchSize, and
+// every row is published, each key's in order. The relay takes a claim
+// the bound cut short for a full one and comes back at once, not after
+// PollInterval (an hour here). Without a bound a relay held BatchSize
+// rows in memory, however large their payloads.
+func TestBatchBytesBoundsEachCycle(t *testing.T) {
+	t.Parallel()
+	p := sqliteProducer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var msgs []*idem.Message
+	for seq := int64(1); seq <= 4; seq++ {
+		for _, key := range []string{"a", "b", "c"} {
+			msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("%s-%d", key, seq), Stream: "s", AggregateID: key, Seq: seq, Payload: bytes.Repeat([]byte{'x'}, 1000)})
+		}
+	}
+	if err := p.add(ctx, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	store := &slowClaim{OutboxRelayStore: p.drv.(driver.OutboxRelayStore)}
+	pub := &acceptPublisher{}
+	r, err := outbox.NewRelay(store, pub, &outbox.RelayConfig{Owner: "r", BatchBytes: 2500, PollInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	rctx, stop := context.WithCancel(ctx)
+	go func() { done <- r.Run(rctx) }()
+	for len(pub.published()) < len(msgs) && ctx.Err() == nil {
+		time.Sleep(20 * time.Millisecond)
+	}
+	stop()
+	<-done
+	store.mu.Lock()
+	sizes, claimed := slices.Clone(store.sizes), slices.Clone(store.bytes)
+	store.mu.Unlock()
+	got := pub.published()
+	if len(got) != len(msgs) {
+		t.Fatalf("published %d rows of %d in 30 s (claims of %v rows)", len(got), len(msgs), sizes)
+	}
+	for _, n := range claimed {
+		if n > 2500 {
+			t.Fatalf("a claim of %d payload bytes, over BatchBytes 2,500 (claims of %v bytes)", n, claimed)
+		}
+	}
+	last := map[string]string{}
+	for _, id := range got {
+		key := id[:1]
+		if id <= last[key] {
+			t.Fatalf("key %s published out of order: %v", key, got)
+		}
+		last[key] = id
+	}
+	if _, err := outbox.NewRelay(store, pub, &outbox.RelayConfig{BatchBytes: -2}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Fatalf("BatchBytes -2: %v; want ErrInvalidConfig", err)
+	}
 }
 
 // TestClaimTooLargeIsHalved: a claim so large that reading it takes more
@@ -311,7 +377,7 @@ func TestMessageIDsDoNotCollide(t *testing.T) {
 		if err != nil || m.ID != outbox.MessageID("orders-eu", "7", 1) {
 			t.Fatalf("%s: AddNext gave %v, %v; want %q", name, m, err, outbox.MessageID("orders-eu", "7", 1))
 		}
-		rows, err := p.drv.(driver.OutboxRelayStore).OutboxClaim(context.Background(), "check", 10, time.Minute)
+		rows, err := p.drv.(driver.OutboxRelayStore).OutboxClaim(context.Background(), "check", 10, 0, time.Minute)
 		if err != nil || len(rows) != 1 || rows[0].MessageID != m.ID {
 			t.Fatalf("%s: stored rows %+v, %v; want one with ID %q", name, rows, err, m.ID)
 		}

@@ -92,7 +92,7 @@ SELECT $1, $8::text || v.version, $3, $2, v.version, $4, $5, $6, $7 FROM v RETUR
 
 // OutboxClaim implements driver.OutboxRelayStore. Times come from the
 // database clock, so relays on skewed hosts agree on claim expiry.
-func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) ([]driver.OutboxRow, error) {
+func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, error) {
 	// Candidate keys: the oldest pending rows whose key no other live
 	// claim holds, and that no parked row of their key precedes.
 	rows, err := d.pool.Query(ctx, `SELECT o.ordering_key FROM `+d.t.outbox+` o
@@ -137,12 +137,24 @@ FROM `+d.t.outbox+` o WHERE published_at IS NULL AND ordering_key = ANY($1) AND 
 	if err != nil {
 		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (driver.OutboxRow, error) {
+	defer rows.Close()
+	var (
+		out  []driver.OutboxRow
+		used int
+	)
+	for rows.Next() {
 		var o driver.OutboxRow
-		err := r.Scan(&o.ID, &o.Destination, &o.MessageID, &o.OrderingKey, &o.AggregateID, &o.Seq, &o.Type, &o.Headers, &o.Payload, &o.PayloadHash, &o.CreatedAt, &o.Attempts)
-		return o, err
-	})
-	if err != nil {
+		if err := rows.Scan(&o.ID, &o.Destination, &o.MessageID, &o.OrderingKey, &o.AggregateID, &o.Seq, &o.Type, &o.Headers, &o.Payload, &o.PayloadHash, &o.CreatedAt, &o.Attempts); err != nil {
+			return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
+		}
+		if !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes) {
+			break // Close reads the rest off the connection, a row at a time
+		}
+		used += len(o.Payload)
+		out = append(out, o)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
 	}
 	return out, nil

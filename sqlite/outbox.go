@@ -57,7 +57,7 @@ func wrapOutboxAdd(err error) error {
 // OutboxClaim implements driver.OutboxRelayStore, in one write
 // transaction (SQLite has one writer, so the steps cannot interleave with
 // another relay's).
-func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit int, ttl time.Duration) (out []driver.OutboxRow, err error) {
+func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) (out []driver.OutboxRow, err error) {
 	tx, err := d.Begin(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("sqlite: claim outbox rows: %w", err)
@@ -120,6 +120,7 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 	if err != nil {
 		return nil, err
 	}
+	used := 0 // payload bytes in out
 	for rows.Next() {
 		var (
 			o       driver.OutboxRow
@@ -129,6 +130,10 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 			rows.Close()
 			return nil, err
 		}
+		if !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes) {
+			break
+		}
+		used += len(o.Payload)
 		o.CreatedAt = time.UnixMicro(created)
 		out = append(out, o)
 	}
