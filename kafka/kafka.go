@@ -90,6 +90,15 @@ type Config struct {
 	// partition given up is no longer held for a retry): the Consumer's
 	// are applied after Options.
 	Options []kgo.Opt
+	// StopTimeout bounds how long Run goes on talking to the cluster
+	// once its context ends: the last commit and the group leave. A
+	// cluster that hangs instead of failing (a frozen broker, a dropped
+	// network path) held them for as long as the client retried, minutes.
+	// Past it the client's requests are cancelled: records of a commit
+	// cut short come again to the partition's next owner, decided as
+	// Duplicates, and the group drops the member at its session timeout.
+	// Default 10 s. A kgo.WithContext in Options replaces the bound.
+	StopTimeout time.Duration
 	// FaultHook, when set, is called at FaultBeforeCommit. Crash tests
 	// stop the consumer's goroutine there (runtime.Goexit), so that
 	// records are processed but never committed.
@@ -139,6 +148,12 @@ func New(cfg *Config) (*Consumer, error) {
 	if c.cfg.Concurrency < 0 {
 		return nil, fmt.Errorf("%w: kafka: Concurrency %d is negative", idem.ErrInvalidConfig, c.cfg.Concurrency)
 	}
+	if c.cfg.StopTimeout < 0 {
+		return nil, fmt.Errorf("%w: kafka: StopTimeout %s is negative", idem.ErrInvalidConfig, c.cfg.StopTimeout)
+	}
+	if c.cfg.StopTimeout == 0 {
+		c.cfg.StopTimeout = 10 * time.Second
+	}
 	if _, ok := c.cfg.Handler.(idem.BatchDeliveryHandler); !ok && c.cfg.Batch > 1 {
 		return nil, fmt.Errorf("%w: kafka: Batch %d needs a Handler that implements idem.BatchDeliveryHandler (idem.Consumer does; %T decides one record at a time)", idem.ErrInvalidConfig, c.cfg.Batch, c.cfg.Handler)
 	}
@@ -173,7 +188,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 	h := &holds{at: map[partition]time.Time{}}
 	gone := func(_ context.Context, cl *kgo.Client, lost map[string][]int32) { h.forget(cl, lost) }
 	own := []kgo.Opt{kgo.OnPartitionsCallbackBlocked(blocked), kgo.OnPartitionsRevoked(gone), kgo.OnPartitionsLost(gone)}
+	// The client's requests (the last commit, the leave in Close) end
+	// StopTimeout after ctx does, whether the cluster answers or not.
+	cctx, cancelClient := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelClient()
+	stopWatch := context.AfterFunc(ctx, func() { time.AfterFunc(c.cfg.StopTimeout, cancelClient) })
+	defer stopWatch()
 	opts := append([]kgo.Opt{
+		kgo.WithContext(cctx),
 		kgo.SeedBrokers(c.cfg.Brokers...),
 		kgo.ConsumerGroup(c.cfg.Group),
 		kgo.ConsumeTopics(c.cfg.Topics...),
