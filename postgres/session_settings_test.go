@@ -607,14 +607,15 @@ func TestMigrateUnderSessionTimeouts(t *testing.T) {
 		c.ConnConfig.RuntimeParams["statement_timeout"] = "100ms"
 	})
 	// Another instance's Migrate, as the others see it: the lock held
-	// for ten times the timeouts. The key is migrateLockKey's, with the
-	// default table prefix.
+	// until all four wait for it, and then for five times the timeouts.
+	// The key is migrateLockKey's, with the default table prefix.
+	key := "idem-migrate:" + schema + ".idem_"
 	holder, err := plain.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = holder.Rollback(ctx) }()
-	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, "idem-migrate:"+schema+".idem_"); err != nil {
+	if _, err := holder.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext($1))`, key); err != nil {
 		t.Fatal(err)
 	}
 	errs := make(chan error, instances)
@@ -627,7 +628,22 @@ func TestMigrateUnderSessionTimeouts(t *testing.T) {
 			errs <- err
 		}()
 	}
-	time.Sleep(time.Second)
+	// An int8 advisory lock's key is split into classid (high half) and
+	// objid (low half) in pg_locks.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var waiting int
+		if err := holder.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
+  AND objid = (hashtext($1)::bigint & 4294967295)::oid AND objsubid = 1`, key).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting == instances {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d instances wait for the migration lock after 30 s, want %d", waiting, instances)
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
 	if err := holder.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
