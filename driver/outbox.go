@@ -60,10 +60,12 @@ type OutboxNextAdder[TTx any] interface {
 type OutboxRelayStore interface {
 	// OutboxClaim claims up to limit pending rows for owner until ttl
 	// from now and returns them in ID order, no more of them than
-	// OutboxClaimFits admits under maxBytes: a relay's memory is bounded
-	// however large the payloads. The rows left out stay pending (their
-	// keys' claims lapse, or are released, as those of rows past limit).
-	OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]OutboxRow, error)
+	// OutboxClaimFits admits under maxBytes, so that a relay holds about
+	// maxBytes of payloads (plus the one row read past the bound). cut
+	// reports that the bound left rows out: they stay pending, and the
+	// claims of keys it left without a row are dropped at once, so that
+	// other relays take those keys while this one publishes.
+	OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) (rows []OutboxRow, cut bool, err error)
 	// OutboxMarkPublished marks rows published.
 	OutboxMarkPublished(ctx context.Context, ids []int64) error
 	// OutboxFailed counts owner's failed publish attempt on a row, keeps
@@ -126,4 +128,20 @@ type OutboxNotifier interface {
 // stops reading a claim's rows at the first that does not fit.
 func OutboxClaimFits(count, used, n, maxBytes int) bool {
 	return count == 0 || maxBytes <= 0 || used+n <= maxBytes
+}
+
+// OutboxIdleKeys returns the keys of claimed that none of rows has: those
+// an OutboxClaim cut by its byte bound must release.
+func OutboxIdleKeys(claimed []string, rows []OutboxRow) []string {
+	has := make(map[string]bool, len(rows))
+	for i := range rows {
+		has[rows[i].OrderingKey] = true
+	}
+	var idle []string
+	for _, k := range claimed {
+		if !has[k] {
+			idle = append(idle, k)
+		}
+	}
+	return idle
 }

@@ -353,7 +353,7 @@ func testOutboxBusy(t *testing.T, s *OutboxStore) {
 	}
 	ids := rowIDs(t, a, f1.ID, f2.ID)
 	// A relay claims key F and is publishing it.
-	claimed, err := rs.OutboxClaim(ctx, "relay-busy", 10, 0, time.Hour)
+	claimed, _, err := rs.OutboxClaim(ctx, "relay-busy", 10, 0, time.Hour)
 	if err != nil || len(claimed) != 2 {
 		t.Fatalf("claim: %d rows, %v; want 2", len(claimed), err)
 	}
@@ -635,8 +635,9 @@ func testOutboxPruneAgesTheLog(t *testing.T, s *OutboxStore) {
 
 // testOutboxClaimBytes: OutboxClaim stops before the first row whose
 // payload would take its claim over maxBytes, but always takes one row,
-// however large; the rows left out stay pending and come, in order, to
-// the next claims.
+// however large, and says it cut the claim; the rows left out stay
+// pending and come, in order, to the next claims; and a key the cut left
+// without a row is not kept from the other relays.
 func testOutboxClaimBytes(t *testing.T, s *OutboxStore) {
 	ctx := context.Background()
 	_, rs := outboxAdmin(t, s)
@@ -653,14 +654,15 @@ func testOutboxClaimBytes(t *testing.T, s *OutboxStore) {
 	next := 0
 	for i, c := range []struct {
 		maxBytes, want int
+		cut            bool
 	}{
-		{1000, 2}, // 800 bytes; the third would make 1,200
-		{1000, 1}, // 400; the 2,000-byte row would not fit beside it
-		{1000, 1}, // the 2,000-byte row, alone
-		{0, 1},    // no bound
+		{1000, 2, true}, // 800 bytes; the third would make 1,200
+		{1000, 1, true}, // 400; the 2,000-byte row would not fit beside it
+		{1000, 1, true}, // the 2,000-byte row, alone
+		{0, 1, false},   // no bound
 	} {
 		owner := fmt.Sprint("relay-", i)
-		rows, err := rs.OutboxClaim(ctx, owner, 10, c.maxBytes, time.Minute)
+		rows, cut, err := rs.OutboxClaim(ctx, owner, 10, c.maxBytes, time.Minute)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -677,8 +679,8 @@ func testOutboxClaimBytes(t *testing.T, s *OutboxStore) {
 		for _, m := range msgs[next:min(next+c.want, len(msgs))] {
 			want = append(want, m.ID)
 		}
-		if !slices.Equal(got, want) {
-			t.Fatalf("claim %d under %d bytes: %v; want %v", i, c.maxBytes, got, want)
+		if !slices.Equal(got, want) || cut != c.cut {
+			t.Fatalf("claim %d under %d bytes: %v, cut %v; want %v, cut %v", i, c.maxBytes, got, cut, want, c.cut)
 		}
 		next += len(rows)
 		if err := rs.OutboxMarkPublished(ctx, ids); err != nil {
@@ -688,7 +690,27 @@ func testOutboxClaimBytes(t *testing.T, s *OutboxStore) {
 			t.Fatal(err)
 		}
 	}
-	if rows, err := rs.OutboxClaim(ctx, "relay-last", 10, 1, time.Minute); err != nil || len(rows) != 0 {
+	if rows, _, err := rs.OutboxClaim(ctx, "relay-last", 10, 1, time.Minute); err != nil || len(rows) != 0 {
 		t.Fatalf("a claim after every row was published: %d rows, %v; want none", len(rows), err)
+	}
+
+	// Keys G and H, a row of 900 bytes each: a claim under 1,000 bytes
+	// takes G's row, and leaves H to the next relay at once.
+	g, h := outboxMsg("orders.g", "G", 1), outboxMsg("orders.h", "H", 1)
+	g.Payload, h.Payload = []byte(strings.Repeat("g", 900)), []byte(strings.Repeat("h", 900))
+	if err := s.Add(ctx, g, h); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ owner, want string }{{"relay-g", g.ID}, {"relay-h", h.ID}} {
+		rows, cut, err := rs.OutboxClaim(ctx, c.owner, 10, 1000, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(rows) != 1 || rows[0].MessageID != c.want {
+			t.Fatalf("%s's claim under 1,000 bytes: %d rows (%v), want %s alone", c.owner, len(rows), rows, c.want)
+		}
+		if c.owner == "relay-g" && !cut {
+			t.Fatal("relay-g's claim left H's row out but does not say it was cut")
+		}
 	}
 }

@@ -104,10 +104,13 @@ func (d *Driver) OutboxAddNext(ctx context.Context, tx *sql.Tx, r *driver.Outbox
 // queueing on each other; their keys are then claimed by one upsert that
 // re-checks, under each claim row's lock, that no other relay holds the
 // key live; last, the pending rows of the keys won are read in ID order.
-func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, error) {
-	var out []driver.OutboxRow
+func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, bool, error) {
+	var (
+		out []driver.OutboxRow
+		cut bool
+	)
 	err := d.retry(ctx, func() error {
-		out = nil
+		out, cut = nil, false
 		tx, err := d.Begin(ctx)
 		if err != nil {
 			return err
@@ -178,7 +181,7 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 				rows.Close()
 				return err
 			}
-			if !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes) {
+			if cut = !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes); cut {
 				break
 			}
 			used += len(o.Payload)
@@ -189,12 +192,20 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 		if err := rows.Err(); err != nil {
 			return err
 		}
+		if cut {
+			// Keys another relay holds do not match the owner.
+			for _, k := range driver.OutboxIdleKeys(keys, out) {
+				if _, err := tx.ExecContext(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE ordering_key = ? AND owner = ? AND claimed_until = ?`, k, owner, until); err != nil {
+					return err
+				}
+			}
+		}
 		return tx.Commit()
 	})
 	if err != nil {
-		return nil, fmt.Errorf("mysql: claim outbox rows: %w", notMigrated(err))
+		return nil, false, fmt.Errorf("mysql: claim outbox rows: %w", notMigrated(err))
 	}
-	return out, nil
+	return out, cut, nil
 }
 
 // notParked is the condition that the outbox row aliased o is not parked

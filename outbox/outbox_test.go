@@ -47,7 +47,7 @@ func TestAddIsTransactional(t *testing.T) {
 			}
 			// The stored row carries the same ID and sequence.
 			rs := p.drv.(driver.OutboxRelayStore)
-			rows, err := rs.OutboxClaim(ctx, "check", 10, 0, time.Second)
+			rows, _, err := rs.OutboxClaim(ctx, "check", 10, 0, time.Second)
 			if err != nil || len(rows) != 1 || rows[0].MessageID != m.ID || rows[0].Seq != 1 || rows[0].AggregateID != "acct-1" {
 				t.Fatalf("claimed %+v, %v; want %s seq 1", rows, err, m.ID)
 			}
@@ -99,7 +99,7 @@ func TestAddManyInOneCall(t *testing.T) {
 				t.Fatal(err)
 			}
 			rs := p.drv.(driver.OutboxRelayStore)
-			rows, err := rs.OutboxClaim(ctx, "check", 2*n, 0, time.Minute)
+			rows, _, err := rs.OutboxClaim(ctx, "check", 2*n, 0, time.Minute)
 			if err != nil || len(rows) != n {
 				t.Fatalf("claimed %d rows, %v; want %d", len(rows), err, n)
 			}
@@ -305,7 +305,7 @@ type markFailingStore struct {
 	claims atomic.Int64
 }
 
-func (s *markFailingStore) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, error) {
+func (s *markFailingStore) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, bool, error) {
 	s.claims.Add(1)
 	return s.OutboxRelayStore.OutboxClaim(ctx, owner, limit, maxBytes, ttl)
 }
@@ -387,19 +387,19 @@ func TestLateFailureKeepsAnotherRelaysClaim(t *testing.T) {
 				t.Fatal(err)
 			}
 			rs := p.drv.(driver.OutboxRelayStore)
-			a, err := rs.OutboxClaim(ctx, "A", 10, 0, 50*time.Millisecond)
+			a, _, err := rs.OutboxClaim(ctx, "A", 10, 0, 50*time.Millisecond)
 			if err != nil || len(a) != 1 {
 				t.Fatalf("A's claim: %+v, %v", a, err)
 			}
 			time.Sleep(100 * time.Millisecond) // A's claim runs out mid-publish
-			if b, err := rs.OutboxClaim(ctx, "B", 10, 0, time.Minute); err != nil || len(b) != 1 {
+			if b, _, err := rs.OutboxClaim(ctx, "B", 10, 0, time.Minute); err != nil || len(b) != 1 {
 				t.Fatalf("B's claim: %+v, %v", b, err)
 			}
 			if err := rs.OutboxFailed(ctx, "A", a[0].ID, "boom", time.Millisecond); err != nil {
 				t.Fatal(err)
 			}
 			time.Sleep(20 * time.Millisecond) // a hold would have ended
-			if c, err := rs.OutboxClaim(ctx, "C", 10, 0, time.Minute); err != nil || len(c) != 0 {
+			if c, _, err := rs.OutboxClaim(ctx, "C", 10, 0, time.Minute); err != nil || len(c) != 0 {
 				t.Fatalf("C claimed %d rows, %v, while B's claim is live: two relays would publish the key", len(c), err)
 			}
 			if s := outboxStats(t, p); s.Failing != 1 {
@@ -409,14 +409,14 @@ func TestLateFailureKeepsAnotherRelaysClaim(t *testing.T) {
 			if err := rs.OutboxRelease(ctx, "B"); err != nil {
 				t.Fatal(err)
 			}
-			a, err = rs.OutboxClaim(ctx, "A", 10, 0, time.Minute)
+			a, _, err = rs.OutboxClaim(ctx, "A", 10, 0, time.Minute)
 			if err != nil || len(a) != 1 {
 				t.Fatalf("A's second claim: %+v, %v", a, err)
 			}
 			if err := rs.OutboxFailed(ctx, "A", a[0].ID, "boom", time.Minute); err != nil {
 				t.Fatal(err)
 			}
-			if c, err := rs.OutboxClaim(ctx, "C", 10, 0, time.Minute); err != nil || len(c) != 0 {
+			if c, _, err := rs.OutboxClaim(ctx, "C", 10, 0, time.Minute); err != nil || len(c) != 0 {
 				t.Fatalf("C claimed %d rows, %v, of a key held for a minute", len(c), err)
 			}
 		})

@@ -85,7 +85,8 @@ type RelayConfig struct {
 	// BatchBytes bounds the payload bytes claimed per cycle, so that a
 	// relay's memory stays bounded however large the rows: a cycle takes
 	// rows in order while their payloads fit, and always the first (a
-	// larger one goes out alone). Default 32 MiB; -1 sets no bound.
+	// larger one goes out alone); the next cycle starts at once. Default
+	// 32 MiB; -1 sets no bound.
 	BatchBytes int
 	// Concurrency bounds the ordering keys published at once; one key's
 	// rows always go out one after the other. Default 8.
@@ -154,8 +155,8 @@ type Relay struct {
 	// cycle that claimed so many that no key's turn came within half the
 	// claim (see adaptLimit). Guarded by mu.
 	limit int
-	// full says the last cycle claimed as many rows as it asked for:
-	// more may be waiting.
+	// full says the last cycle claimed as many rows as it asked for, or
+	// BatchBytes cut its claim: more may be waiting.
 	full atomic.Bool
 }
 
@@ -208,8 +209,11 @@ func NewRelay(drv any, pub Publisher, cfg *RelayConfig) (*Relay, error) {
 		r.cfg = *cfg
 	}
 	c := &r.cfg
-	if c.BatchSize < 0 || c.BatchBytes < -1 || c.Concurrency < 0 || c.ClaimTTL < 0 || c.PollInterval < 0 || c.Backoff.Base < 0 || c.Backoff.Max < 0 {
+	if c.BatchSize < 0 || c.Concurrency < 0 || c.ClaimTTL < 0 || c.PollInterval < 0 || c.Backoff.Base < 0 || c.Backoff.Max < 0 {
 		return nil, fmt.Errorf("%w: outbox relay settings must not be negative", idem.ErrInvalidConfig)
+	}
+	if c.BatchBytes < -1 {
+		return nil, fmt.Errorf("%w: outbox relay BatchBytes %d must be -1 (no bound), 0 (the default) or more", idem.ErrInvalidConfig, c.BatchBytes)
 	}
 	if c.Owner == "" {
 		c.Owner = defaultOwner()
@@ -291,7 +295,8 @@ func (r *Relay) fault(point string) {
 }
 
 // RunOnce runs one cycle: claim up to BatchSize rows (fewer for a while
-// after a claim too large to publish in half ClaimTTL), publish each
+// after a claim too large to publish in half ClaimTTL) and BatchBytes of
+// payloads, publish each
 // ordering key's rows in order (keys concurrently), mark what the broker
 // acknowledged as published, record the failures, release the claims. The
 // error joins the publish and store failures; rows not published stay
@@ -340,12 +345,12 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 	r.retries = slices.DeleteFunc(r.retries, func(at time.Time) bool { return !start.Before(at) }) // claimable now
 	r.holdMu.Unlock()
 	limit := r.limit
-	rows, err := r.store.OutboxClaim(ctx, r.cfg.Owner, limit, r.cfg.BatchBytes, r.cfg.ClaimTTL)
+	rows, cut, err := r.store.OutboxClaim(ctx, r.cfg.Owner, limit, r.cfg.BatchBytes, r.cfg.ClaimTTL)
 	if err != nil {
 		return res, true, 0, fmt.Errorf("outbox: claim: %w", err)
 	}
 	claimTook := time.Since(start)
-	r.full.Store(len(rows) >= limit || r.bytesFull(rows)) // limit is at least 1
+	r.full.Store(len(rows) >= limit || cut) // limit is at least 1
 	res.Claimed = len(rows)
 	if len(rows) == 0 {
 		return res, false, 0, nil
@@ -426,23 +431,6 @@ func (r *Relay) runOnce(ctx context.Context) (res CycleResult, storeFailed bool,
 		errs = append(errs, fmt.Errorf("outbox: release claims (they expire after %s): %w", r.cfg.ClaimTTL, err))
 	}
 	return res, storeFailed || noHold.Load(), late, errors.Join(errs...)
-}
-
-// bytesFull reports whether a claim of rows may have stopped at
-// BatchBytes: one more row as large as its largest would not have fit.
-// The store does not say where it stopped; taking a claim cut short for
-// a full one costs at most an empty claim, taking it for a partial one
-// would leave the rest waiting for PollInterval.
-func (r *Relay) bytesFull(rows []driver.OutboxRow) bool {
-	if r.cfg.BatchBytes <= 0 {
-		return false
-	}
-	used, largest := 0, 0
-	for i := range rows {
-		used += len(rows[i].Payload)
-		largest = max(largest, len(rows[i].Payload))
-	}
-	return used+largest > r.cfg.BatchBytes
 }
 
 // adaptLimit sets the next cycle's claim from this one's, which claimed

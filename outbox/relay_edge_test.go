@@ -150,8 +150,8 @@ type slowClaim struct {
 	bytes  []int
 }
 
-func (s *slowClaim) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, error) {
-	rows, err := s.OutboxRelayStore.OutboxClaim(ctx, owner, limit, maxBytes, ttl)
+func (s *slowClaim) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, bool, error) {
+	rows, cut, err := s.OutboxRelayStore.OutboxClaim(ctx, owner, limit, maxBytes, ttl)
 	time.Sleep(time.Duration(len(rows)) * s.perRow)
 	n := 0
 	for _, r := range rows {
@@ -161,15 +161,16 @@ func (s *slowClaim) OutboxClaim(ctx context.Context, owner string, limit, maxByt
 	s.sizes = append(s.sizes, len(rows))
 	s.bytes = append(s.bytes, n)
 	s.mu.Unlock()
-	return rows, err
+	return rows, cut, err
 }
 
-// TestBatchBytesBoundsEachCycle: rows of 1,000-byte payloads under a
-// BatchBytes of 2,500 are claimed two at a time, whatever BatchSize, and
-// every row is published, each key's in order. The relay takes a claim
-// the bound cut short for a full one and comes back at once, not after
-// PollInterval (an hour here). Without a bound a relay held BatchSize
-// rows in memory, however large their payloads.
+// TestBatchBytesBoundsEachCycle: rows of 1,000-byte payloads, one of
+// 2,400, under a BatchBytes of 2,500 are claimed at most two at a time,
+// whatever BatchSize, and every row is published, each key's in order.
+// The relay takes a claim the bound cut short for a full one and comes
+// back at once, not after PollInterval (an hour here), also when the row
+// left out is larger than every row taken. Without a bound a relay held
+// BatchSize rows in memory, however large their payloads.
 func TestBatchBytesBoundsEachCycle(t *testing.T) {
 	t.Parallel()
 	p := sqliteProducer(t)
@@ -178,7 +179,11 @@ func TestBatchBytesBoundsEachCycle(t *testing.T) {
 	var msgs []*idem.Message
 	for seq := int64(1); seq <= 4; seq++ {
 		for _, key := range []string{"a", "b", "c"} {
-			msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("%s-%d", key, seq), Stream: "s", AggregateID: key, Seq: seq, Payload: bytes.Repeat([]byte{'x'}, 1000)})
+			size := 1000
+			if key == "a" && seq == 2 { // after a claim of [a-1, b-1] and one of [c-1]
+				size = 2400
+			}
+			msgs = append(msgs, &idem.Message{ID: fmt.Sprintf("%s-%d", key, seq), Stream: "s", AggregateID: key, Seq: seq, Payload: bytes.Repeat([]byte{'x'}, size)})
 		}
 	}
 	if err := p.add(ctx, msgs...); err != nil {
@@ -377,7 +382,7 @@ func TestMessageIDsDoNotCollide(t *testing.T) {
 		if err != nil || m.ID != outbox.MessageID("orders-eu", "7", 1) {
 			t.Fatalf("%s: AddNext gave %v, %v; want %q", name, m, err, outbox.MessageID("orders-eu", "7", 1))
 		}
-		rows, err := p.drv.(driver.OutboxRelayStore).OutboxClaim(context.Background(), "check", 10, 0, time.Minute)
+		rows, _, err := p.drv.(driver.OutboxRelayStore).OutboxClaim(context.Background(), "check", 10, 0, time.Minute)
 		if err != nil || len(rows) != 1 || rows[0].MessageID != m.ID {
 			t.Fatalf("%s: stored rows %+v, %v; want one with ID %q", name, rows, err, m.ID)
 		}

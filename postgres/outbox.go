@@ -92,7 +92,7 @@ SELECT $1, $8::text || v.version, $3, $2, v.version, $4, $5, $6, $7 FROM v RETUR
 
 // OutboxClaim implements driver.OutboxRelayStore. Times come from the
 // database clock, so relays on skewed hosts agree on claim expiry.
-func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, error) {
+func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) ([]driver.OutboxRow, bool, error) {
 	// Candidate keys: the oldest pending rows whose key no other live
 	// claim holds, and that no parked row of their key precedes.
 	rows, err := d.pool.Query(ctx, `SELECT o.ordering_key FROM `+d.t.outbox+` o
@@ -101,14 +101,14 @@ WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM `+d.t.outboxClaims+` 
 AND `+d.notParked("o")+`
 ORDER BY o.id LIMIT $2`, owner, limit)
 	if err != nil {
-		return nil, fmt.Errorf("postgres: outbox candidates: %w", err)
+		return nil, false, fmt.Errorf("postgres: outbox candidates: %w", err)
 	}
 	keys, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("postgres: outbox candidates: %w", err)
+		return nil, false, fmt.Errorf("postgres: outbox candidates: %w", err)
 	}
 	if len(keys) == 0 {
-		return nil, nil
+		return nil, false, nil
 	}
 	keys = uniqueStrings(keys)
 	// Claim them: a key another relay holds live is left alone (the
@@ -119,14 +119,14 @@ ON CONFLICT (ordering_key) DO UPDATE SET owner = excluded.owner, claimed_until =
 WHERE c.owner = excluded.owner OR c.claimed_until <= clock_timestamp()
 RETURNING c.ordering_key`, keys, owner, ttl.Microseconds())
 	if err != nil {
-		return nil, fmt.Errorf("postgres: claim outbox keys: %w", err)
+		return nil, false, fmt.Errorf("postgres: claim outbox keys: %w", err)
 	}
 	won, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("postgres: claim outbox keys: %w", err)
+		return nil, false, fmt.Errorf("postgres: claim outbox keys: %w", err)
 	}
 	if len(won) == 0 {
-		return nil, nil
+		return nil, false, nil
 	}
 	// Read the won keys' pending rows now, after the claim: anything
 	// another relay marked published before we won is not returned.
@@ -135,19 +135,20 @@ RETURNING c.ordering_key`, keys, owner, ttl.Microseconds())
 	rows, err = d.pool.Query(ctx, `SELECT id, destination, message_id, ordering_key, aggregate_id, seq, type, headers, payload, payload_hash, created_at, attempts
 FROM `+d.t.outbox+` o WHERE published_at IS NULL AND ordering_key = ANY($1) AND `+d.notParked("o")+` ORDER BY id LIMIT $2`, won, limit)
 	if err != nil {
-		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
+		return nil, false, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
 	}
 	defer rows.Close()
 	var (
 		out  []driver.OutboxRow
 		used int
+		cut  bool
 	)
 	for rows.Next() {
 		var o driver.OutboxRow
 		if err := rows.Scan(&o.ID, &o.Destination, &o.MessageID, &o.OrderingKey, &o.AggregateID, &o.Seq, &o.Type, &o.Headers, &o.Payload, &o.PayloadHash, &o.CreatedAt, &o.Attempts); err != nil {
-			return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
+			return nil, false, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
 		}
-		if !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes) {
+		if cut = !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes); cut {
 			break // Close reads the rest off the connection, a row at a time
 		}
 		used += len(o.Payload)
@@ -155,9 +156,16 @@ FROM `+d.t.outbox+` o WHERE published_at IS NULL AND ordering_key = ANY($1) AND 
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
+		return nil, false, fmt.Errorf("postgres: read claimed outbox rows: %w", err)
 	}
-	return out, nil
+	if cut {
+		if idle := driver.OutboxIdleKeys(won, out); len(idle) > 0 {
+			if _, err := d.auto.Exec(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE owner = $1 AND ordering_key = ANY($2)`, owner, idle); err != nil {
+				return nil, false, fmt.Errorf("postgres: release outbox keys left out: %w", err)
+			}
+		}
+	}
+	return out, cut, nil
 }
 
 // notParked is the condition that the outbox row aliased o is not parked

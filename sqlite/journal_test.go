@@ -98,7 +98,7 @@ func TestJournalModeRefused(t *testing.T) {
 			wantRefused("Begin", err)
 			_, err = drv.DeadLetterPut(ctx, &driver.DeadLetter{Handler: "h", MessageID: "m", PayloadHash: []byte("x"), Error: "e", Class: "exhausted"})
 			wantRefused("DeadLetterPut", err)
-			_, err = drv.OutboxClaim(ctx, "relay", 10, 0, time.Minute)
+			_, _, err = drv.OutboxClaim(ctx, "relay", 10, 0, time.Minute)
 			wantRefused("OutboxClaim", err)
 			wantRefused("Migrate", drv.Migrate(ctx))
 			// Every refused call found the setting; the pool is still

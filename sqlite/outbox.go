@@ -57,10 +57,10 @@ func wrapOutboxAdd(err error) error {
 // OutboxClaim implements driver.OutboxRelayStore, in one write
 // transaction (SQLite has one writer, so the steps cannot interleave with
 // another relay's).
-func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) (out []driver.OutboxRow, err error) {
+func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes int, ttl time.Duration) (out []driver.OutboxRow, cut bool, err error) {
 	tx, err := d.Begin(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("sqlite: claim outbox rows: %w", err)
+		return nil, false, fmt.Errorf("sqlite: claim outbox rows: %w", err)
 	}
 	defer func() {
 		if err != nil {
@@ -72,41 +72,41 @@ func (d *Driver) OutboxClaim(ctx context.Context, owner string, limit, maxBytes 
 	// Take the write lock first, so no other relay reads the same
 	// candidates between our read and our claim.
 	if _, err = tx.ExecContext(ctx, `DELETE FROM `+d.tables.outboxClaims+` WHERE claimed_until <= ?`, now.UnixMicro()); err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	rows, err := tx.QueryContext(ctx, `SELECT DISTINCT ordering_key FROM (SELECT o.ordering_key FROM `+d.tables.outbox+` o
 WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM `+d.tables.outboxClaims+` c WHERE c.ordering_key = o.ordering_key AND c.owner <> ?)
 AND `+d.notParked("o")+`
 ORDER BY o.id LIMIT ?)`, owner, limit)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	var keys []any
 	for rows.Next() {
 		var k string
 		if err = rows.Scan(&k); err != nil {
 			rows.Close()
-			return nil, err
+			return nil, false, err
 		}
 		keys = append(keys, k)
 	}
 	rows.Close()
 	if err = rows.Err(); err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	if len(keys) == 0 {
-		return nil, tx.Commit()
+		return nil, false, tx.Commit()
 	}
 	until := now.Add(ttl).UnixMicro()
 	st, err := tx.PrepareContext(ctx, `INSERT INTO `+d.tables.outboxClaims+` (ordering_key, owner, claimed_until) VALUES (?, ?, ?)
 ON CONFLICT (ordering_key) DO UPDATE SET claimed_until = excluded.claimed_until`)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	for _, k := range keys {
 		if _, err = st.ExecContext(ctx, k, owner, until); err != nil {
 			st.Close()
-			return nil, err
+			return nil, false, err
 		}
 	}
 	st.Close()
@@ -118,7 +118,7 @@ FROM `+d.tables.outbox+` o WHERE published_at IS NULL AND ordering_key IN (SELEC
 AND `+d.notParked("o")+`
 ORDER BY id LIMIT ?`, owner, until, limit)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	used := 0 // payload bytes in out
 	for rows.Next() {
@@ -128,9 +128,9 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 		)
 		if err = rows.Scan(&o.ID, &o.Destination, &o.MessageID, &o.OrderingKey, &o.AggregateID, &o.Seq, &o.Type, &o.Headers, &o.Payload, &o.PayloadHash, &created, &o.Attempts); err != nil {
 			rows.Close()
-			return nil, err
+			return nil, false, err
 		}
-		if !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes) {
+		if cut = !driver.OutboxClaimFits(len(out), used, len(o.Payload), maxBytes); cut {
 			break
 		}
 		used += len(o.Payload)
@@ -139,9 +139,26 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 	}
 	rows.Close()
 	if err = rows.Err(); err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	return out, tx.Commit()
+	if cut { // every candidate key was claimed: the write lock was held
+		claimed := make([]string, len(keys))
+		for i, k := range keys {
+			claimed[i] = k.(string)
+		}
+		if idle := driver.OutboxIdleKeys(claimed, out); len(idle) > 0 {
+			if st, err = tx.PrepareContext(ctx, `DELETE FROM `+d.tables.outboxClaims+` WHERE ordering_key = ? AND owner = ?`); err != nil {
+				return nil, false, err
+			}
+			defer st.Close()
+			for _, k := range idle {
+				if _, err = st.ExecContext(ctx, k, owner); err != nil {
+					return nil, false, err
+				}
+			}
+		}
+	}
+	return out, cut, tx.Commit()
 }
 
 // notParked is the condition that the outbox row aliased o is not parked

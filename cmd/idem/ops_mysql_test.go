@@ -247,7 +247,7 @@ func testOutboxAdminMySQL(t *testing.T, vars map[string]string, drv *mysql.Drive
 	if out := cli(exitFailed, "outbox", "discard", id(a), "--yes"); !strings.Contains(out, "not found or published: "+id(a)) {
 		t.Fatalf("second discard:\n%s", out)
 	}
-	claimed, err := drv.OutboxClaim(ctx, "relay-2", 1, 0, time.Hour)
+	claimed, _, err := drv.OutboxClaim(ctx, "relay-2", 1, 0, time.Hour)
 	if err != nil || len(claimed) != 1 || claimed[0].ID != b {
 		t.Fatalf("claim: %+v, %v", claimed, err)
 	}

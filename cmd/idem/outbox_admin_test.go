@@ -95,7 +95,7 @@ func TestOutboxAdminCommands(t *testing.T) {
 	}
 
 	// A key a relay holds is busy; a failing row is retried with --all-failing.
-	claimed, err := drv.OutboxClaim(ctx, "relay-2", 1, 0, time.Hour)
+	claimed, _, err := drv.OutboxClaim(ctx, "relay-2", 1, 0, time.Hour)
 	if err != nil || len(claimed) != 1 || claimed[0].ID != 2 {
 		t.Fatalf("claim: %+v, %v", claimed, err)
 	}

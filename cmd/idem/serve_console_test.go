@@ -493,7 +493,7 @@ func FuzzRenderPayload(f *testing.F) {
 func failOutboxRows(t *testing.T, drv *sqlite.Driver) []int64 {
 	t.Helper()
 	ctx := context.Background()
-	rows, err := drv.OutboxClaim(ctx, "relay-1", 100, 0, time.Minute)
+	rows, _, err := drv.OutboxClaim(ctx, "relay-1", 100, 0, time.Minute)
 	if err != nil || len(rows) == 0 {
 		t.Fatalf("claim the outbox rows: %d rows, %v", len(rows), err)
 	}
