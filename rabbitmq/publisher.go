@@ -97,9 +97,9 @@ const closeReasonWait = time.Second
 // Called once pc is closed. amqp091 marks a channel closed as soon as it
 // reads the broker's channel.close, before it hands the reason to
 // NotifyClose: a publish racing the close fails with amqp.ErrClosed
-// first, so the reason is waited for. It comes at once, or the notify
-// channel is closed (a close of our own).
-func (pc *pubChannel) closeReason() error {
+// first, so the reason is waited for, no longer than ctx. It comes at
+// once, or the notify channel is closed (a close of our own).
+func (pc *pubChannel) closeReason(ctx context.Context) error {
 	t := time.NewTimer(closeReasonWait)
 	defer t.Stop()
 	select {
@@ -108,6 +108,7 @@ func (pc *pubChannel) closeReason() error {
 			return e
 		}
 	case <-t.C:
+	case <-ctx.Done():
 	}
 	return amqp.ErrClosed
 }
@@ -354,7 +355,7 @@ func (p *Publisher) probePublish(ctx context.Context, pc *pubChannel, on <-chan 
 			if ok, err = dc.WaitContext(bctx); err == nil && !ok {
 				err = ErrNacked
 				if pc.ch.IsClosed() {
-					err = pc.closeReason() // refused: the channel closed
+					err = pc.closeReason(bctx) // refused: the channel closed
 				}
 			}
 		}
@@ -481,7 +482,7 @@ func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Me
 			dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, m.Stream, true, false, publishing(m))
 			if err != nil {
 				if errors.Is(err, amqp.ErrClosed) {
-					err = pc.closeReason() // closed by the broker after an earlier message
+					err = pc.closeReason(ctx) // closed by the broker after an earlier message
 				}
 				return fmt.Errorf("rabbitmq: publish %q to %q: %w", m.ID, m.Stream, err)
 			}
@@ -494,7 +495,7 @@ func (p *Publisher) publish(ctx context.Context, pc *pubChannel, msgs []*idem.Me
 			}
 			if !ok {
 				if pc.ch.IsClosed() {
-					return fmt.Errorf("rabbitmq: confirm of %q: %w", chunk[i].ID, pc.closeReason())
+					return fmt.Errorf("rabbitmq: confirm of %q: %w", chunk[i].ID, pc.closeReason(ctx))
 				}
 				return fmt.Errorf("%w: %q to %q", ErrNacked, chunk[i].ID, chunk[i].Stream)
 			}
