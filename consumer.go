@@ -474,6 +474,12 @@ func (c *deliveries) decide(ctx context.Context, d *Delivery) Verdict {
 	switch {
 	case out == Conflict:
 		return c.deadLetter(ctx, d, DeadLetterConflict, err, out)
+	case errors.Is(err, ErrWaitsForAggregate):
+		// Only a batch sets it, on deliveries it did not try, and never
+		// through here: this one is the handler's. Adapters that count
+		// attempts themselves count none for it, so a retry would come
+		// back for ever.
+		return c.deadLetter(ctx, d, DeadLetterPermanent, fmt.Errorf("idem: the handler returned idem.ErrWaitsForAggregate, which only the Consumer may set: %w", err), out)
 	case c.classify(err) == PermanentClass:
 		return c.deadLetter(ctx, d, DeadLetterPermanent, err, out)
 	case d.replay && ctx.Err() != nil:

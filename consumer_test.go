@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -101,5 +102,48 @@ func TestDeadLetterOfInvalidMessageKeepsItsValidID(t *testing.T) {
 	}
 	if len(dls) != 1 || dls[0].MessageID != "m-1" || !strings.Contains(string(dls[0].Envelope), `"Seq":3`) {
 		t.Fatalf("dead letters %+v; want one, of message m-1, with its envelope", dls)
+	}
+}
+
+// TestHandlerReturningWaitsForAggregateIsDeadLettered: ErrWaitsForAggregate
+// is the Consumer's own, for deliveries a batch did not try, and adapters
+// that count attempts themselves (Kafka, RabbitMQ) count none for it. A
+// handler that returned it had its message retried for ever; it is now
+// dead-lettered as permanent, with the reason, alone or in a batch.
+func TestHandlerReturningWaitsForAggregateIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	l := newLedger(t)
+	ctx := context.Background()
+	h := &idem.Handler[*sql.Tx]{Name: "waits", Apply: func(context.Context, *sql.Tx, *idem.Message) error {
+		return fmt.Errorf("upstream said: %w", idem.ErrWaitsForAggregate)
+	}}
+	c, err := idem.NewConsumer(l.proc, h, l.dl, &idem.ConsumerConfig{Logger: testenv.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(what string, v idem.Verdict) {
+		t.Helper()
+		if !v.Ack || !v.DeadLettered || v.DeadLetterClass != idem.DeadLetterPermanent {
+			t.Errorf("%s: %+v; want a permanent dead letter", what, v)
+		}
+	}
+	check("alone", c.HandleDelivery(ctx, &idem.Delivery{Msg: &idem.Message{ID: "m-1", Payload: []byte("p")}, Attempt: 1}))
+	for i, v := range c.HandleDeliveries(ctx, []*idem.Delivery{
+		{Msg: &idem.Message{ID: "m-2", AggregateID: "a", Seq: 1, Payload: []byte("p")}, Attempt: 1},
+		{Msg: &idem.Message{ID: "m-3", AggregateID: "b", Seq: 1, Payload: []byte("p")}, Attempt: 1},
+	}) {
+		check(fmt.Sprint("in a batch, delivery ", i), v)
+	}
+	dls, err := l.dl.DeadLetterList(ctx, &driver.DeadLetterFilter{Handler: "waits"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dls) != 3 {
+		t.Fatalf("%d dead letters, want 3", len(dls))
+	}
+	for _, dl := range dls {
+		if !strings.Contains(dl.Error, "only the Consumer may set") || !strings.Contains(dl.Error, "upstream said") {
+			t.Errorf("dead letter of %s: %q; want the reason and the handler's error", dl.MessageID, dl.Error)
+		}
 	}
 }

@@ -25,8 +25,10 @@ var (
 	// adapters that count attempts themselves (Kafka, RabbitMQ) do not
 	// count it. Behind a delivery held by an outage or cut by a stop, it
 	// wraps that one's error too (ErrStoreUnavailable, ErrStopped). The
-	// Consumer sets it; a handler of your own must not return it, or its
-	// message would be retried for ever without counting an attempt.
+	// Consumer sets it. A handler's Apply that returns it has its message
+	// dead-lettered as permanent, with that reason (retried, it would
+	// come back for ever, no attempt counted); a DeliveryHandler of your
+	// own must not put it in a verdict.
 	ErrWaitsForAggregate = errors.New("idem: waits for an earlier message of its aggregate")
 	// ErrStoreUnavailable matches the Err of a retry verdict for a
 	// delivery held while its store was down, when the adapter stopped
