@@ -193,9 +193,15 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 			return err
 		}
 		if cut {
-			// Keys another relay holds do not match the owner.
-			for _, k := range driver.OutboxIdleKeys(keys, out) {
-				if _, err := tx.ExecContext(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE ordering_key = ? AND owner = ? AND claimed_until = ?`, k, owner, until); err != nil {
+			// One statement, as the claim's upsert; keys another relay
+			// holds do not match the owner.
+			if idle := driver.OutboxIdleKeys(keys, out); len(idle) > 0 {
+				args := []any{owner, until}
+				for _, k := range idle {
+					args = append(args, k)
+				}
+				if _, err := tx.ExecContext(ctx, `DELETE FROM `+d.t.outboxClaims+` WHERE owner = ? AND claimed_until = ? AND ordering_key IN (?`+
+					strings.Repeat(", ?", len(idle)-1)+`)`, args...); err != nil {
 					return err
 				}
 			}

@@ -81,7 +81,7 @@ ORDER BY o.id LIMIT ?)`, owner, limit)
 	if err != nil {
 		return nil, false, err
 	}
-	var keys []any
+	var keys []string
 	for rows.Next() {
 		var k string
 		if err = rows.Scan(&k); err != nil {
@@ -142,11 +142,7 @@ ORDER BY id LIMIT ?`, owner, until, limit)
 		return nil, false, err
 	}
 	if cut { // every candidate key was claimed: the write lock was held
-		claimed := make([]string, len(keys))
-		for i, k := range keys {
-			claimed[i] = k.(string)
-		}
-		if idle := driver.OutboxIdleKeys(claimed, out); len(idle) > 0 {
+		if idle := driver.OutboxIdleKeys(keys, out); len(idle) > 0 {
 			if st, err = tx.PrepareContext(ctx, `DELETE FROM `+d.tables.outboxClaims+` WHERE ordering_key = ? AND owner = ?`); err != nil {
 				return nil, false, err
 			}
