@@ -296,8 +296,8 @@ func (r *Relay) fault(point string) {
 
 // RunOnce runs one cycle: claim up to BatchSize rows (fewer for a while
 // after a claim too large to publish in half ClaimTTL) and BatchBytes of
-// payloads, publish each
-// ordering key's rows in order (keys concurrently), mark what the broker
+// payloads, publish each ordering key's rows in order (keys
+// concurrently), mark what the broker
 // acknowledged as published, record the failures, release the claims. The
 // error joins the publish and store failures; rows not published stay
 // pending for a later cycle, and a key whose publish failed is skipped by
